@@ -1,0 +1,720 @@
+//! `libcuda_sim.so`: the CUDA driver API over simulated devices.
+//!
+//! This library exports the CUDA driver API functions a device-memory pool
+//! needs, under their real C names and signatures, over the process-wide
+//! [`sim::Sim::global`] instance. A program can `dlopen("libcuda_sim.so")`
+//! exactly as it would `libcuda.so.1` and resolve the same symbols.
+//!
+//! The devices come from the `CUDA_SIM_DEVICES` environment variable (for
+//! example `"24GiB"` or `"80GiB,80GiB"`; one 24 GiB device when unset), read on
+//! first use; a malformed value makes `cuInit` fail with
+//! `CUDA_ERROR_INVALID_VALUE`.
+//!
+//! The driver's rules apply: every function except `cuDriverGetVersion`,
+//! `cuGetErrorName` and `cuGetErrorString` returns
+//! `CUDA_ERROR_NOT_INITIALIZED` before a successful `cuInit`; NULL
+//! out-pointers give `CUDA_ERROR_INVALID_VALUE`; calls that act on the current
+//! context use the calling thread's context stack and return
+//! `CUDA_ERROR_INVALID_CONTEXT` when it is empty or its top context is a
+//! primary context that is no longer retained. A NULL `CUstream` is the
+//! default stream of the current context's device. No panic crosses the C
+//! boundary: one is reported as `CUDA_ERROR_UNKNOWN`.
+//!
+//! The `cudasim_*` functions are test-only extras, not CUDA names.
+
+#![warn(missing_docs)]
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, OnceLock};
+
+use sim::codes::*;
+use sim::{CuResult, Sim};
+
+/// `CUresult`: 0 for success, otherwise an error code.
+pub type CUresult = c_int;
+/// `CUdevice`: a device ordinal.
+pub type CUdevice = c_int;
+/// `CUdeviceptr`: a device address.
+pub type CUdeviceptr = u64;
+/// `CUcontext`: an opaque context handle.
+pub type CUcontext = *mut c_void;
+/// `CUstream`: an opaque stream handle; NULL is the default stream.
+pub type CUstream = *mut c_void;
+/// `CUevent`: an opaque event handle.
+pub type CUevent = *mut c_void;
+
+/// The primary context of device `d` has the handle `CTX_BASE + d`.
+const CTX_BASE: usize = 0xC000_0001;
+/// `CU_STREAM_NON_BLOCKING`, the only `cuStreamCreate` flag.
+const CU_STREAM_NON_BLOCKING: c_uint = 0x1;
+/// `CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING`, the accepted
+/// `cuEventCreate` flags.
+const EVENT_FLAGS: c_uint = 0x1 | 0x2;
+
+type Status = Result<(), CUresult>;
+
+thread_local! {
+    /// The calling thread's context stack, as device ordinals.
+    static CONTEXT_STACK: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Primary-context reference counts per device.
+fn retained() -> &'static Mutex<HashMap<CUdevice, u32>> {
+    static RETAINED: OnceLock<Mutex<HashMap<CUdevice, u32>>> = OnceLock::new();
+    RETAINED.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn retain_count(dev: CUdevice) -> u32 {
+    let map = retained().lock().unwrap_or_else(|e| e.into_inner());
+    map.get(&dev).copied().unwrap_or(0)
+}
+
+fn sim() -> &'static Sim {
+    Sim::global()
+}
+
+/// Converts a simulator result to a `CUresult` error.
+fn cu<T>(r: CuResult<T>) -> Result<T, CUresult> {
+    r.map_err(|e| e.0)
+}
+
+/// Runs a function body, turning its result and any panic into a `CUresult`.
+fn guard(body: impl FnOnce() -> Status) -> CUresult {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => CUDA_SUCCESS,
+        Ok(Err(code)) => code,
+        Err(_) => CUDA_ERROR_UNKNOWN,
+    }
+}
+
+/// Fails with `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`; otherwise the
+/// number of devices.
+fn initialized() -> Result<c_int, CUresult> {
+    cu(sim().device_count())
+}
+
+/// Fails with `CUDA_ERROR_INVALID_DEVICE` for an ordinal out of range.
+fn check_device(dev: CUdevice) -> Status {
+    let count = initialized()?;
+    if (0..count).contains(&dev) {
+        Ok(())
+    } else {
+        Err(CUDA_ERROR_INVALID_DEVICE)
+    }
+}
+
+fn ctx_handle(dev: CUdevice) -> CUcontext {
+    (CTX_BASE + dev as usize) as CUcontext
+}
+
+/// The device of a context handle; `CUDA_ERROR_INVALID_CONTEXT` for NULL or
+/// anything that is not a context handle.
+fn ctx_device(ctx: CUcontext) -> Result<CUdevice, CUresult> {
+    let count = initialized()?;
+    (ctx as usize)
+        .checked_sub(CTX_BASE)
+        .and_then(|d| CUdevice::try_from(d).ok())
+        .filter(|d| *d < count)
+        .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+}
+
+/// The device of the calling thread's current context.
+fn current_device() -> Result<CUdevice, CUresult> {
+    initialized()?;
+    let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
+    match top {
+        Some(dev) if retain_count(dev) > 0 => Ok(dev),
+        _ => Err(CUDA_ERROR_INVALID_CONTEXT),
+    }
+}
+
+/// Resolves a stream to `(device, handle)`: NULL is the current context's
+/// default stream (handle 0), anything else must be a live stream.
+fn resolve_stream(stream: CUstream) -> Result<(CUdevice, u64), CUresult> {
+    initialized()?;
+    if stream.is_null() {
+        return Ok((current_device()?, 0));
+    }
+    let handle = stream as usize as u64;
+    let dev = sim()
+        .stream_device(handle)
+        .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+    Ok((dev, handle))
+}
+
+fn event_handle(event: CUevent) -> Result<u64, CUresult> {
+    if event.is_null() {
+        Err(CUDA_ERROR_INVALID_HANDLE)
+    } else {
+        Ok(event as usize as u64)
+    }
+}
+
+/// Fails with `CUDA_ERROR_INVALID_VALUE` for a NULL pointer.
+fn non_null<T>(p: *mut T) -> Status {
+    if p.is_null() {
+        Err(CUDA_ERROR_INVALID_VALUE)
+    } else {
+        Ok(())
+    }
+}
+
+/// Writes `value` through a caller's out-pointer.
+///
+/// # Safety
+/// `p` must be NULL or valid for a write of `T`.
+unsafe fn write_out<T>(p: *mut T, value: T) -> Status {
+    non_null(p)?;
+    // SAFETY: `p` is non-null, and the caller guarantees it is valid for writes.
+    unsafe { p.write(value) };
+    Ok(())
+}
+
+/// The `cuGetErrorName` / `cuGetErrorString` strings, NUL-terminated and
+/// alive for the whole process.
+fn error_strings() -> &'static HashMap<CUresult, (CString, CString)> {
+    static STRINGS: OnceLock<HashMap<CUresult, (CString, CString)>> = OnceLock::new();
+    STRINGS.get_or_init(|| {
+        ALL.iter()
+            .map(|&code| {
+                let name = sim::codes::name(code).expect("known code");
+                let text = sim::codes::description(code).expect("known code");
+                (
+                    code,
+                    (
+                        CString::new(name).expect("no NUL in names"),
+                        CString::new(text).expect("no NUL in descriptions"),
+                    ),
+                )
+            })
+            .collect()
+    })
+}
+
+/// Shared body of `cuGetErrorName` and `cuGetErrorString`.
+///
+/// # Safety
+/// `out` must be NULL or valid for a write of a pointer.
+unsafe fn error_string(error: CUresult, out: *mut *const c_char, name: bool) -> Status {
+    non_null(out)?;
+    let found = error_strings()
+        .get(&error)
+        .map(|(n, d)| if name { n.as_ptr() } else { d.as_ptr() });
+    // SAFETY: `out` is non-null and the caller guarantees it is writable.
+    unsafe { write_out(out, found.unwrap_or(std::ptr::null())) }?;
+    found.map(|_| ()).ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+/// `cuInit`: initializes the driver. `flags` must be 0.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cuInit(flags: c_uint) -> CUresult {
+    guard(|| {
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        cu(sim().init())
+    })
+}
+
+/// `cuDriverGetVersion`: writes 12040 (CUDA 12.4); needs no `cuInit`.
+///
+/// # Safety
+/// `driver_version` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuDriverGetVersion(driver_version: *mut c_int) -> CUresult {
+    // SAFETY: the caller's contract on `driver_version`.
+    guard(|| unsafe { write_out(driver_version, sim().driver_version()) })
+}
+
+/// `cuDeviceGetCount`: writes the number of devices.
+///
+/// # Safety
+/// `count` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
+    guard(|| {
+        let n = initialized()?;
+        // SAFETY: the caller's contract on `count`.
+        unsafe { write_out(count, n) }
+    })
+}
+
+/// `cuDeviceGet`: writes the device handle for `ordinal`.
+///
+/// # Safety
+/// `device` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(device)?;
+        check_device(ordinal)?;
+        // SAFETY: the caller's contract on `device`.
+        unsafe { write_out(device, ordinal) }
+    })
+}
+
+/// `cuDeviceGetName`: writes the device's name, NUL-terminated and truncated
+/// to `len` bytes.
+///
+/// # Safety
+/// `name` must be NULL or valid for writes of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: CUdevice) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(name)?;
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let text = cu(sim().device_name(dev))?;
+        let n = text.len().min(len - 1);
+        // SAFETY: `name` is non-null and valid for `len` bytes (caller's
+        // contract); `n + 1 <= len` bytes are written, and the source string
+        // cannot overlap a caller's buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), name, n);
+            name.add(n).write(0);
+        }
+        Ok(())
+    })
+}
+
+/// `cuDeviceTotalMem_v2`: writes the device's capacity in bytes.
+///
+/// # Safety
+/// `bytes` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(bytes)?;
+        let total = cu(sim().total_mem(dev))?;
+        // SAFETY: the caller's contract on `bytes`.
+        unsafe { write_out(bytes, total as usize) }
+    })
+}
+
+/// `cuDevicePrimaryCtxRetain`: retains the device's primary context and
+/// writes its handle (the same handle every time for a device).
+///
+/// # Safety
+/// `pctx` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(pctx)?;
+        check_device(dev)?;
+        *retained()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(dev)
+            .or_insert(0) += 1;
+        // SAFETY: the caller's contract on `pctx`.
+        unsafe { write_out(pctx, ctx_handle(dev)) }
+    })
+}
+
+/// `cuDevicePrimaryCtxRelease_v2`: releases one reference to the device's
+/// primary context; `CUDA_ERROR_INVALID_CONTEXT` if it is not retained. Once
+/// no reference is left, calls made with it current fail with
+/// `CUDA_ERROR_INVALID_CONTEXT`.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
+    guard(|| {
+        check_device(dev)?;
+        let mut map = retained().lock().unwrap_or_else(|e| e.into_inner());
+        match map.get_mut(&dev) {
+            Some(n) if *n > 0 => {
+                *n -= 1;
+                Ok(())
+            }
+            _ => Err(CUDA_ERROR_INVALID_CONTEXT),
+        }
+    })
+}
+
+/// `cuCtxPushCurrent_v2`: pushes a context onto the calling thread's stack.
+///
+/// # Safety
+/// Always safe to call; `ctx` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
+    guard(|| {
+        let dev = ctx_device(ctx)?;
+        CONTEXT_STACK.with(|s| s.borrow_mut().push(dev));
+        Ok(())
+    })
+}
+
+/// `cuCtxPopCurrent_v2`: pops the calling thread's current context and writes
+/// it to `pctx` unless that is NULL; `CUDA_ERROR_INVALID_CONTEXT` if the
+/// stack is empty.
+///
+/// # Safety
+/// `pctx` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
+    guard(|| {
+        initialized()?;
+        let dev = CONTEXT_STACK
+            .with(|s| s.borrow_mut().pop())
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        if !pctx.is_null() {
+            // SAFETY: the caller's contract on `pctx`.
+            unsafe { write_out(pctx, ctx_handle(dev)) }?;
+        }
+        Ok(())
+    })
+}
+
+/// `cuCtxGetCurrent`: writes the calling thread's current context, or NULL
+/// when there is none.
+///
+/// # Safety
+/// `pctx` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
+    guard(|| {
+        initialized()?;
+        let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
+        let ctx = top.map_or(std::ptr::null_mut(), ctx_handle);
+        // SAFETY: the caller's contract on `pctx`.
+        unsafe { write_out(pctx, ctx) }
+    })
+}
+
+/// `cuCtxSetCurrent`: replaces the top of the calling thread's stack with
+/// `ctx` (pushes it on an empty stack); NULL pops the top, if any.
+///
+/// # Safety
+/// Always safe to call; `ctx` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
+    guard(|| {
+        initialized()?;
+        if ctx.is_null() {
+            CONTEXT_STACK.with(|s| s.borrow_mut().pop());
+            return Ok(());
+        }
+        let dev = ctx_device(ctx)?;
+        CONTEXT_STACK.with(|s| {
+            let mut s = s.borrow_mut();
+            s.pop();
+            s.push(dev);
+        });
+        Ok(())
+    })
+}
+
+/// `cuCtxGetDevice`: writes the current context's device.
+///
+/// # Safety
+/// `device` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(device)?;
+        let dev = current_device()?;
+        // SAFETY: the caller's contract on `device`.
+        unsafe { write_out(device, dev) }
+    })
+}
+
+/// `cuCtxSynchronize`: completes all work on the current device's streams.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
+    guard(|| cu(sim().synchronize(current_device()?)))
+}
+
+/// `cuMemGetInfo_v2`: writes the current device's free and total bytes.
+///
+/// # Safety
+/// `free` and `total` must be NULL or valid for writes.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(free)?;
+        non_null(total)?;
+        let (f, t) = cu(sim().mem_get_info(current_device()?))?;
+        // SAFETY: the caller's contract on `free` and `total`.
+        unsafe {
+            write_out(free, f as usize)?;
+            write_out(total, t as usize)
+        }
+    })
+}
+
+/// `cuMemAlloc_v2`: allocates `bytesize` bytes on the current device and
+/// writes the address.
+///
+/// # Safety
+/// `dptr` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(dptr)?;
+        let dev = current_device()?;
+        let ptr = cu(sim().mem_alloc(dev, bytesize as u64))?;
+        // SAFETY: the caller's contract on `dptr`.
+        unsafe { write_out(dptr, ptr) }
+    })
+}
+
+/// `cuMemFree_v2`: frees an allocation of any device; needs a current
+/// context, as the driver does.
+///
+/// # Safety
+/// Always safe to call; `dptr` is a device address, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    guard(|| {
+        current_device()?;
+        cu(sim().mem_free(dptr))
+    })
+}
+
+/// `cuStreamCreate`: creates a stream on the current device. `flags` may be
+/// `CU_STREAM_DEFAULT` (0) or `CU_STREAM_NON_BLOCKING` (1); both behave as
+/// non-blocking streams.
+///
+/// # Safety
+/// `ph_stream` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(ph_stream: *mut CUstream, flags: c_uint) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(ph_stream)?;
+        if flags & !CU_STREAM_NON_BLOCKING != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let handle = cu(sim().stream_create(current_device()?))?;
+        // SAFETY: the caller's contract on `ph_stream`.
+        unsafe { write_out(ph_stream, handle as usize as CUstream) }
+    })
+}
+
+/// `cuStreamDestroy_v2`: destroys a stream; its enqueued work still completes.
+///
+/// # Safety
+/// Always safe to call; `stream` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
+    guard(|| {
+        initialized()?;
+        if stream.is_null() {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        cu(sim().stream_destroy(stream as usize as u64))
+    })
+}
+
+/// `cuStreamSynchronize`: completes all work enqueued on the stream so far.
+///
+/// # Safety
+/// Always safe to call; `stream` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamSynchronize(stream: CUstream) -> CUresult {
+    guard(|| {
+        let (dev, handle) = resolve_stream(stream)?;
+        cu(sim().stream_synchronize(dev, handle))
+    })
+}
+
+/// `cuStreamQuery`: `CUDA_SUCCESS` when all work enqueued on the stream has
+/// completed, `CUDA_ERROR_NOT_READY` otherwise.
+///
+/// # Safety
+/// Always safe to call; `stream` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamQuery(stream: CUstream) -> CUresult {
+    guard(|| {
+        let (dev, handle) = resolve_stream(stream)?;
+        match cu(sim().stream_query(dev, handle))? {
+            true => Ok(()),
+            false => Err(CUDA_ERROR_NOT_READY),
+        }
+    })
+}
+
+/// `cuStreamWaitEvent`: work enqueued on the stream afterwards waits for the
+/// work the event captured. `flags` must be 0.
+///
+/// # Safety
+/// Always safe to call; the handles are only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamWaitEvent(
+    stream: CUstream,
+    event: CUevent,
+    flags: c_uint,
+) -> CUresult {
+    guard(|| {
+        initialized()?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (dev, handle) = resolve_stream(stream)?;
+        cu(sim().stream_wait_event(dev, handle, event_handle(event)?))
+    })
+}
+
+/// `cuEventCreate`: creates an event on the current device. `flags` may
+/// combine `CU_EVENT_BLOCKING_SYNC` (1) and `CU_EVENT_DISABLE_TIMING` (2).
+///
+/// # Safety
+/// `ph_event` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(ph_event: *mut CUevent, flags: c_uint) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(ph_event)?;
+        if flags & !EVENT_FLAGS != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let handle = cu(sim().event_create(current_device()?))?;
+        // SAFETY: the caller's contract on `ph_event`.
+        unsafe { write_out(ph_event, handle as usize as CUevent) }
+    })
+}
+
+/// `cuEventRecord`: the event captures the work enqueued on the stream so
+/// far. Event and stream must belong to the same device.
+///
+/// # Safety
+/// Always safe to call; the handles are only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventRecord(event: CUevent, stream: CUstream) -> CUresult {
+    guard(|| {
+        initialized()?;
+        let event = event_handle(event)?;
+        let (dev, handle) = resolve_stream(stream)?;
+        cu(sim().event_record(dev, event, handle))
+    })
+}
+
+/// `cuEventQuery`: `CUDA_SUCCESS` when the captured work has completed,
+/// `CUDA_ERROR_NOT_READY` otherwise.
+///
+/// # Safety
+/// Always safe to call; `event` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventQuery(event: CUevent) -> CUresult {
+    guard(|| {
+        initialized()?;
+        match cu(sim().event_query(event_handle(event)?))? {
+            true => Ok(()),
+            false => Err(CUDA_ERROR_NOT_READY),
+        }
+    })
+}
+
+/// `cuEventSynchronize`: waits for (completes) the captured work.
+///
+/// # Safety
+/// Always safe to call; `event` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventSynchronize(event: CUevent) -> CUresult {
+    guard(|| {
+        initialized()?;
+        cu(sim().event_synchronize(event_handle(event)?))
+    })
+}
+
+/// `cuEventDestroy_v2`: destroys an event.
+///
+/// # Safety
+/// Always safe to call; `event` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
+    guard(|| {
+        initialized()?;
+        cu(sim().event_destroy(event_handle(event)?))
+    })
+}
+
+/// `cuGetErrorName`: writes a static NUL-terminated name such as
+/// `"CUDA_ERROR_OUT_OF_MEMORY"`; for an unknown code writes NULL and returns
+/// `CUDA_ERROR_INVALID_VALUE`. Needs no `cuInit`.
+///
+/// # Safety
+/// `p_str` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorName(error: CUresult, p_str: *mut *const c_char) -> CUresult {
+    // SAFETY: the caller's contract on `p_str`.
+    guard(|| unsafe { error_string(error, p_str, true) })
+}
+
+/// `cuGetErrorString`: writes a static NUL-terminated description such as
+/// `"out of memory"`; for an unknown code writes NULL and returns
+/// `CUDA_ERROR_INVALID_VALUE`. Needs no `cuInit`.
+///
+/// # Safety
+/// `p_str` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_char) -> CUresult {
+    // SAFETY: the caller's contract on `p_str`.
+    guard(|| unsafe { error_string(error, p_str, false) })
+}
+
+/// Test-only (not CUDA): enqueues one incomplete simulated work item on the
+/// stream (NULL: the current context's default stream).
+///
+/// # Safety
+/// Always safe to call; `stream` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_enqueue_work(stream: CUstream) -> CUresult {
+    guard(|| {
+        let (dev, handle) = resolve_stream(stream)?;
+        cu(sim().enqueue_work(dev, handle)).map(drop)
+    })
+}
+
+/// Test-only (not CUDA): completes all work enqueued on the stream so far,
+/// first completing whatever it waits on.
+///
+/// # Safety
+/// Always safe to call; `stream` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_complete_work(stream: CUstream) -> CUresult {
+    guard(|| {
+        let (dev, handle) = resolve_stream(stream)?;
+        cu(sim().complete_work(dev, handle))
+    })
+}
+
+/// Test-only (not CUDA): bytes in use on `dev` (whole pages); 0 for an
+/// unknown device. Needs no `cuInit`.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_used_bytes(dev: c_int) -> u64 {
+    catch_unwind(|| sim().used_bytes(dev)).unwrap_or(0)
+}
+
+/// Test-only (not CUDA): the number of live allocations on `dev`; 0 for an
+/// unknown device. Needs no `cuInit`.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_live_allocations(dev: c_int) -> u64 {
+    catch_unwind(|| sim().live_allocations(dev) as u64).unwrap_or(0)
+}

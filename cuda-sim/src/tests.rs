@@ -1,0 +1,551 @@
+//! Unit tests of the simulated driver rules.
+
+use super::*;
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+fn sim(caps: &[u64]) -> Sim {
+    let s = Sim::new(caps);
+    s.init().unwrap();
+    s
+}
+
+fn err<T: fmt::Debug>(r: CuResult<T>) -> i32 {
+    r.unwrap_err().0
+}
+
+#[test]
+fn error_names_and_display() {
+    let e = CuError(CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(e.name(), "CUDA_ERROR_OUT_OF_MEMORY");
+    assert_eq!(e.description(), "out of memory");
+    assert_eq!(e.to_string(), "CUDA_ERROR_OUT_OF_MEMORY (2): out of memory");
+    assert_eq!(codes::name(0), Some("CUDA_SUCCESS"));
+    assert_eq!(codes::name(201), Some("CUDA_ERROR_INVALID_CONTEXT"));
+    assert_eq!(codes::description(600), Some("device not ready"));
+    assert_eq!(codes::name(12345), None);
+    assert_eq!(codes::description(-1), None);
+    for code in codes::ALL {
+        assert!(codes::name(code).unwrap().starts_with("CUDA_"));
+        assert!(codes::description(code).is_some());
+    }
+    assert_eq!(CuError(4242).name(), "CUDA_ERROR_UNRECOGNIZED");
+    let boxed: Box<dyn std::error::Error> = Box::new(CuError(CUDA_ERROR_INVALID_VALUE));
+    assert!(boxed.to_string().contains("invalid argument"));
+}
+
+#[test]
+fn not_initialized_until_init() {
+    let s = Sim::new(&[GIB]);
+    let ni = CUDA_ERROR_NOT_INITIALIZED;
+    assert_eq!(s.driver_version(), 12040);
+    assert_eq!(err(s.device_count()), ni);
+    assert_eq!(err(s.device_name(0)), ni);
+    assert_eq!(err(s.total_mem(0)), ni);
+    assert_eq!(err(s.mem_get_info(0)), ni);
+    assert_eq!(err(s.mem_alloc(0, 1)), ni);
+    assert_eq!(err(s.mem_free(WINDOW_BASE)), ni);
+    assert_eq!(err(s.stream_create(0)), ni);
+    assert_eq!(err(s.stream_destroy(FIRST_STREAM)), ni);
+    assert_eq!(err(s.event_create(0)), ni);
+    assert_eq!(err(s.event_destroy(FIRST_EVENT)), ni);
+    assert_eq!(err(s.event_record(0, FIRST_EVENT, 0)), ni);
+    assert_eq!(err(s.event_query(FIRST_EVENT)), ni);
+    assert_eq!(err(s.event_synchronize(FIRST_EVENT)), ni);
+    assert_eq!(err(s.stream_wait_event(0, 0, FIRST_EVENT)), ni);
+    assert_eq!(err(s.stream_synchronize(0, 0)), ni);
+    assert_eq!(err(s.stream_query(0, 0)), ni);
+    assert_eq!(err(s.synchronize(0)), ni);
+    assert_eq!(err(s.enqueue_work(0, 0)), ni);
+    assert_eq!(err(s.complete_work(0, 0)), ni);
+    assert_eq!(err(s.pending_work(0, 0)), ni);
+    // Inspection needs no init.
+    assert_eq!(s.capacity(0), GIB);
+    assert_eq!(s.used_bytes(0), 0);
+    assert_eq!(s.live_allocations(0), 0);
+    assert_eq!(s.device_of(WINDOW_BASE), None);
+    s.init().unwrap();
+    s.init().unwrap();
+    assert_eq!(s.device_count().unwrap(), 1);
+}
+
+#[test]
+fn init_without_devices_fails() {
+    let s = Sim::new(&[]);
+    assert_eq!(err(s.init()), CUDA_ERROR_NO_DEVICE);
+    assert_eq!(err(s.device_count()), CUDA_ERROR_NOT_INITIALIZED);
+}
+
+#[test]
+fn device_queries() {
+    let s = sim(&[24 * GIB, GIB + GIB / 2, 3 * MIB]);
+    assert_eq!(s.device_count().unwrap(), 3);
+    assert_eq!(s.device_name(0).unwrap(), "cuda-sim device 0 (24 GiB)");
+    assert_eq!(s.device_name(1).unwrap(), "cuda-sim device 1 (1536 MiB)");
+    // Capacity rounds down to whole pages.
+    assert_eq!(s.total_mem(2).unwrap(), PAGE);
+    assert_eq!(s.capacity(2), PAGE);
+    assert_eq!(s.mem_get_info(0).unwrap(), (24 * GIB, 24 * GIB));
+    for bad in [-1, 3, i32::MAX] {
+        assert_eq!(err(s.device_name(bad)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.total_mem(bad)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.mem_get_info(bad)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.mem_alloc(bad, 1)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.stream_create(bad)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.event_create(bad)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.synchronize(bad)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(err(s.enqueue_work(bad, 0)), CUDA_ERROR_INVALID_DEVICE);
+        assert_eq!(s.capacity(bad), 0);
+        assert_eq!(s.used_bytes(bad), 0);
+    }
+}
+
+#[test]
+fn page_rounding() {
+    let s = sim(&[GIB]);
+    assert_eq!(err(s.mem_alloc(0, 0)), CUDA_ERROR_INVALID_VALUE);
+    let a = s.mem_alloc(0, 1).unwrap();
+    assert_eq!(s.used_bytes(0), PAGE);
+    let b = s.mem_alloc(0, PAGE).unwrap();
+    assert_eq!(s.used_bytes(0), 2 * PAGE);
+    let c = s.mem_alloc(0, PAGE + 1).unwrap();
+    assert_eq!(s.used_bytes(0), 4 * PAGE);
+    assert_eq!(s.mem_get_info(0).unwrap(), (GIB - 4 * PAGE, GIB));
+    for p in [a, b, c] {
+        assert_ne!(p, 0);
+        assert_eq!(p % PAGE, 0);
+    }
+    assert_eq!(b, a + PAGE);
+    assert_eq!(c, b + PAGE);
+    assert_eq!(s.live_allocations(0), 3);
+    s.mem_free(c).unwrap();
+    assert_eq!(s.used_bytes(0), 2 * PAGE);
+    assert_eq!(s.alloc_calls(), 3);
+    assert_eq!(s.free_calls(), 1);
+}
+
+#[test]
+fn out_of_memory_exactly_at_capacity() {
+    let s = sim(&[24 * GIB]);
+    let ptrs: Vec<u64> = (0..12).map(|_| s.mem_alloc(0, 2 * GIB).unwrap()).collect();
+    assert_eq!(s.used_bytes(0), 24 * GIB);
+    assert_eq!(s.mem_get_info(0).unwrap(), (0, 24 * GIB));
+    assert_eq!(err(s.mem_alloc(0, 2 * GIB)), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(err(s.mem_alloc(0, 1)), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(s.alloc_calls(), 12);
+    s.mem_free(ptrs[5]).unwrap();
+    assert_eq!(err(s.mem_alloc(0, 2 * GIB + 1)), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(s.mem_alloc(0, 2 * GIB).unwrap(), ptrs[5]);
+    // Larger than the device at all.
+    let t = sim(&[GIB]);
+    assert_eq!(err(t.mem_alloc(0, GIB + 1)), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(err(t.mem_alloc(0, u64::MAX)), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(t.mem_alloc(0, GIB).unwrap() % PAGE, 0);
+}
+
+#[test]
+fn bad_frees_are_invalid_value() {
+    let s = sim(&[GIB, GIB]);
+    let p = s.mem_alloc(0, 3 * PAGE).unwrap();
+    let inv = CUDA_ERROR_INVALID_VALUE;
+    assert_eq!(err(s.mem_free(0)), inv);
+    assert_eq!(err(s.mem_free(12345)), inv);
+    assert_eq!(err(s.mem_free(p + 1)), inv);
+    assert_eq!(err(s.mem_free(p + PAGE)), inv);
+    assert_eq!(err(s.mem_free(p + 3 * PAGE)), inv);
+    assert_eq!(err(s.mem_free(u64::MAX)), inv);
+    assert_eq!(err(s.mem_free(p + WINDOW_SIZE)), inv);
+    assert_eq!(s.live_allocations(0), 1);
+    s.mem_free(p).unwrap();
+    assert_eq!(err(s.mem_free(p)), inv);
+    assert_eq!(s.free_calls(), 1);
+    assert_eq!(s.used_bytes(0), 0);
+}
+
+#[test]
+fn address_windows_per_device() {
+    let s = sim(&[GIB, GIB, GIB]);
+    let p0 = s.mem_alloc(0, 1).unwrap();
+    let p1 = s.mem_alloc(1, 1).unwrap();
+    let p2 = s.mem_alloc(2, 5 * MIB).unwrap();
+    for (dev, p) in [(0u64, p0), (1, p1), (2, p2)] {
+        let lo = 0x7000_0000_0000 + dev * (1 << 40);
+        assert!(p >= lo && p < lo + (1 << 40), "{p:#x} outside window {dev}");
+        assert_eq!(s.device_of(p), Some(dev as i32));
+        assert_eq!(s.device_of(p + PAGE - 1), Some(dev as i32));
+    }
+    assert_eq!(s.device_of(p2 + 3 * PAGE - 1), Some(2));
+    assert_eq!(s.device_of(p2 + 3 * PAGE), None);
+    assert_eq!(s.device_of(p0 + PAGE), None);
+    assert_eq!(s.device_of(0), None);
+    // Free works on any device's pointer without naming the device.
+    s.mem_free(p1).unwrap();
+    assert_eq!(s.device_of(p1), None);
+    assert_eq!(s.used_bytes(1), 0);
+    assert_eq!(s.used_bytes(2), 3 * PAGE);
+    s.mem_free(p2).unwrap();
+    s.mem_free(p0).unwrap();
+    assert_eq!(s.free_calls(), 3);
+}
+
+#[test]
+fn addresses_are_reused_lowest_gap_first() {
+    let s = sim(&[GIB]);
+    let a = s.mem_alloc(0, PAGE).unwrap();
+    let b = s.mem_alloc(0, 2 * PAGE).unwrap();
+    let c = s.mem_alloc(0, PAGE).unwrap();
+    assert_eq!(a, WINDOW_BASE);
+    s.mem_free(b).unwrap();
+    // A 3-page block does not fit the 2-page gap; it goes after c.
+    let d = s.mem_alloc(0, 3 * PAGE).unwrap();
+    assert_eq!(d, c + PAGE);
+    // A 1-page block takes the lowest gap.
+    assert_eq!(s.mem_alloc(0, PAGE).unwrap(), b);
+    assert_eq!(s.mem_alloc(0, PAGE).unwrap(), b + PAGE);
+    s.mem_free(a).unwrap();
+    assert_eq!(s.mem_alloc(0, 1).unwrap(), a);
+    // Unique among live allocations.
+    let mut bases: Vec<u64> = (0..20).map(|_| s.mem_alloc(0, 1).unwrap()).collect();
+    bases.sort_unstable();
+    bases.dedup();
+    assert_eq!(bases.len(), 20);
+}
+
+#[test]
+fn parse_sizes() {
+    let cases: &[(&str, u64)] = &[
+        ("24GiB", 24 * GIB),
+        ("80 GiB", 80 * GIB),
+        ("512MiB", 512 * MIB),
+        ("1.5GiB", 3 * GIB / 2),
+        ("24GB", 24_000_000_000),
+        ("1048576", 1_048_576),
+        ("2MB", 2_000_000),
+        ("4KiB", 4096),
+        ("4kib", 4096),
+        ("4KB", 4000),
+        ("1TiB", 1 << 40),
+        ("2tb", 2_000_000_000_000),
+        ("7B", 7),
+        ("  3 gib ", 3 * GIB),
+        ("0", 0),
+        ("0.5KiB", 512),
+        (".5KiB", 512),
+        ("2.KiB", 2048),
+        ("1.50GiB", 3 * GIB / 2),
+    ];
+    for &(s, v) in cases {
+        assert_eq!(parse_size(s), Some(v), "{s}");
+    }
+    for bad in [
+        "",
+        " ",
+        "GiB",
+        "abc",
+        "-1",
+        "-1GiB",
+        "1.2.3GiB",
+        "1 2GiB",
+        "1GiBs",
+        "1 G",
+        "1XB",
+        "0.1B",
+        "1.0000001KiB",
+        "16EiB",
+        "99999999999999999999",
+        "20000000TiB",
+        ".",
+        "1,5GiB",
+        "+1",
+    ] {
+        assert_eq!(parse_size(bad), None, "{bad:?}");
+    }
+}
+
+#[test]
+fn parse_device_lists() {
+    assert_eq!(parse_devices("24GiB").unwrap(), vec![24 * GIB]);
+    assert_eq!(parse_devices("80GiB,80GiB").unwrap(), vec![80 * GIB; 2]);
+    assert_eq!(
+        parse_devices(" 8GiB , 512MiB ").unwrap(),
+        vec![8 * GIB, 512 * MIB]
+    );
+    assert!(parse_devices("").unwrap_err().contains("empty"));
+    assert!(parse_devices("   ").is_err());
+    let e = parse_devices("24GiB,lots").unwrap_err();
+    assert!(e.contains("lots") && e.contains("device 1"), "{e}");
+    let e = parse_devices("24GiB,").unwrap_err();
+    assert!(e.contains("device 1"), "{e}");
+    let e = parse_devices("0").unwrap_err();
+    assert!(e.contains("device 0"), "{e}");
+    assert!(parse_devices("1MiB").is_err());
+    assert!(parse_devices("2MiB").is_ok());
+}
+
+#[test]
+fn stream_and_event_handles() {
+    let s = sim(&[GIB, GIB]);
+    let s0 = s.stream_create(0).unwrap();
+    let s1 = s.stream_create(1).unwrap();
+    let e0 = s.event_create(0).unwrap();
+    let e1 = s.event_create(1).unwrap();
+    let all = [s0, s1, e0, e1];
+    for (i, a) in all.iter().enumerate() {
+        assert_ne!(*a, 0);
+        for b in &all[i + 1..] {
+            assert_ne!(a, b);
+        }
+    }
+    assert_eq!(s.stream_device(s1), Some(1));
+    assert_eq!(s.stream_device(0), None);
+    assert_eq!(s.event_device(e0), Some(0));
+    let h = CUDA_ERROR_INVALID_HANDLE;
+    // Handles of another device, or of the other kind.
+    assert_eq!(err(s.enqueue_work(0, s1)), h);
+    assert_eq!(err(s.stream_synchronize(1, s0)), h);
+    assert_eq!(err(s.event_record(0, e1, 0)), h);
+    assert_eq!(err(s.event_record(0, e0, s1)), h);
+    assert_eq!(err(s.event_record(1, e0, s1)), h);
+    assert_eq!(err(s.event_record(0, s0, s0)), h);
+    assert_eq!(err(s.event_query(s0)), h);
+    assert_eq!(err(s.enqueue_work(0, e0)), h);
+    assert_eq!(err(s.stream_destroy(0)), h);
+    assert_eq!(err(s.stream_destroy(e0)), h);
+    assert_eq!(err(s.event_destroy(s0)), h);
+    s.event_record(0, e0, s0).unwrap();
+    s.event_record(1, e1, 0).unwrap();
+    // Destroy, then every use of the handle fails.
+    s.stream_destroy(s0).unwrap();
+    assert_eq!(err(s.stream_destroy(s0)), h);
+    assert_eq!(err(s.enqueue_work(0, s0)), h);
+    assert_eq!(err(s.stream_query(0, s0)), h);
+    assert_eq!(err(s.event_record(0, e0, s0)), h);
+    s.event_destroy(e0).unwrap();
+    assert_eq!(err(s.event_destroy(e0)), h);
+    assert_eq!(err(s.event_query(e0)), h);
+    assert_eq!(err(s.event_synchronize(e0)), h);
+    assert_eq!(err(s.stream_wait_event(0, 0, e0)), h);
+    // New handles are never reused.
+    assert!(s.stream_create(0).unwrap() > s1);
+    assert!(s.event_create(0).unwrap() > e1);
+}
+
+#[test]
+fn event_captures_stream_work() {
+    let s = sim(&[GIB]);
+    let s1 = s.stream_create(0).unwrap();
+    let e = s.event_create(0).unwrap();
+    assert!(s.event_query(e).unwrap(), "never recorded: complete");
+    assert_eq!(s.enqueue_work(0, s1).unwrap(), 1);
+    s.event_record(0, e, s1).unwrap();
+    assert!(!s.event_query(e).unwrap());
+    assert!(!s.stream_query(0, s1).unwrap());
+    // Work after the record is not part of the capture.
+    assert_eq!(s.enqueue_work(0, s1).unwrap(), 2);
+    assert_eq!(s.pending_work(0, s1).unwrap(), 2);
+    s.complete_work(0, s1).unwrap();
+    assert!(s.event_query(e).unwrap());
+    assert!(s.stream_query(0, s1).unwrap());
+    assert_eq!(s.pending_work(0, s1).unwrap(), 0);
+    // Recording again replaces the capture.
+    s.enqueue_work(0, s1).unwrap();
+    s.event_record(0, e, s1).unwrap();
+    assert!(!s.event_query(e).unwrap());
+    s.event_record(0, e, 0).unwrap();
+    assert!(s.event_query(e).unwrap(), "idle default stream");
+    // event_synchronize completes exactly the captured work.
+    s.event_record(0, e, s1).unwrap();
+    s.enqueue_work(0, s1).unwrap();
+    s.event_synchronize(e).unwrap();
+    assert!(s.event_query(e).unwrap());
+    assert_eq!(s.pending_work(0, s1).unwrap(), 1);
+    s.stream_synchronize(0, s1).unwrap();
+    assert_eq!(s.pending_work(0, s1).unwrap(), 0);
+}
+
+#[test]
+fn stream_wait_event_orders_work() {
+    let s = sim(&[GIB]);
+    let s1 = s.stream_create(0).unwrap();
+    let s2 = s.stream_create(0).unwrap();
+    let e = s.event_create(0).unwrap();
+    s.enqueue_work(0, s1).unwrap();
+    s.event_record(0, e, s1).unwrap();
+    // Work on s2 before the wait does not depend on s1.
+    s.enqueue_work(0, s2).unwrap();
+    s.stream_wait_event(0, s2, e).unwrap();
+    s.enqueue_work(0, s2).unwrap();
+    s.enqueue_work(0, s1).unwrap(); // not captured by e
+    s.complete_work(0, s2).unwrap();
+    assert!(
+        s.event_query(e).unwrap(),
+        "s1's captured work completed first"
+    );
+    assert_eq!(s.pending_work(0, s1).unwrap(), 1);
+    assert_eq!(s.pending_work(0, s2).unwrap(), 0);
+
+    // Only items after the wait depend on the event.
+    let f = s.event_create(0).unwrap();
+    s.enqueue_work(0, s2).unwrap();
+    s.event_record(0, f, s2).unwrap();
+    s.enqueue_work(0, s1).unwrap();
+    s.event_record(0, e, s1).unwrap();
+    s.stream_wait_event(0, s2, e).unwrap();
+    s.event_synchronize(f).unwrap();
+    assert!(s.event_query(f).unwrap());
+    assert!(
+        !s.event_query(e).unwrap(),
+        "s2's earlier work does not wait"
+    );
+    assert!(!s.stream_query(0, s2).unwrap(), "s2 still waits on e");
+    s.stream_synchronize(0, s2).unwrap();
+    assert!(s.event_query(e).unwrap());
+    assert_eq!(s.pending_work(0, s1).unwrap(), 0);
+}
+
+#[test]
+fn event_after_wait_includes_the_wait() {
+    // An event recorded after a wait (with no work in between) completes only
+    // after the waited-for work, as on the driver.
+    let s = sim(&[GIB]);
+    let s1 = s.stream_create(0).unwrap();
+    let s2 = s.stream_create(0).unwrap();
+    let (e1, e2) = (s.event_create(0).unwrap(), s.event_create(0).unwrap());
+    s.enqueue_work(0, s1).unwrap();
+    s.event_record(0, e1, s1).unwrap();
+    s.stream_wait_event(0, s2, e1).unwrap();
+    s.event_record(0, e2, s2).unwrap();
+    assert!(!s.event_query(e2).unwrap());
+    assert!(!s.stream_query(0, s2).unwrap());
+    assert_eq!(s.pending_work(0, s2).unwrap(), 0);
+    // Destroying e1 keeps the wait.
+    s.event_destroy(e1).unwrap();
+    assert!(!s.event_query(e2).unwrap());
+    s.event_synchronize(e2).unwrap();
+    assert_eq!(s.pending_work(0, s1).unwrap(), 0);
+    assert!(s.stream_query(0, s2).unwrap());
+}
+
+#[test]
+fn transitive_waits_across_devices() {
+    let s = sim(&[GIB, GIB]);
+    let a = s.stream_create(0).unwrap();
+    let b = s.stream_create(1).unwrap();
+    let ea = s.event_create(0).unwrap();
+    let eb = s.event_create(1).unwrap();
+    s.enqueue_work(0, a).unwrap();
+    s.event_record(0, ea, a).unwrap();
+    // Waiting on another device's event is allowed.
+    s.stream_wait_event(1, b, ea).unwrap();
+    s.enqueue_work(1, b).unwrap();
+    s.event_record(1, eb, b).unwrap();
+    s.stream_wait_event(0, 0, eb).unwrap();
+    s.enqueue_work(0, 0).unwrap();
+    assert!(!s.event_query(ea).unwrap());
+    s.complete_work(0, 0).unwrap();
+    assert!(s.event_query(ea).unwrap());
+    assert!(s.event_query(eb).unwrap());
+    assert!(s.stream_query(0, a).unwrap());
+    assert!(s.stream_query(1, b).unwrap());
+}
+
+#[test]
+fn synchronize_and_destroyed_streams() {
+    let s = sim(&[GIB, GIB]);
+    let a = s.stream_create(0).unwrap();
+    let other = s.stream_create(1).unwrap();
+    let e = s.event_create(0).unwrap();
+    s.enqueue_work(0, a).unwrap();
+    s.enqueue_work(0, 0).unwrap();
+    s.enqueue_work(1, other).unwrap();
+    s.event_record(0, e, a).unwrap();
+    // Work of a destroyed stream still has to complete.
+    s.stream_destroy(a).unwrap();
+    assert!(!s.event_query(e).unwrap());
+    s.synchronize(0).unwrap();
+    assert!(s.event_query(e).unwrap());
+    assert!(s.stream_query(0, 0).unwrap());
+    assert_eq!(
+        s.pending_work(1, other).unwrap(),
+        1,
+        "other device untouched"
+    );
+    // A destroyed stream's event can also be synchronized directly.
+    let b = s.stream_create(1).unwrap();
+    let f = s.event_create(1).unwrap();
+    s.enqueue_work(1, b).unwrap();
+    s.event_record(1, f, b).unwrap();
+    s.stream_destroy(b).unwrap();
+    s.event_synchronize(f).unwrap();
+    assert!(s.event_query(f).unwrap());
+}
+
+#[test]
+fn threads_share_one_sim() {
+    let s = std::sync::Arc::new(sim(&[24 * GIB, 24 * GIB]));
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let dev = t % 2;
+                let stream = s.stream_create(dev).unwrap();
+                let event = s.event_create(dev).unwrap();
+                for i in 0..200u64 {
+                    let p = s.mem_alloc(dev, 1 + (i % 7) * PAGE).unwrap();
+                    assert_eq!(s.device_of(p), Some(dev));
+                    s.enqueue_work(dev, stream).unwrap();
+                    s.event_record(dev, event, stream).unwrap();
+                    if i % 3 == 0 {
+                        s.event_synchronize(event).unwrap();
+                        assert!(s.event_query(event).unwrap());
+                    }
+                    s.mem_free(p).unwrap();
+                }
+                s.stream_synchronize(dev, stream).unwrap();
+                assert_eq!(s.pending_work(dev, stream).unwrap(), 0);
+                s.stream_destroy(stream).unwrap();
+                s.event_destroy(event).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert_eq!(s.alloc_calls(), 800);
+    assert_eq!(s.free_calls(), 800);
+    assert_eq!(s.used_bytes(0) + s.used_bytes(1), 0);
+    assert_eq!(s.live_allocations(0) + s.live_allocations(1), 0);
+}
+
+#[test]
+fn global_instance_follows_the_environment() {
+    // Only this test touches the global instance and the variable.
+    let g = Sim::global();
+    assert!(std::ptr::eq(g, Sim::global()));
+    match std::env::var(ENV_VAR) {
+        Err(_) => {
+            g.init().unwrap();
+            assert_eq!(g.config_error(), None);
+            assert_eq!(g.total_mem(0).unwrap(), 24 * GIB);
+        }
+        Ok(v) => match parse_devices(&v) {
+            Ok(_) => g.init().unwrap(),
+            Err(_) => {
+                assert_eq!(err(g.init()), CUDA_ERROR_INVALID_VALUE);
+                assert!(g.config_error().is_some());
+            }
+        },
+    }
+}
+
+#[test]
+fn malformed_configuration_fails_init() {
+    let s = Sim {
+        config_error: Some("bad".into()),
+        ..Sim::new(&[])
+    };
+    assert_eq!(err(s.init()), CUDA_ERROR_INVALID_VALUE);
+    assert_eq!(s.config_error(), Some("bad"));
+    assert_eq!(err(s.device_count()), CUDA_ERROR_NOT_INITIALIZED);
+}

@@ -1,0 +1,362 @@
+//! The C API: every exported `rm_*` function, and nothing else exported. Each one checks its
+//! arguments, runs its body behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`),
+//! returns an [`rm_status`], and leaves a message for `rm_last_error()` on failure. The logic
+//! lives in [`crate::pool`]; this file only translates.
+
+use std::cell::Cell;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Once;
+
+use crate::driver::DevicePtr;
+use crate::error::{last_error_ptr, rm_status, set_last_error, Error, Result};
+use crate::pool::{Pool, Stats};
+use crate::runtime;
+
+/// A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
+/// the call.
+#[repr(C)]
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct rm_stats {
+    /// Bytes in live blocks (block sizes: requests rounded up to 512 bytes).
+    pub allocated_bytes: u64,
+    /// Bytes in live blocks as requested.
+    pub requested_bytes: u64,
+    /// Bytes held from the driver.
+    pub reserved_bytes: u64,
+    /// `reserved_bytes - allocated_bytes`: held but unused, counted as free by `rm_mem_get_info`.
+    pub reusable_bytes: u64,
+    /// The largest single request servable without the driver (on the stream owning that block).
+    pub largest_reusable_block: u64,
+    /// Highest `allocated_bytes` since start or the last `rm_reset_peak_stats`.
+    pub peak_allocated_bytes: u64,
+    /// Highest `reserved_bytes` since start or the last `rm_reset_peak_stats`.
+    pub peak_reserved_bytes: u64,
+    /// Blocks reserved and not yet released.
+    pub live_blocks: u64,
+    /// Segments (driver allocations) held.
+    pub segments: u64,
+    /// `rm_reserve` calls with a non-zero size.
+    pub reserve_calls: u64,
+    /// Of those, the ones served without a driver allocation.
+    pub cache_hits: u64,
+    /// Successful driver allocations.
+    pub driver_allocs: u64,
+    /// Successful driver frees.
+    pub driver_frees: u64,
+    /// Times a driver out-of-memory made the pool return all reusable memory and retry.
+    pub oom_retries: u64,
+    /// Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
+    pub ooms: u64,
+}
+
+impl From<Stats> for rm_stats {
+    fn from(s: Stats) -> rm_stats {
+        rm_stats {
+            allocated_bytes: s.allocated_bytes,
+            requested_bytes: s.requested_bytes,
+            reserved_bytes: s.reserved_bytes,
+            reusable_bytes: s.reusable_bytes,
+            largest_reusable_block: s.largest_reusable_block,
+            peak_allocated_bytes: s.peak_allocated_bytes,
+            peak_reserved_bytes: s.peak_reserved_bytes,
+            live_blocks: s.live_blocks,
+            segments: s.segments,
+            reserve_calls: s.reserve_calls,
+            cache_hits: s.cache_hits,
+            driver_allocs: s.driver_allocs,
+            driver_frees: s.driver_frees,
+            oom_retries: s.oom_retries,
+            ooms: s.ooms,
+        }
+    }
+}
+
+thread_local! {
+    static IN_BOUNDARY: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Keep panics caught at the boundary quiet (the library never prints unless asked); panics
+/// elsewhere in the host process go to the hook that was there before.
+fn install_quiet_panic_hook() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            if !IN_BOUNDARY.with(Cell::get) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Run an export's body: its error becomes a status and this thread's last-error message,
+/// prefixed with the function's name; a panic becomes `RM_ERROR_INTERNAL`.
+fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
+    install_quiet_panic_hook();
+    let outer = IN_BOUNDARY.with(|b| b.replace(true));
+    let outcome = panic::catch_unwind(AssertUnwindSafe(body));
+    IN_BOUNDARY.with(|b| b.set(outer));
+    let error = match outcome {
+        Ok(Ok(())) => return rm_status::RM_SUCCESS,
+        Ok(Err(error)) => error,
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_string());
+            Error::internal(format!(
+                "internal error ({what}); the library stays usable, but please report this"
+            ))
+        }
+    };
+    set_last_error(&format!("{function}: {}", error.message));
+    error.status
+}
+
+fn null_argument(name: &str) -> Error {
+    Error::invalid_value(format!(
+        "{name} is NULL; pass a pointer to where the result goes"
+    ))
+}
+
+/// Write `value` through `out` after a null check.
+///
+/// # Safety
+/// `out` is null or valid for writing a `T`.
+unsafe fn write_out<T>(out: *mut T, value: T) {
+    if !out.is_null() {
+        // SAFETY: non-null, and valid for writes by the caller's contract.
+        unsafe { out.write(value) };
+    }
+}
+
+fn pool() -> Result<&'static Pool> {
+    runtime::pool()
+}
+
+fn size_arg(size: usize) -> u64 {
+    size as u64
+}
+
+fn usize_out(value: u64) -> usize {
+    usize::try_from(value).unwrap_or(usize::MAX)
+}
+
+/// Free and total memory of `device` in bytes, where *free* is what the driver reports free
+/// plus this pool's reusable bytes on that device (memory it holds but nobody uses).
+///
+/// # Safety
+/// `free_bytes` and `total_bytes` are NULL or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn rm_mem_get_info(
+    device: c_int,
+    free_bytes: *mut usize,
+    total_bytes: *mut usize,
+) -> rm_status {
+    boundary("rm_mem_get_info", || {
+        if free_bytes.is_null() {
+            return Err(null_argument("free_bytes"));
+        }
+        if total_bytes.is_null() {
+            return Err(null_argument("total_bytes"));
+        }
+        let (free, total) = pool()?.mem_get_info(device)?;
+        // SAFETY: both checked non-null; valid by the caller's contract.
+        unsafe {
+            write_out(free_bytes, usize_out(free));
+            write_out(total_bytes, usize_out(total));
+        }
+        Ok(())
+    })
+}
+
+/// Reserve a block of at least `size` bytes on `device`, 512-byte aligned, for use on `stream`
+/// (a `CUstream`; NULL is the default stream). `size` 0 succeeds with `*out_ptr = NULL`.
+///
+/// Order of attempts: a cached block on this stream (best fit); an idle cached segment of
+/// another stream, ordered after that stream's work; a new segment, returning idle cached
+/// segments to the driver first if the driver's free memory is short; on a driver
+/// out-of-memory, all reusable memory is returned and the allocation retried once; then
+/// `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and driver-free bytes in
+/// `rm_last_error()`. On failure `*out_ptr` is NULL.
+///
+/// # Safety
+/// `out_ptr` is NULL or valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn rm_reserve(
+    device: c_int,
+    size: usize,
+    stream: *mut c_void,
+    out_ptr: *mut *mut c_void,
+) -> rm_status {
+    boundary("rm_reserve", || {
+        if out_ptr.is_null() {
+            return Err(null_argument("out_ptr"));
+        }
+        // SAFETY: checked non-null; valid by the caller's contract.
+        unsafe { write_out(out_ptr, std::ptr::null_mut()) };
+        let ptr = pool()?.reserve(device, size_arg(size), stream as u64)?;
+        // SAFETY: as above.
+        unsafe { write_out(out_ptr, ptr as *mut c_void) };
+        Ok(())
+    })
+}
+
+/// Give a block back to the pool (not to the driver). NULL is accepted and does nothing.
+/// A pointer the pool did not hand out, an interior pointer, or a second release fails with
+/// `RM_ERROR_INVALID_POINTER` and changes nothing. The block is reusable at once on the stream it
+/// was reserved for; elsewhere only after the work queued on every stream that used it.
+///
+/// # Safety
+/// None beyond passing a value: the pointer is looked up, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn rm_release(ptr: *mut c_void) -> rm_status {
+    boundary("rm_release", || {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        pool()?.release(ptr as DevicePtr)
+    })
+}
+
+/// Note that the live block at `ptr` is also used on `stream` (PyTorch's `record_stream`): its
+/// release then waits for the work queued on `stream` before the block is reused.
+///
+/// # Safety
+/// None beyond passing values: the pointers are looked up, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn rm_record_stream(ptr: *mut c_void, stream: *mut c_void) -> rm_status {
+    boundary("rm_record_stream", || {
+        if ptr.is_null() {
+            return Err(Error::invalid_pointer(
+                "ptr is NULL; pass a block returned by rm_reserve",
+            ));
+        }
+        pool()?.record_stream(ptr as DevicePtr, stream as u64)
+    })
+}
+
+/// Return every idle cached segment to the driver (what `torch.cuda.empty_cache()` does), after
+/// waiting for blocks still in use by other streams. `device` -1 means every device. The bytes
+/// returned are stored in `*released_bytes` unless it is NULL.
+///
+/// # Safety
+/// `released_bytes` is NULL or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn rm_free_reusable(device: c_int, released_bytes: *mut usize) -> rm_status {
+    boundary("rm_free_reusable", || {
+        // SAFETY: NULL or valid by the caller's contract.
+        unsafe { write_out(released_bytes, 0) };
+        let released = pool()?.free_reusable((device != -1).then_some(device))?;
+        // SAFETY: as above.
+        unsafe { write_out(released_bytes, usize_out(released)) };
+        Ok(())
+    })
+}
+
+/// Make sure at least `bytes` of reusable memory is reserved on `device`, counting what is
+/// already reusable first: only the shortfall is allocated, as one segment. Loading a model of
+/// the same size again therefore reserves nothing new.
+///
+/// # Safety
+/// None: all arguments are values.
+#[no_mangle]
+pub unsafe extern "C" fn rm_warmup(device: c_int, bytes: usize) -> rm_status {
+    boundary("rm_warmup", || {
+        pool()?.warmup(device, size_arg(bytes)).map(drop)
+    })
+}
+
+/// Fill `*out` with `device`'s figures.
+///
+/// # Safety
+/// `out` is NULL or valid for writing an `rm_stats`.
+#[no_mangle]
+pub unsafe extern "C" fn rm_get_stats(device: c_int, out: *mut rm_stats) -> rm_status {
+    boundary("rm_get_stats", || {
+        if out.is_null() {
+            return Err(null_argument("out"));
+        }
+        let stats = pool()?.stats(device)?;
+        // SAFETY: checked non-null; valid by the caller's contract.
+        unsafe { write_out(out, rm_stats::from(stats)) };
+        Ok(())
+    })
+}
+
+/// Set `device`'s peak figures to the current ones.
+///
+/// # Safety
+/// None: the argument is a value.
+#[no_mangle]
+pub unsafe extern "C" fn rm_reset_peak_stats(device: c_int) -> rm_status {
+    boundary("rm_reset_peak_stats", || pool()?.reset_peak_stats(device))
+}
+
+/// A static description of a status code, never NULL (an unknown value is described as such).
+#[no_mangle]
+pub extern "C" fn rm_status_string(status: c_int) -> *const c_char {
+    match rm_status::from_raw(i64::from(status)) {
+        Some(status) => status.describe_cstr().as_ptr(),
+        None => c"unknown rm_status value".as_ptr(),
+    }
+}
+
+/// This thread's last failure in words, prefixed with the function that failed; `""` if none.
+/// The string stays valid until the next failing resmem call on this thread.
+#[no_mangle]
+pub extern "C" fn rm_last_error() -> *const c_char {
+    last_error_ptr()
+}
+
+/// The library's version, e.g. `"0.1.0"`; a static string.
+#[no_mangle]
+pub extern "C" fn rm_version() -> *const c_char {
+    const VERSION: &CStr =
+        match CStr::from_bytes_with_nul(concat!(env!("CARGO_PKG_VERSION"), "\0").as_bytes()) {
+            Ok(v) => v,
+            Err(_) => panic!("version has a NUL"),
+        };
+    VERSION.as_ptr()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_becomes_internal_and_the_next_call_works() {
+        let status = boundary("rm_test", || panic!("boom"));
+        assert_eq!(status, rm_status::RM_ERROR_INTERNAL);
+        let message = crate::error::last_error();
+        assert!(
+            message.starts_with("rm_test: internal error (boom)"),
+            "{message}"
+        );
+        assert_eq!(boundary("rm_test", || Ok(())), rm_status::RM_SUCCESS);
+        // A success leaves the last failure in place, like errno.
+        assert!(crate::error::last_error().contains("boom"));
+    }
+
+    #[test]
+    fn status_strings_are_never_null() {
+        for raw in [-1, 0, 3, 7, 8, i32::MAX] {
+            // SAFETY: rm_status_string returns a static NUL-terminated string.
+            let text = unsafe { CStr::from_ptr(rm_status_string(raw)) };
+            assert!(!text.to_bytes().is_empty());
+        }
+        // SAFETY: as above.
+        let oom = unsafe { CStr::from_ptr(rm_status_string(3)) };
+        assert!(oom.to_str().unwrap().starts_with("RM_ERROR_OUT_OF_MEMORY"));
+    }
+
+    #[test]
+    fn version_is_the_package_version() {
+        // SAFETY: rm_version returns a static NUL-terminated string.
+        let v = unsafe { CStr::from_ptr(rm_version()) };
+        assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    }
+}

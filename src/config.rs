@@ -1,0 +1,150 @@
+//! Settings: `RESMEM_CONF` parsing (PyTorch's `key:value,key:value` syntax) and the choice of
+//! driver. Pure functions of the variables' text; [`crate::runtime`] reads the environment.
+
+use crate::error::Error;
+use crate::pool::PoolConfig;
+
+/// Which driver the process-wide pool uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DriverChoice {
+    /// The real CUDA driver, loaded from this library name or path.
+    Cuda(String),
+    /// The in-process simulated devices.
+    Sim,
+}
+
+/// Everything the environment decides.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// `RESMEM_DRIVER` and `RESMEM_CUDA_LIBRARY`.
+    pub driver: DriverChoice,
+    /// `RESMEM_CONF`.
+    pub pool: PoolConfig,
+}
+
+/// The driver library loaded when `RESMEM_CUDA_LIBRARY` is unset.
+pub const DEFAULT_CUDA_LIBRARY: &str = "libcuda.so.1";
+
+/// The keys `RESMEM_CONF` accepts, with what they take, for messages.
+const KEYS: &str = "release_before_grow:true|false, logging:true|false";
+
+impl Settings {
+    /// Settings from the variables' values (`None`: unset).
+    pub fn from_vars(
+        driver: Option<&str>,
+        cuda_library: Option<&str>,
+        conf: Option<&str>,
+    ) -> Result<Settings, Error> {
+        let driver = match driver.map(str::trim) {
+            None | Some("") | Some("cuda") => DriverChoice::Cuda(
+                cuda_library
+                    .filter(|l| !l.is_empty())
+                    .unwrap_or(DEFAULT_CUDA_LIBRARY)
+                    .to_string(),
+            ),
+            Some("sim") => DriverChoice::Sim,
+            Some(other) => {
+                return Err(Error::invalid_value(format!(
+                    "RESMEM_DRIVER={other:?} is not a driver: use cuda (the default) or sim"
+                )))
+            }
+        };
+        Ok(Settings {
+            driver,
+            pool: parse_conf(conf.unwrap_or(""))?,
+        })
+    }
+}
+
+/// Parse `RESMEM_CONF`: `key:value` pairs separated by commas; spaces around them are ignored.
+/// An unknown key, a repeated key or a bad value is an error, never ignored.
+pub fn parse_conf(text: &str) -> Result<PoolConfig, Error> {
+    let mut config = PoolConfig::default();
+    let mut seen: Vec<&str> = Vec::new();
+    for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let Some((key, value)) = item.split_once(':') else {
+            return Err(Error::invalid_value(format!(
+                "RESMEM_CONF: {item:?} is not key:value; the keys are {KEYS}"
+            )));
+        };
+        let (key, value) = (key.trim(), value.trim());
+        if seen.contains(&key) {
+            return Err(Error::invalid_value(format!(
+                "RESMEM_CONF: {key} is given twice"
+            )));
+        }
+        seen.push(key);
+        let slot = match key {
+            "release_before_grow" => &mut config.release_before_grow,
+            "logging" => &mut config.logging,
+            _ => {
+                return Err(Error::invalid_value(format!(
+                    "RESMEM_CONF: unknown key {key:?}; the keys are {KEYS}"
+                )))
+            }
+        };
+        *slot = parse_bool(key, value)?;
+    }
+    Ok(config)
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(Error::invalid_value(format!(
+            "RESMEM_CONF: {key}:{value} is not a boolean; use true or false"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::rm_status::RM_ERROR_INVALID_VALUE;
+
+    #[test]
+    fn defaults() {
+        let s = Settings::from_vars(None, None, None).unwrap();
+        assert_eq!(s.driver, DriverChoice::Cuda("libcuda.so.1".into()));
+        assert_eq!(s.pool, PoolConfig::default());
+        assert!(s.pool.release_before_grow);
+        assert!(!s.pool.logging);
+    }
+
+    #[test]
+    fn driver_choice() {
+        let s = Settings::from_vars(Some("sim"), Some("/x/libcuda.so"), None).unwrap();
+        assert_eq!(s.driver, DriverChoice::Sim);
+        let s = Settings::from_vars(Some("cuda"), Some("/x/libcuda_sim.so"), Some("")).unwrap();
+        assert_eq!(s.driver, DriverChoice::Cuda("/x/libcuda_sim.so".into()));
+        let e = Settings::from_vars(Some("rocm"), None, None).unwrap_err();
+        assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+        assert!(e.message.contains("\"rocm\""), "{}", e.message);
+    }
+
+    #[test]
+    fn conf_keys_and_values() {
+        let c = parse_conf(" logging:true , release_before_grow:false ").unwrap();
+        assert!(c.logging);
+        assert!(!c.release_before_grow);
+        assert_eq!(parse_conf("").unwrap(), PoolConfig::default());
+        assert_eq!(parse_conf(",,").unwrap(), PoolConfig::default());
+        assert!(parse_conf("logging:0").map(|c| !c.logging).unwrap());
+    }
+
+    #[test]
+    fn conf_errors_say_what_is_wrong() {
+        for (text, needle) in [
+            ("max_split_size_mb:128", "unknown key \"max_split_size_mb\""),
+            ("logging", "is not key:value"),
+            ("logging:maybe", "not a boolean"),
+            ("logging:true,logging:false", "given twice"),
+            ("logging:", "not a boolean"),
+        ] {
+            let e = parse_conf(text).unwrap_err();
+            assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+            assert!(e.message.contains(needle), "{text}: {}", e.message);
+        }
+    }
+}

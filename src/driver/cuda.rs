@@ -1,0 +1,428 @@
+//! The real CUDA driver, loaded at run time.
+//!
+//! The library (`libcuda.so.1`, or `RESMEM_CUDA_LIBRARY`) is opened with `dlopen` and every
+//! function resmem uses is looked up on that handle up front, into a typed table: a missing
+//! symbol is a load error naming it, never a crash later. Looking symbols up on the driver's own
+//! handle (not `RTLD_NEXT` or `RTLD_DEFAULT`) keeps working when resmem itself is preloaded and
+//! interposes some of them. Every call runs inside the device's primary context, pushed before
+//! and popped after, so the caller's current context is left as it was.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::OnceLock;
+
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, StreamHandle};
+use crate::error::{rm_status, Error};
+
+type CUresult = c_int;
+type CUdevice = c_int;
+type CUcontext = *mut c_void;
+type CUstream = *mut c_void;
+type CUevent = *mut c_void;
+type CUdeviceptr = u64;
+
+const CUDA_SUCCESS: CUresult = 0;
+const CUDA_ERROR_NOT_READY: CUresult = 600;
+const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+
+/// Declares the function table and its resolver: field, exported symbol, parameter types.
+macro_rules! driver_table {
+    ($( $field:ident = $symbol:literal ( $($arg:ty),* ); )*) => {
+        /// The driver functions resmem calls, resolved from the library handle.
+        struct Table {
+            $( $field: unsafe extern "C" fn($($arg),*) -> CUresult, )*
+        }
+
+        impl Table {
+            /// The names of every symbol the table needs.
+            const SYMBOLS: &'static [&'static str] = &[$($symbol),*];
+
+            /// Look every function up on `handle`; the names of those missing on failure.
+            ///
+            /// # Safety
+            /// `handle` is a live `dlopen` handle of a library whose symbols of these names have
+            /// the CUDA driver API's signatures, as declared here.
+            unsafe fn resolve(handle: *mut c_void) -> Result<Table, Vec<&'static str>> {
+                let mut missing = Vec::new();
+                $(
+                    let name = concat!($symbol, "\0");
+                    // SAFETY: `handle` is live (caller's contract) and `name` is NUL-terminated.
+                    let $field = unsafe { libc::dlsym(handle, name.as_ptr().cast()) };
+                    if $field.is_null() {
+                        missing.push($symbol);
+                    }
+                )*
+                if !missing.is_empty() {
+                    return Err(missing);
+                }
+                Ok(Table {
+                    $(
+                        // SAFETY: the symbol is non-null and, by the caller's contract, a function
+                        // with exactly this C signature; fn pointers and data pointers have the
+                        // same size on every platform CUDA supports.
+                        $field: unsafe {
+                            std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) -> CUresult>($field)
+                        },
+                    )*
+                })
+            }
+        }
+    };
+}
+
+driver_table! {
+    init = "cuInit"(c_uint);
+    driver_get_version = "cuDriverGetVersion"(*mut c_int);
+    device_get_count = "cuDeviceGetCount"(*mut c_int);
+    device_get = "cuDeviceGet"(*mut CUdevice, c_int);
+    primary_ctx_retain = "cuDevicePrimaryCtxRetain"(*mut CUcontext, CUdevice);
+    primary_ctx_release = "cuDevicePrimaryCtxRelease_v2"(CUdevice);
+    ctx_push = "cuCtxPushCurrent_v2"(CUcontext);
+    ctx_pop = "cuCtxPopCurrent_v2"(*mut CUcontext);
+    ctx_synchronize = "cuCtxSynchronize"();
+    mem_get_info = "cuMemGetInfo_v2"(*mut usize, *mut usize);
+    mem_alloc = "cuMemAlloc_v2"(*mut CUdeviceptr, usize);
+    mem_free = "cuMemFree_v2"(CUdeviceptr);
+    event_create = "cuEventCreate"(*mut CUevent, c_uint);
+    event_destroy = "cuEventDestroy_v2"(CUevent);
+    event_record = "cuEventRecord"(CUevent, CUstream);
+    event_query = "cuEventQuery"(CUevent);
+    event_synchronize = "cuEventSynchronize"(CUevent);
+    stream_wait_event = "cuStreamWaitEvent"(CUstream, CUevent, c_uint);
+    get_error_name = "cuGetErrorName"(CUresult, *mut *const c_char);
+    get_error_string = "cuGetErrorString"(CUresult, *mut *const c_char);
+}
+
+/// The names of the driver functions resmem loads (for documentation and tests).
+pub fn required_symbols() -> &'static [&'static str] {
+    Table::SYMBOLS
+}
+
+/// The CUDA driver, loaded from a shared library.
+pub struct CudaDriver {
+    library: String,
+    table: Table,
+    version: c_int,
+    devices: Vec<CUdevice>,
+    /// Each device's primary context, retained on first use.
+    contexts: Vec<OnceLock<usize>>,
+}
+
+// SAFETY: the table holds plain function pointers into the driver, which is thread-safe; the
+// contexts are stored as addresses and only ever passed back to the driver.
+unsafe impl Send for CudaDriver {}
+// SAFETY: as above; all mutation goes through `OnceLock`.
+unsafe impl Sync for CudaDriver {}
+
+fn no_driver(message: String) -> Error {
+    Error::new(rm_status::RM_ERROR_NO_DRIVER, message)
+}
+
+impl CudaDriver {
+    /// Load `library` (a path or a name the dynamic loader searches for), resolve the table,
+    /// initialise the driver and enumerate the devices.
+    pub fn load(library: &str) -> Result<CudaDriver, Error> {
+        let advice = "install the NVIDIA driver, set RESMEM_CUDA_LIBRARY to the driver library's \
+                      path, or set RESMEM_DRIVER=sim to use simulated devices";
+        let name = CString::new(library)
+            .map_err(|_| no_driver(format!("RESMEM_CUDA_LIBRARY contains a NUL byte; {advice}")))?;
+        // SAFETY: `name` is NUL-terminated; dlopen has no other preconditions. The handle is
+        // never closed: the driver stays loaded for the life of the process, as it must while
+        // device memory it handed out is in use.
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if handle.is_null() {
+            return Err(no_driver(format!(
+                "could not load the CUDA driver library {library:?}: {}; {advice}",
+                dlerror_text()
+            )));
+        }
+        // SAFETY: `handle` was just opened and is never closed; the library is a CUDA driver
+        // (or a stand-in exporting the same API), whose symbols have the declared signatures.
+        let table = unsafe { Table::resolve(handle) }.map_err(|missing| {
+            no_driver(format!(
+                "{library:?} is not a usable CUDA driver: it lacks {}; {advice}",
+                missing.join(", ")
+            ))
+        })?;
+        let mut driver = CudaDriver {
+            library: library.to_string(),
+            table,
+            version: 0,
+            devices: Vec::new(),
+            contexts: Vec::new(),
+        };
+        let init_failed = |e: DriverError| no_driver(format!("{e}; {advice}"));
+        // SAFETY: cuInit takes flags 0; the table entries have the declared signatures.
+        driver
+            .check("cuInit", unsafe { (driver.table.init)(0) })
+            .map_err(init_failed)?;
+        let mut version = 0;
+        // SAFETY: the out-pointer is valid for the call.
+        driver
+            .check("cuDriverGetVersion", unsafe {
+                (driver.table.driver_get_version)(&mut version)
+            })
+            .map_err(init_failed)?;
+        let mut count = 0;
+        // SAFETY: the out-pointer is valid for the call.
+        driver
+            .check("cuDeviceGetCount", unsafe {
+                (driver.table.device_get_count)(&mut count)
+            })
+            .map_err(init_failed)?;
+        let mut devices = Vec::new();
+        for ordinal in 0..count {
+            let mut device = 0;
+            // SAFETY: the out-pointer is valid and the ordinal is below the device count.
+            driver
+                .check("cuDeviceGet", unsafe {
+                    (driver.table.device_get)(&mut device, ordinal)
+                })
+                .map_err(init_failed)?;
+            devices.push(device);
+        }
+        driver.version = version;
+        driver.contexts = devices.iter().map(|_| OnceLock::new()).collect();
+        driver.devices = devices;
+        Ok(driver)
+    }
+
+    /// The driver's version, e.g. 12040 for CUDA 12.4.
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// `Ok` for `CUDA_SUCCESS`, else an error naming `call` and the result.
+    fn check(&self, call: &'static str, result: CUresult) -> DriverResult<()> {
+        if result == CUDA_SUCCESS {
+            return Ok(());
+        }
+        Err(DriverError {
+            call,
+            code: result,
+            name: self
+                .error_text(self.table.get_error_name, result)
+                .unwrap_or_else(|| format!("CUresult {result}")),
+            description: self
+                .error_text(self.table.get_error_string, result)
+                .unwrap_or_else(|| "unknown error".to_string()),
+        })
+    }
+
+    fn error_text(
+        &self,
+        getter: unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult,
+        result: CUresult,
+    ) -> Option<String> {
+        let mut text: *const c_char = std::ptr::null();
+        // SAFETY: the out-pointer is valid; the driver stores a static string or leaves NULL.
+        let status = unsafe { getter(result, &mut text) };
+        if status != CUDA_SUCCESS || text.is_null() {
+            return None;
+        }
+        // SAFETY: on success the driver points `text` at a static NUL-terminated string.
+        Some(
+            unsafe { CStr::from_ptr(text) }
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+
+    /// The primary context of `device`, retained on first use.
+    fn context(&self, device: i32) -> DriverResult<CUcontext> {
+        let ordinal = usize::try_from(device)
+            .ok()
+            .filter(|&d| d < self.devices.len());
+        let Some(ordinal) = ordinal else {
+            return Err(DriverError {
+                call: "cuDevicePrimaryCtxRetain",
+                code: 101,
+                name: "CUDA_ERROR_INVALID_DEVICE".to_string(),
+                description: "invalid device ordinal".to_string(),
+            });
+        };
+        if let Some(&ctx) = self.contexts[ordinal].get() {
+            return Ok(ctx as CUcontext);
+        }
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: the out-pointer is valid and the device handle came from cuDeviceGet.
+        self.check("cuDevicePrimaryCtxRetain", unsafe {
+            (self.table.primary_ctx_retain)(&mut ctx, self.devices[ordinal])
+        })?;
+        if self.contexts[ordinal].set(ctx as usize).is_err() {
+            // Another thread retained it first: keep one reference only.
+            // SAFETY: this thread's retain above succeeded, so there is a reference to drop.
+            unsafe { (self.table.primary_ctx_release)(self.devices[ordinal]) };
+        }
+        Ok(ctx)
+    }
+
+    /// Run `call` with `device`'s primary context current, then restore the caller's.
+    fn in_context(
+        &self,
+        device: i32,
+        name: &'static str,
+        call: impl FnOnce(&Table) -> CUresult,
+    ) -> DriverResult<()> {
+        let ctx = self.context(device)?;
+        // SAFETY: `ctx` is a retained primary context of this driver.
+        self.check("cuCtxPushCurrent_v2", unsafe { (self.table.ctx_push)(ctx) })?;
+        let result = call(&self.table);
+        let mut popped: CUcontext = std::ptr::null_mut();
+        // SAFETY: the push above succeeded, so there is a context to pop; the out-pointer is valid.
+        let pop = unsafe { (self.table.ctx_pop)(&mut popped) };
+        self.check(name, result)?;
+        self.check("cuCtxPopCurrent_v2", pop)
+    }
+}
+
+fn dlerror_text() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call on
+    // this thread, which we copy at once.
+    let text = unsafe { libc::dlerror() };
+    if text.is_null() {
+        "unknown dlopen error".to_string()
+    } else {
+        // SAFETY: non-null, NUL-terminated (see above).
+        unsafe { CStr::from_ptr(text) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
+
+impl Driver for CudaDriver {
+    fn describe(&self) -> String {
+        format!(
+            "the CUDA driver {}.{} ({})",
+            self.version / 1000,
+            self.version % 1000 / 10,
+            self.library
+        )
+    }
+
+    fn device_count(&self) -> i32 {
+        self.devices.len() as i32
+    }
+
+    fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        // SAFETY: both out-pointers are valid for the call.
+        self.in_context(device, "cuMemGetInfo_v2", |t| unsafe {
+            (t.mem_get_info)(&mut free, &mut total)
+        })?;
+        Ok((free as u64, total as u64))
+    }
+
+    fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
+        let mut ptr: CUdeviceptr = 0;
+        let bytes = usize::try_from(bytes).unwrap_or(usize::MAX);
+        // SAFETY: the out-pointer is valid for the call.
+        self.in_context(device, "cuMemAlloc_v2", |t| unsafe {
+            (t.mem_alloc)(&mut ptr, bytes)
+        })?;
+        Ok(ptr)
+    }
+
+    fn mem_free(&self, device: i32, ptr: DevicePtr) -> DriverResult<()> {
+        // SAFETY: `ptr` came from cuMemAlloc_v2 on this device and is freed once.
+        self.in_context(device, "cuMemFree_v2", |t| unsafe { (t.mem_free)(ptr) })
+    }
+
+    fn event_create(&self, device: i32) -> DriverResult<EventHandle> {
+        let mut event: CUevent = std::ptr::null_mut();
+        // SAFETY: the out-pointer is valid for the call.
+        self.in_context(device, "cuEventCreate", |t| unsafe {
+            (t.event_create)(&mut event, CU_EVENT_DISABLE_TIMING)
+        })?;
+        Ok(event as EventHandle)
+    }
+
+    fn event_destroy(&self, device: i32, event: EventHandle) -> DriverResult<()> {
+        // SAFETY: `event` came from cuEventCreate and is destroyed once.
+        self.in_context(device, "cuEventDestroy_v2", |t| unsafe {
+            (t.event_destroy)(event as CUevent)
+        })
+    }
+
+    fn event_record(
+        &self,
+        device: i32,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> DriverResult<()> {
+        // SAFETY: handles are the driver's own, passed back unchanged.
+        self.in_context(device, "cuEventRecord", |t| unsafe {
+            (t.event_record)(event as CUevent, stream as CUstream)
+        })
+    }
+
+    fn event_query(&self, device: i32, event: EventHandle) -> DriverResult<bool> {
+        let mut not_ready = false;
+        // SAFETY: `event` is the driver's own handle.
+        self.in_context(device, "cuEventQuery", |t| {
+            match unsafe { (t.event_query)(event as CUevent) } {
+                CUDA_ERROR_NOT_READY => {
+                    not_ready = true;
+                    CUDA_SUCCESS
+                }
+                other => other,
+            }
+        })?;
+        Ok(!not_ready)
+    }
+
+    fn event_synchronize(&self, device: i32, event: EventHandle) -> DriverResult<()> {
+        // SAFETY: `event` is the driver's own handle.
+        self.in_context(device, "cuEventSynchronize", |t| unsafe {
+            (t.event_synchronize)(event as CUevent)
+        })
+    }
+
+    fn stream_wait_event(
+        &self,
+        device: i32,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> DriverResult<()> {
+        // SAFETY: handles are the driver's own; flags must be 0.
+        self.in_context(device, "cuStreamWaitEvent", |t| unsafe {
+            (t.stream_wait_event)(stream as CUstream, event as CUevent, 0)
+        })
+    }
+
+    fn synchronize(&self, device: i32) -> DriverResult<()> {
+        // SAFETY: no arguments; acts on the pushed primary context.
+        self.in_context(device, "cuCtxSynchronize", |t| unsafe {
+            (t.ctx_synchronize)()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_no_driver_with_advice() {
+        let err = CudaDriver::load("/nonexistent/libcuda.so.1").err().unwrap();
+        assert_eq!(err.status, rm_status::RM_ERROR_NO_DRIVER);
+        assert!(
+            err.message.contains("/nonexistent/libcuda.so.1"),
+            "{}",
+            err.message
+        );
+        assert!(err.message.contains("RESMEM_DRIVER=sim"), "{}", err.message);
+    }
+
+    #[test]
+    fn a_library_without_the_driver_api_names_the_missing_symbols() {
+        let err = CudaDriver::load("libc.so.6").err().unwrap();
+        assert_eq!(err.status, rm_status::RM_ERROR_NO_DRIVER);
+        assert!(err.message.contains("lacks cuInit"), "{}", err.message);
+    }
+
+    #[test]
+    fn the_table_lists_every_function() {
+        assert_eq!(required_symbols().len(), 20);
+        assert!(required_symbols().contains(&"cuMemAlloc_v2"));
+    }
+}

@@ -1,0 +1,101 @@
+//! How device memory is obtained: the small [`Driver`] trait the pool is written against, and its
+//! two implementations.
+//!
+//! - [`cuda::CudaDriver`] loads the CUDA driver library at run time (`dlopen`, never `-lcuda`),
+//!   resolves a typed table of the functions it uses up front, and runs every call inside the
+//!   device's primary context, leaving the caller's current context as it was.
+//! - [`sim::SimDriver`] calls the simulated devices of the `cuda-sim` crate in process.
+//!
+//! Handles cross the trait as plain integers: a stream or event is the driver's opaque handle
+//! (`CUstream`, `CUevent`) as a `u64`, with `0` meaning the default stream.
+
+pub mod cuda;
+pub mod sim;
+
+use std::fmt;
+
+/// A device address (`CUdeviceptr`).
+pub type DevicePtr = u64;
+/// A stream handle (`CUstream`); `0` is the default stream.
+pub type StreamHandle = u64;
+/// An event handle (`CUevent`).
+pub type EventHandle = u64;
+
+/// `CUDA_ERROR_OUT_OF_MEMORY`, the one driver result the pool reacts to by itself.
+pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+
+/// A failed driver call: which call, its `CUresult`, and the driver's own words for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverError {
+    /// The driver function that failed, e.g. `cuMemAlloc_v2`.
+    pub call: &'static str,
+    /// The `CUresult` it returned.
+    pub code: i32,
+    /// The result's name, e.g. `CUDA_ERROR_OUT_OF_MEMORY` (from `cuGetErrorName`).
+    pub name: String,
+    /// The result's description, e.g. `out of memory` (from `cuGetErrorString`).
+    pub description: String,
+}
+
+impl DriverError {
+    /// Whether the driver ran out of device memory.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.code == CUDA_ERROR_OUT_OF_MEMORY
+    }
+}
+
+impl fmt::Display for DriverError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} failed with {} ({}): {}",
+            self.call, self.name, self.code, self.description
+        )
+    }
+}
+
+impl std::error::Error for DriverError {}
+
+/// A driver result.
+pub type DriverResult<T> = Result<T, DriverError>;
+
+/// What the pool needs from a driver, per device ordinal.
+///
+/// Implementations are thread-safe; the pool calls them while holding the lock of the device
+/// concerned, never of another device.
+pub trait Driver: Send + Sync {
+    /// A short description for messages and logs, e.g. `CUDA driver 12.4 (libcuda.so.1)`.
+    fn describe(&self) -> String;
+    /// Number of devices visible to this process.
+    fn device_count(&self) -> i32;
+    /// `(free, total)` bytes of device memory, as the driver reports them.
+    fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)>;
+    /// Allocate `bytes` of device memory.
+    fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr>;
+    /// Free memory returned by [`Driver::mem_alloc`].
+    fn mem_free(&self, device: i32, ptr: DevicePtr) -> DriverResult<()>;
+    /// Create an event without timing.
+    fn event_create(&self, device: i32) -> DriverResult<EventHandle>;
+    /// Destroy an event.
+    fn event_destroy(&self, device: i32, event: EventHandle) -> DriverResult<()>;
+    /// Capture the work queued so far on `stream` in `event`.
+    fn event_record(
+        &self,
+        device: i32,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> DriverResult<()>;
+    /// Whether the work captured by `event` has completed.
+    fn event_query(&self, device: i32, event: EventHandle) -> DriverResult<bool>;
+    /// Block the host until the work captured by `event` has completed.
+    fn event_synchronize(&self, device: i32, event: EventHandle) -> DriverResult<()>;
+    /// Make work queued on `stream` from now on wait for the work captured by `event`.
+    fn stream_wait_event(
+        &self,
+        device: i32,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> DriverResult<()>;
+    /// Block the host until all work on the device has completed.
+    fn synchronize(&self, device: i32) -> DriverResult<()>;
+}

@@ -1,0 +1,120 @@
+//! The in-process simulated driver (`RESMEM_DRIVER=sim`): the devices of the `cuda-sim` crate,
+//! called directly, with the same `CUresult` codes as the real driver.
+
+use cuda_sim::{CuError, Sim};
+
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, StreamHandle};
+use crate::error::{rm_status, Error};
+
+/// The simulated devices as a [`Driver`].
+pub struct SimDriver {
+    sim: &'static Sim,
+}
+
+impl SimDriver {
+    /// A driver over `sim`, initialised.
+    pub fn new(sim: &'static Sim) -> Result<SimDriver, Error> {
+        sim.init().map_err(|e| {
+            let detail = sim
+                .config_error()
+                .map(|m| format!(": {m}"))
+                .unwrap_or_default();
+            Error::new(
+                rm_status::RM_ERROR_NO_DRIVER,
+                format!(
+                    "the simulated driver failed to initialise with {e}{detail}; \
+                     set CUDA_SIM_DEVICES to capacities such as 24GiB or 80GiB,80GiB"
+                ),
+            )
+        })?;
+        Ok(SimDriver { sim })
+    }
+
+    /// The simulated devices underneath, for inspection.
+    pub fn sim(&self) -> &'static Sim {
+        self.sim
+    }
+}
+
+fn fail(call: &'static str) -> impl Fn(CuError) -> DriverError {
+    move |e| DriverError {
+        call,
+        code: e.0,
+        name: e.name().to_string(),
+        description: e.description().to_string(),
+    }
+}
+
+impl Driver for SimDriver {
+    fn describe(&self) -> String {
+        "the simulated driver (RESMEM_DRIVER=sim)".to_string()
+    }
+
+    fn device_count(&self) -> i32 {
+        self.sim.device_count().unwrap_or(0)
+    }
+
+    fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)> {
+        self.sim
+            .mem_get_info(device)
+            .map_err(fail("cuMemGetInfo_v2"))
+    }
+
+    fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
+        self.sim
+            .mem_alloc(device, bytes)
+            .map_err(fail("cuMemAlloc_v2"))
+    }
+
+    fn mem_free(&self, _device: i32, ptr: DevicePtr) -> DriverResult<()> {
+        self.sim.mem_free(ptr).map_err(fail("cuMemFree_v2"))
+    }
+
+    fn event_create(&self, device: i32) -> DriverResult<EventHandle> {
+        self.sim.event_create(device).map_err(fail("cuEventCreate"))
+    }
+
+    fn event_destroy(&self, _device: i32, event: EventHandle) -> DriverResult<()> {
+        self.sim
+            .event_destroy(event)
+            .map_err(fail("cuEventDestroy_v2"))
+    }
+
+    fn event_record(
+        &self,
+        device: i32,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> DriverResult<()> {
+        self.sim
+            .event_record(device, event, stream)
+            .map_err(fail("cuEventRecord"))
+    }
+
+    fn event_query(&self, _device: i32, event: EventHandle) -> DriverResult<bool> {
+        self.sim.event_query(event).map_err(fail("cuEventQuery"))
+    }
+
+    fn event_synchronize(&self, _device: i32, event: EventHandle) -> DriverResult<()> {
+        self.sim
+            .event_synchronize(event)
+            .map_err(fail("cuEventSynchronize"))
+    }
+
+    fn stream_wait_event(
+        &self,
+        device: i32,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> DriverResult<()> {
+        self.sim
+            .stream_wait_event(device, stream, event)
+            .map_err(fail("cuStreamWaitEvent"))
+    }
+
+    fn synchronize(&self, device: i32) -> DriverResult<()> {
+        self.sim
+            .synchronize(device)
+            .map_err(fail("cuCtxSynchronize"))
+    }
+}

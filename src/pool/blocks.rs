@@ -1,0 +1,136 @@
+//! The block arena: every block of every segment of a device, with links to its address
+//! neighbours (for splitting and coalescing) and to its free-list neighbours (for [`Bins`]).
+//!
+//! Blocks are addressed by `u32` index; vacated slots are reused, so the arena never grows past
+//! the largest number of blocks that existed at once.
+//!
+//! [`Bins`]: super::bins::Bins
+
+use crate::driver::{DevicePtr, StreamHandle};
+
+/// The "no block" index.
+pub const NIL: u32 = u32::MAX;
+
+/// Where a block stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    /// Cached and in its stream's bins, ready for reuse.
+    Free,
+    /// Handed out by `reserve`.
+    Live,
+    /// Released, but waiting for work on other streams (`record_stream`) before reuse.
+    Pending,
+    /// An unused arena slot.
+    Vacant,
+}
+
+/// A contiguous piece of a segment.
+#[derive(Clone, Debug)]
+pub struct Block {
+    /// Device address of the first byte.
+    pub ptr: DevicePtr,
+    /// Size in bytes, a multiple of 512.
+    pub size: u64,
+    /// For live blocks, the bytes the caller asked for.
+    pub requested: u64,
+    /// Index of the segment that holds it.
+    pub segment: u32,
+    /// The stream whose bins hold it while free (the segment's stream).
+    pub stream: StreamHandle,
+    /// Address neighbours in the same segment.
+    pub prev: u32,
+    /// See `prev`.
+    pub next: u32,
+    /// Free-list neighbours in the bin that holds it.
+    pub bin_prev: u32,
+    /// See `bin_prev`.
+    pub bin_next: u32,
+    /// Where it stands.
+    pub state: State,
+}
+
+/// All blocks of one device.
+#[derive(Default)]
+pub struct Blocks {
+    slots: Vec<Block>,
+    vacant: Vec<u32>,
+}
+
+impl Blocks {
+    /// Store a new block and return its index.
+    pub fn insert(&mut self, block: Block) -> u32 {
+        if let Some(id) = self.vacant.pop() {
+            self.slots[id as usize] = block;
+            id
+        } else {
+            let id = u32::try_from(self.slots.len()).expect("more than 4 billion blocks");
+            self.slots.push(block);
+            id
+        }
+    }
+
+    /// Drop a block; its index may be reused.
+    pub fn remove(&mut self, id: u32) {
+        let block = &mut self.slots[id as usize];
+        debug_assert_ne!(block.state, State::Vacant);
+        block.state = State::Vacant;
+        self.vacant.push(id);
+    }
+
+    /// Number of blocks that exist (not vacant).
+    pub fn len(&self) -> usize {
+        self.slots.len() - self.vacant.len()
+    }
+
+    /// Whether there are no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::ops::Index<u32> for Blocks {
+    type Output = Block;
+    fn index(&self, id: u32) -> &Block {
+        &self.slots[id as usize]
+    }
+}
+
+impl std::ops::IndexMut<u32> for Blocks {
+    fn index_mut(&mut self, id: u32) -> &mut Block {
+        &mut self.slots[id as usize]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(ptr: u64) -> Block {
+        Block {
+            ptr,
+            size: 512,
+            requested: 0,
+            segment: 0,
+            stream: 0,
+            prev: NIL,
+            next: NIL,
+            bin_prev: NIL,
+            bin_next: NIL,
+            state: State::Free,
+        }
+    }
+
+    #[test]
+    fn slots_are_reused() {
+        let mut blocks = Blocks::default();
+        let a = blocks.insert(block(0));
+        let b = blocks.insert(block(512));
+        assert_eq!((a, b, blocks.len()), (0, 1, 2));
+        blocks.remove(a);
+        assert_eq!(blocks.len(), 1);
+        let c = blocks.insert(block(1024));
+        assert_eq!(c, a);
+        assert_eq!(blocks[c].ptr, 1024);
+        assert_eq!(blocks.len(), 2);
+    }
+}

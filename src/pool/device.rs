@@ -1,0 +1,781 @@
+//! One device's pool: its segments and blocks, the per-stream bins, and the reserved-reuse
+//! policy in the order DESIGN.md gives it.
+//!
+//! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
+//! stream is reusable there at once. A segment that is entirely free (*idle*) can move to another
+//! stream; the move records an event on the old stream and makes the new one wait for it, so the
+//! new user's work is ordered after everything queued on the old stream. Blocks that were also
+//! used on other streams (`record_stream`) wait, *pending*, until events recorded on those
+//! streams at release complete.
+
+use std::collections::BTreeSet;
+
+use super::bins::Bins;
+use super::blocks::{Block, Blocks, State, NIL};
+use super::hash::IntMap;
+use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
+use super::stats::Stats;
+use super::{Context, PoolConfig};
+use crate::driver::{DevicePtr, EventHandle, StreamHandle};
+use crate::error::{Error, Result};
+
+/// Memory obtained from the driver in one allocation.
+#[derive(Clone, Debug)]
+struct Segment {
+    base: DevicePtr,
+    size: u64,
+    stream: StreamHandle,
+    class: Class,
+    /// The block at `base`.
+    first: u32,
+    in_use: bool,
+}
+
+/// A released block waiting for other streams' work.
+struct Pending {
+    block: u32,
+    events: Vec<EventHandle>,
+}
+
+/// Whether `grow` may give cached memory back to make room (steps 3 and 4 of the policy).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Grow {
+    MayRelease,
+    KeepCache,
+}
+
+/// The pool of one device. Not thread-safe by itself: [`super::Pool`] holds it behind a lock.
+pub struct DevicePool {
+    device: i32,
+    config: PoolConfig,
+    blocks: Blocks,
+    segments: Vec<Segment>,
+    vacant_segments: Vec<u32>,
+    /// Free blocks per stream, small and large class.
+    streams: IntMap<StreamHandle, [Bins; 2]>,
+    /// Live blocks by address.
+    live: IntMap<DevicePtr, u32>,
+    /// Entirely free segments per class, by (size, index).
+    idle: [BTreeSet<(u64, u32)>; 2],
+    pending: Vec<Pending>,
+    /// Streams other than its own that a live block was used on.
+    extra_streams: IntMap<u32, Vec<StreamHandle>>,
+    spare_events: Vec<EventHandle>,
+    stats: Stats,
+}
+
+impl DevicePool {
+    /// An empty pool for `device`.
+    pub fn new(device: i32, config: PoolConfig) -> DevicePool {
+        DevicePool {
+            device,
+            config,
+            blocks: Blocks::default(),
+            segments: Vec::new(),
+            vacant_segments: Vec::new(),
+            streams: IntMap::default(),
+            live: IntMap::default(),
+            idle: [BTreeSet::new(), BTreeSet::new()],
+            pending: Vec::new(),
+            extra_streams: IntMap::default(),
+            spare_events: Vec::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    /// A block of at least `size` bytes for use on `stream`; `size` must be non-zero.
+    pub fn reserve(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr> {
+        let block_size = size::block_size(size)?;
+        self.stats.reserve_calls += 1;
+        if !self.pending.is_empty() {
+            self.collect_pending(cx, false)?;
+        }
+        let class = size::class_of(block_size);
+        // 1. A cached block on this stream.
+        let found = self
+            .streams
+            .get(&stream)
+            .and_then(|bins| bins[class as usize].find(&self.blocks, block_size));
+        if let Some(id) = found {
+            self.stats.cache_hits += 1;
+            return Ok(self.take(id, block_size, size));
+        }
+        // 2. An idle segment of another stream, ordered after that stream's work.
+        if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
+            self.stats.cache_hits += 1;
+            return Ok(self.take(id, block_size, size));
+        }
+        // 3. and 4. A new segment, returning cache to the driver first where needed.
+        let id = self.grow(
+            cx,
+            size::segment_size(block_size),
+            class,
+            stream,
+            size,
+            Grow::MayRelease,
+        )?;
+        Ok(self.take(id, block_size, size))
+    }
+
+    /// Give the block at `ptr` back to the pool.
+    pub fn release(&mut self, cx: &Context<'_>, ptr: DevicePtr) -> Result<()> {
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(self.explain_bad_pointer(ptr));
+        };
+        // Record the events first, so that a failing driver leaves the block live and the books
+        // unchanged.
+        let mut events = Vec::new();
+        if let Some(streams) = self.extra_streams.get(&id).cloned() {
+            for stream in streams {
+                match self.record_event(cx, stream) {
+                    Ok(event) => events.push(event),
+                    Err(err) => {
+                        self.spare_events.append(&mut events);
+                        return Err(Error::driver(
+                            &format!(
+                                "releasing {ptr:#x}: recording an event on stream {stream:#x} \
+                                 (which used the block) failed, so the block stays reserved"
+                            ),
+                            &err,
+                        ));
+                    }
+                }
+            }
+        }
+        self.live.remove(&ptr);
+        self.extra_streams.remove(&id);
+        let block = &self.blocks[id];
+        self.stats.remove_live(block.size, block.requested);
+        if events.is_empty() {
+            self.free_block(id);
+        } else {
+            self.blocks[id].state = State::Pending;
+            self.pending.push(Pending { block: id, events });
+        }
+        Ok(())
+    }
+
+    /// Note that the live block at `ptr` is also used on `stream`.
+    pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(self.explain_bad_pointer(ptr));
+        };
+        if self.blocks[id].stream != stream {
+            let streams = self.extra_streams.entry(id).or_default();
+            if !streams.contains(&stream) {
+                streams.push(stream);
+            }
+        }
+        Ok(())
+    }
+
+    /// Make at least `bytes` reusable, counting what already is: allocate only the shortfall,
+    /// as one segment. Returns the bytes allocated.
+    pub fn warmup(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
+        let reusable = self.stats.reusable();
+        if bytes <= reusable {
+            return Ok(0);
+        }
+        let shortfall = bytes - reusable;
+        let segment = size::round_up(size::block_size(shortfall)?, SEGMENT_ROUND);
+        self.grow(cx, segment, Class::Large, 0, shortfall, Grow::KeepCache)?;
+        self.log(format_args!(
+            "warm-up of {}: {} already reusable, allocated {}",
+            human(bytes),
+            human(reusable),
+            human(segment)
+        ));
+        Ok(segment)
+    }
+
+    /// Return every idle segment to the driver, after waiting for pending blocks. Returns the
+    /// bytes returned.
+    pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
+        self.collect_pending(cx, true)?;
+        self.release_idle(cx, u64::MAX)
+    }
+
+    /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
+    pub fn mem_get_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
+        let (free, total) = cx
+            .driver
+            .mem_get_info(self.device)
+            .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
+        Ok((free.saturating_add(self.stats.reusable()).min(total), total))
+    }
+
+    /// The figures, exact now.
+    pub fn stats(&self) -> Stats {
+        let mut stats = self.stats;
+        stats.reusable_bytes = stats.reusable();
+        let (mut small, mut large) = (0, 0);
+        for bins in self.streams.values() {
+            small = small.max(bins[Class::Small as usize].largest(&self.blocks));
+            large = large.max(bins[Class::Large as usize].largest(&self.blocks));
+        }
+        // Small requests come only from small segments, large ones (over 1 MiB) only from large.
+        let large = if large > SMALL_MAX { large } else { 0 };
+        stats.largest_reusable_block = large.max(small.min(SMALL_MAX));
+        stats
+    }
+
+    /// Set the peaks to the current values.
+    pub fn reset_peak_stats(&mut self) {
+        self.stats.reset_peaks();
+    }
+
+    /// Whether `ptr` is a live block of this pool.
+    pub fn owns_live(&self, ptr: DevicePtr) -> bool {
+        self.live.contains_key(&ptr)
+    }
+
+    // ----- the steps of the policy -----
+
+    /// Step 2: the smallest idle segment of `class` that holds `block_size` bytes, moved to
+    /// `stream` if it belongs to another; returns its block.
+    fn adopt_idle_segment(
+        &mut self,
+        cx: &Context<'_>,
+        class: Class,
+        block_size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<u32>> {
+        let Some(&(_, seg)) = self.idle[class as usize].range((block_size, 0)..).next() else {
+            return Ok(None);
+        };
+        let (old, id) = (
+            self.segments[seg as usize].stream,
+            self.segments[seg as usize].first,
+        );
+        if old != stream {
+            self.order_after(cx, old, stream)?;
+            self.bin_remove(old, class, id);
+            self.drop_stream_if_empty(old);
+            self.segments[seg as usize].stream = stream;
+            self.blocks[id].stream = stream;
+            self.bin_insert(stream, class, id);
+        }
+        Ok(Some(id))
+    }
+
+    /// Steps 3 to 5: a new segment of `segment` bytes, as one free block of `stream`.
+    fn grow(
+        &mut self,
+        cx: &Context<'_>,
+        segment: u64,
+        class: Class,
+        stream: StreamHandle,
+        requested: u64,
+        mode: Grow,
+    ) -> Result<u32> {
+        let (free, total) = cx
+            .driver
+            .mem_get_info(self.device)
+            .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
+        if segment > total {
+            self.stats.ooms += 1;
+            return Err(Error::out_of_memory(format!(
+                "device {}: requested {} is more than the device's total memory of {}; \
+                 no amount of cache returned can serve it: split the allocation or use a larger device",
+                self.device,
+                human(requested),
+                human(total)
+            )));
+        }
+        if mode == Grow::MayRelease && free < segment && self.config.release_before_grow {
+            let released = self.release_idle(cx, segment - free)?;
+            self.log(format_args!(
+                "driver has {} free, {} needed: returned {} of idle cache first",
+                human(free),
+                human(segment),
+                human(released)
+            ));
+        }
+        let ptr = match cx.driver.mem_alloc(self.device, segment) {
+            Ok(ptr) => ptr,
+            Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease => {
+                self.stats.oom_retries += 1;
+                self.collect_pending(cx, true)?;
+                let released = self.release_idle(cx, u64::MAX)?;
+                self.log(format_args!(
+                    "driver out of memory for {}: returned all {} reusable, retrying once",
+                    human(segment),
+                    human(released)
+                ));
+                match cx.driver.mem_alloc(self.device, segment) {
+                    Ok(ptr) => ptr,
+                    Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
+                }
+            }
+            Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
+        };
+        let seg = match self.vacant_segments.pop() {
+            Some(seg) => seg,
+            None => {
+                self.segments.push(Segment {
+                    base: 0,
+                    size: 0,
+                    stream: 0,
+                    class,
+                    first: NIL,
+                    in_use: false,
+                });
+                u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
+            }
+        };
+        let id = self.blocks.insert(Block {
+            ptr,
+            size: segment,
+            requested: 0,
+            segment: seg,
+            stream,
+            prev: NIL,
+            next: NIL,
+            bin_prev: NIL,
+            bin_next: NIL,
+            state: State::Free,
+        });
+        self.segments[seg as usize] = Segment {
+            base: ptr,
+            size: segment,
+            stream,
+            class,
+            first: id,
+            in_use: true,
+        };
+        self.bin_insert(stream, class, id);
+        self.idle[class as usize].insert((segment, seg));
+        cx.directory.insert(ptr, segment, self.device);
+        self.stats.add_segment(segment);
+        Ok(id)
+    }
+
+    /// Turn a failed driver allocation into the error the caller sees.
+    fn alloc_failure(
+        &mut self,
+        cx: &Context<'_>,
+        err: crate::driver::DriverError,
+        requested: u64,
+        segment: u64,
+    ) -> Error {
+        if !err.is_out_of_memory() {
+            return Error::driver(
+                &format!(
+                    "device {}: allocating a {} segment",
+                    self.device,
+                    human(segment)
+                ),
+                &err,
+            );
+        }
+        self.stats.ooms += 1;
+        let driver_free = match cx.driver.mem_get_info(self.device) {
+            Ok((free, _)) => human(free),
+            Err(_) => "an unknown amount".to_string(),
+        };
+        Error::out_of_memory(format!(
+            "device {}: out of memory: requested {} (a new segment of {}); this pool reserves {} \
+             of which {} is reusable, and the driver reports {} free. Release blocks you no longer \
+             need, or lower the batch or model size",
+            self.device,
+            human(requested),
+            human(segment),
+            human(self.stats.reserved_bytes),
+            human(self.stats.reusable()),
+            driver_free
+        ))
+    }
+
+    /// Return idle segments to the driver until at least `needed` bytes are back (`u64::MAX`:
+    /// all of them): the smallest single segment that covers it, else the largest first.
+    fn release_idle(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
+        let mut idle: Vec<(u64, u32)> = self.idle.iter().flatten().copied().collect();
+        if idle.is_empty() {
+            return Ok(0);
+        }
+        idle.sort_unstable();
+        let chosen: Vec<(u64, u32)> = match idle.iter().find(|&&(size, _)| size >= needed) {
+            Some(&one) if needed != u64::MAX => vec![one],
+            _ => {
+                let mut sum = 0u64;
+                idle.iter()
+                    .rev()
+                    .take_while(|&&(size, _)| {
+                        let more = sum < needed;
+                        sum = sum.saturating_add(size);
+                        more
+                    })
+                    .copied()
+                    .collect()
+            }
+        };
+        // Work queued before the blocks were released may still use them.
+        cx.driver.synchronize(self.device).map_err(|e| {
+            Error::driver("waiting for the device before returning cached memory", &e)
+        })?;
+        let mut released = 0;
+        for (size, seg) in chosen {
+            self.free_segment(cx, seg)?;
+            released += size;
+        }
+        Ok(released)
+    }
+
+    /// Give an idle segment back to the driver and forget it.
+    fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
+        let Segment {
+            base,
+            size,
+            stream,
+            class,
+            first,
+            ..
+        } = self.segments[seg as usize].clone();
+        cx.driver.mem_free(self.device, base).map_err(|e| {
+            Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
+        })?;
+        self.bin_remove(stream, class, first);
+        self.drop_stream_if_empty(stream);
+        self.blocks.remove(first);
+        self.idle[class as usize].remove(&(size, seg));
+        self.segments[seg as usize].in_use = false;
+        self.vacant_segments.push(seg);
+        cx.directory.remove(base);
+        self.stats.remove_segment(size);
+        Ok(())
+    }
+
+    /// Free the pending blocks whose events have completed (all of them, waiting, if `wait`).
+    fn collect_pending(&mut self, cx: &Context<'_>, wait: bool) -> Result<()> {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let mut done = true;
+            for &event in &self.pending[i].events {
+                let result = if wait {
+                    cx.driver
+                        .event_synchronize(self.device, event)
+                        .map(|()| true)
+                } else {
+                    cx.driver.event_query(self.device, event)
+                };
+                match result {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        done = false;
+                        break;
+                    }
+                    Err(e) => {
+                        return Err(Error::driver(
+                            "checking whether work on other streams using a released block has finished",
+                            &e,
+                        ))
+                    }
+                }
+            }
+            if done {
+                let Pending { block, mut events } = self.pending.swap_remove(i);
+                self.spare_events.append(&mut events);
+                self.free_block(block);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    // ----- blocks -----
+
+    /// Hand out free block `id` as a block of `block_size` bytes, splitting off the rest.
+    fn take(&mut self, id: u32, block_size: u64, requested: u64) -> DevicePtr {
+        let (stream, seg) = (self.blocks[id].stream, self.blocks[id].segment);
+        let (class, seg_size) = {
+            let s = &self.segments[seg as usize];
+            (s.class, s.size)
+        };
+        self.bin_remove(stream, class, id);
+        let block = &self.blocks[id];
+        if block.prev == NIL && block.next == NIL {
+            self.idle[class as usize].remove(&(seg_size, seg));
+        }
+        let rest = self.blocks[id].size - block_size;
+        if rest > 0 {
+            let (ptr, next) = (self.blocks[id].ptr, self.blocks[id].next);
+            let rest_id = self.blocks.insert(Block {
+                ptr: ptr + block_size,
+                size: rest,
+                requested: 0,
+                segment: seg,
+                stream,
+                prev: id,
+                next,
+                bin_prev: NIL,
+                bin_next: NIL,
+                state: State::Free,
+            });
+            if next != NIL {
+                self.blocks[next].prev = rest_id;
+            }
+            self.blocks[id].next = rest_id;
+            self.bin_insert(stream, class, rest_id);
+        }
+        let block = &mut self.blocks[id];
+        block.size = block_size;
+        block.requested = requested;
+        block.state = State::Live;
+        let ptr = block.ptr;
+        self.live.insert(ptr, id);
+        self.stats.add_live(block_size, requested);
+        ptr
+    }
+
+    /// Make block `id` free: merge it with free neighbours and put it in its bins.
+    fn free_block(&mut self, mut id: u32) {
+        let (stream, seg) = (self.blocks[id].stream, self.blocks[id].segment);
+        let class = self.segments[seg as usize].class;
+        self.blocks[id].state = State::Free;
+        self.blocks[id].requested = 0;
+        let prev = self.blocks[id].prev;
+        if prev != NIL && self.blocks[prev].state == State::Free {
+            self.bin_remove(stream, class, prev);
+            self.absorb_next(prev);
+            id = prev;
+        }
+        let next = self.blocks[id].next;
+        if next != NIL && self.blocks[next].state == State::Free {
+            self.bin_remove(stream, class, next);
+            self.absorb_next(id);
+        }
+        self.bin_insert(stream, class, id);
+        let block = &self.blocks[id];
+        if block.prev == NIL {
+            self.segments[seg as usize].first = id;
+            if block.next == NIL {
+                let size = self.segments[seg as usize].size;
+                self.idle[class as usize].insert((size, seg));
+            }
+        }
+    }
+
+    /// Merge the next block into block `id`, which stays.
+    fn absorb_next(&mut self, id: u32) {
+        let next = self.blocks[id].next;
+        let (size, after) = (self.blocks[next].size, self.blocks[next].next);
+        self.blocks[id].size += size;
+        self.blocks[id].next = after;
+        if after != NIL {
+            self.blocks[after].prev = id;
+        }
+        self.blocks.remove(next);
+    }
+
+    fn bin_insert(&mut self, stream: StreamHandle, class: Class, id: u32) {
+        self.streams.entry(stream).or_default()[class as usize].insert(&mut self.blocks, id);
+    }
+
+    fn bin_remove(&mut self, stream: StreamHandle, class: Class, id: u32) {
+        self.streams.entry(stream).or_default()[class as usize].remove(&mut self.blocks, id);
+    }
+
+    fn drop_stream_if_empty(&mut self, stream: StreamHandle) {
+        if self
+            .streams
+            .get(&stream)
+            .is_some_and(|bins| bins.iter().all(Bins::is_empty))
+        {
+            self.streams.remove(&stream);
+        }
+    }
+
+    // ----- events -----
+
+    fn take_event(&mut self, cx: &Context<'_>) -> crate::driver::DriverResult<EventHandle> {
+        match self.spare_events.pop() {
+            Some(event) => Ok(event),
+            None => cx.driver.event_create(self.device),
+        }
+    }
+
+    /// An event capturing the work queued so far on `stream`.
+    fn record_event(
+        &mut self,
+        cx: &Context<'_>,
+        stream: StreamHandle,
+    ) -> crate::driver::DriverResult<EventHandle> {
+        let event = self.take_event(cx)?;
+        match cx.driver.event_record(self.device, event, stream) {
+            Ok(()) => Ok(event),
+            Err(err) => {
+                self.spare_events.push(event);
+                Err(err)
+            }
+        }
+    }
+
+    /// Order work queued on `to` from now on after the work queued so far on `from`. If the
+    /// driver cannot (a destroyed stream, say), wait for the whole device instead.
+    fn order_after(
+        &mut self,
+        cx: &Context<'_>,
+        from: StreamHandle,
+        to: StreamHandle,
+    ) -> Result<()> {
+        let ordered = self.record_event(cx, from).and_then(|event| {
+            let waited = cx.driver.stream_wait_event(self.device, to, event);
+            self.spare_events.push(event);
+            waited
+        });
+        if ordered.is_err() {
+            cx.driver.synchronize(self.device).map_err(|e| {
+                Error::driver("ordering a cached segment's reuse on another stream", &e)
+            })?;
+        }
+        Ok(())
+    }
+
+    // ----- messages and checks -----
+
+    fn explain_bad_pointer(&self, ptr: DevicePtr) -> Error {
+        let seg = self
+            .segments
+            .iter()
+            .find(|s| s.in_use && s.base <= ptr && ptr - s.base < s.size);
+        let Some(seg) = seg else {
+            return Error::invalid_pointer(format!(
+                "{ptr:#x} was not returned by rm_reserve on device {}: it lies in no memory the \
+                 pool holds (pass only pointers from rm_reserve, each once)",
+                self.device
+            ));
+        };
+        let mut id = seg.first;
+        while id != NIL {
+            let block = &self.blocks[id];
+            if block.ptr <= ptr && ptr - block.ptr < block.size {
+                let what = match (block.ptr == ptr, block.state) {
+                    (true, State::Free | State::Pending) => {
+                        "was already released (double release); the pool is unchanged".to_string()
+                    }
+                    (false, State::Live) => format!(
+                        "points {} bytes into a live block of {} at {:#x}; release the block's \
+                         start address",
+                        ptr - block.ptr,
+                        human(block.size),
+                        block.ptr
+                    ),
+                    _ => "lies inside cached free memory: it is not a pointer rm_reserve returned \
+                          or it was already released"
+                        .to_string(),
+                };
+                return Error::invalid_pointer(format!("{ptr:#x} {what}"));
+            }
+            id = block.next;
+        }
+        Error::internal(format!(
+            "{ptr:#x} lies in segment {:#x} but in none of its blocks",
+            seg.base
+        ))
+    }
+
+    fn log(&self, args: std::fmt::Arguments<'_>) {
+        if self.config.logging {
+            eprintln!("resmem: device {}: {args}", self.device);
+        }
+    }
+
+    /// Check every invariant of the books; a description of the first broken one.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let mut reserved = 0;
+        let mut allocated = 0;
+        let mut requested = 0;
+        let mut live = 0;
+        let mut free_blocks = 0usize;
+        let mut segments = 0;
+        for (index, seg) in self.segments.iter().enumerate() {
+            if !seg.in_use {
+                continue;
+            }
+            segments += 1;
+            reserved += seg.size;
+            let mut id = seg.first;
+            let mut expect = seg.base;
+            let mut prev = NIL;
+            let mut prev_free = false;
+            while id != NIL {
+                let b = &self.blocks[id];
+                let here = format!("block {:#x} of segment {:#x}", b.ptr, seg.base);
+                if b.ptr != expect || b.prev != prev || b.segment as usize != index {
+                    return Err(format!("{here}: broken neighbour links"));
+                }
+                if b.size == 0 || b.size % MIN_BLOCK != 0 || b.ptr % MIN_BLOCK != 0 {
+                    return Err(format!("{here}: misaligned ({} bytes)", b.size));
+                }
+                if b.stream != seg.stream {
+                    return Err(format!("{here}: stream differs from its segment's"));
+                }
+                match b.state {
+                    State::Live => {
+                        allocated += b.size;
+                        requested += b.requested;
+                        live += 1;
+                        if self.live.get(&b.ptr) != Some(&id) {
+                            return Err(format!("{here}: live but not in the address map"));
+                        }
+                        prev_free = false;
+                    }
+                    State::Free => {
+                        if prev_free {
+                            return Err(format!("{here}: two free neighbours were not merged"));
+                        }
+                        free_blocks += 1;
+                        prev_free = true;
+                    }
+                    State::Pending => prev_free = false,
+                    State::Vacant => return Err(format!("{here}: vacant slot linked")),
+                }
+                expect = b.ptr + b.size;
+                prev = id;
+                id = b.next;
+            }
+            if expect != seg.base + seg.size {
+                return Err(format!("segment {:#x}: blocks do not cover it", seg.base));
+            }
+            let first = &self.blocks[seg.first];
+            let is_idle = first.next == NIL && first.state == State::Free;
+            if is_idle != self.idle[seg.class as usize].contains(&(seg.size, index as u32)) {
+                return Err(format!("segment {:#x}: idle set is wrong", seg.base));
+            }
+        }
+        let binned: usize = self.streams.values().flatten().map(Bins::len).sum();
+        if binned != free_blocks {
+            return Err(format!("{free_blocks} free blocks but {binned} in bins"));
+        }
+        if self.live.len() != live as usize {
+            return Err(format!(
+                "{live} live blocks but {} in the map",
+                self.live.len()
+            ));
+        }
+        let s = &self.stats;
+        let books = (
+            s.reserved_bytes,
+            s.allocated_bytes,
+            s.requested_bytes,
+            s.live_blocks,
+            s.segments,
+        );
+        if books != (reserved, allocated, requested, live, segments) {
+            return Err(format!(
+                "stats (reserved, allocated, requested, live, segments) = {books:?}, blocks say {:?}",
+                (reserved, allocated, requested, live, segments)
+            ));
+        }
+        if s.peak_allocated_bytes < s.allocated_bytes || s.peak_reserved_bytes < s.reserved_bytes {
+            return Err("a peak is below its current value".to_string());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,229 @@
+//! The caching pool: pure logic over the [`Driver`] trait. It never calls CUDA directly and never
+//! reads the environment; everything it needs comes in through [`Pool::new`].
+//!
+//! - [`size`]: rounding and the small/large classes;
+//! - [`blocks`]: the block arena with address-neighbour links;
+//! - [`bins`]: the O(1) good-fit free-block index (two-level bitmask bins);
+//! - [`device`]: one device's books and the reserved-reuse policy;
+//! - [`stats`]: the figures `rm_get_stats` reports;
+//! - this module: the multi-device [`Pool`], one lock per device, and the address directory that
+//!   finds a pointer's device for `release`.
+
+pub mod bins;
+pub mod blocks;
+pub mod device;
+pub mod hash;
+pub mod size;
+pub mod stats;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::{rm_status, Error, Result};
+use device::DevicePool;
+pub use stats::Stats;
+
+/// Settings of the pool (from `RESMEM_CONF`, parsed elsewhere).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PoolConfig {
+    /// Return idle segments to the driver before growing when the driver's free memory is short
+    /// of a new segment (step 3 of the policy). Default: on.
+    pub release_before_grow: bool,
+    /// Write a line to standard error on every segment the pool allocates or returns, and on
+    /// out-of-memory. Default: off.
+    pub logging: bool,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            release_before_grow: true,
+            logging: false,
+        }
+    }
+}
+
+/// Which device holds each segment, by base address: how `release` finds a pointer's device.
+#[derive(Default)]
+pub struct Directory(RwLock<BTreeMap<DevicePtr, (u64, i32)>>);
+
+impl Directory {
+    fn insert(&self, base: DevicePtr, size: u64, device: i32) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(base, (size, device));
+    }
+
+    fn remove(&self, base: DevicePtr) {
+        self.0
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&base);
+    }
+
+    /// The device whose segment contains `ptr`.
+    fn device_of(&self, ptr: DevicePtr) -> Option<i32> {
+        let map = self.0.read().unwrap_or_else(|e| e.into_inner());
+        let (&base, &(size, device)) = map.range(..=ptr).next_back()?;
+        (ptr - base < size).then_some(device)
+    }
+}
+
+/// What a device pool needs from outside while it works.
+pub struct Context<'a> {
+    driver: &'a dyn Driver,
+    directory: &'a Directory,
+}
+
+/// The pool of every device, safe to share between threads.
+pub struct Pool {
+    driver: Arc<dyn Driver>,
+    devices: Box<[Mutex<DevicePool>]>,
+    directory: Directory,
+}
+
+impl Pool {
+    /// A pool over every device `driver` sees.
+    pub fn new(driver: Arc<dyn Driver>, config: PoolConfig) -> Pool {
+        let devices = (0..driver.device_count().max(0))
+            .map(|device| Mutex::new(DevicePool::new(device, config)))
+            .collect();
+        Pool {
+            driver,
+            devices,
+            directory: Directory::default(),
+        }
+    }
+
+    /// The driver underneath.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        &self.driver
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> i32 {
+        self.devices.len() as i32
+    }
+
+    /// `device`'s pool, locked. A lock poisoned by a panic is taken over: every book is updated
+    /// only after the driver call it depends on succeeded.
+    fn lock(&self, device: i32) -> Result<(MutexGuard<'_, DevicePool>, Context<'_>)> {
+        let slot = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or_else(|| self.invalid_device(device))?;
+        let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let cx = Context {
+            driver: &*self.driver,
+            directory: &self.directory,
+        };
+        Ok((guard, cx))
+    }
+
+    fn invalid_device(&self, device: i32) -> Error {
+        let seen = match self.devices.len() {
+            0 => "no devices".to_string(),
+            1 => "1 device (ordinal 0)".to_string(),
+            n => format!("{n} devices (ordinals 0 to {})", n - 1),
+        };
+        Error::new(
+            rm_status::RM_ERROR_INVALID_DEVICE,
+            format!(
+                "device {device} is out of range: this process sees {seen} through {}",
+                self.driver.describe()
+            ),
+        )
+    }
+
+    /// A block of at least `size` bytes on `device` for use on `stream`; `0` for size 0.
+    pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        let (mut pool, cx) = self.lock(device)?;
+        if size == 0 {
+            return Ok(0);
+        }
+        pool.reserve(&cx, size, stream)
+    }
+
+    /// Give a block back to the pool. `0` is accepted and does nothing.
+    pub fn release(&self, ptr: DevicePtr) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
+        let device = self.device_for(ptr)?;
+        let (mut pool, cx) = self.lock(device)?;
+        pool.release(&cx, ptr)
+    }
+
+    /// Note that the live block at `ptr` is also used on `stream`.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        let device = self.device_for(ptr)?;
+        let (mut pool, _) = self.lock(device)?;
+        pool.record_stream(ptr, stream)
+    }
+
+    /// Which device a pointer belongs to (without a lookup when there is one device).
+    fn device_for(&self, ptr: DevicePtr) -> Result<i32> {
+        if self.devices.len() == 1 {
+            return Ok(0);
+        }
+        self.directory.device_of(ptr).ok_or_else(|| {
+            Error::invalid_pointer(format!(
+                "{ptr:#x} was not returned by rm_reserve: it lies in no memory the pool holds on \
+                 any device (pass only pointers from rm_reserve, each once)"
+            ))
+        })
+    }
+
+    /// `(free, total)` bytes of `device`, where free counts this pool's reusable memory.
+    pub fn mem_get_info(&self, device: i32) -> Result<(u64, u64)> {
+        let (pool, cx) = self.lock(device)?;
+        pool.mem_get_info(&cx)
+    }
+
+    /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
+    pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
+        let devices = match device {
+            Some(d) => d..d + 1,
+            None => 0..self.device_count(),
+        };
+        let mut released = 0;
+        for device in devices {
+            let (mut pool, cx) = self.lock(device)?;
+            released += pool.free_reusable(&cx)?;
+        }
+        Ok(released)
+    }
+
+    /// Ensure at least `bytes` are reusable on `device`. Returns the bytes newly allocated.
+    pub fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
+        let (mut pool, cx) = self.lock(device)?;
+        pool.warmup(&cx, bytes)
+    }
+
+    /// The figures of `device`.
+    pub fn stats(&self, device: i32) -> Result<Stats> {
+        let (pool, _) = self.lock(device)?;
+        Ok(pool.stats())
+    }
+
+    /// Set the peaks of `device` to the current values.
+    pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
+        let (mut pool, _) = self.lock(device)?;
+        pool.reset_peak_stats();
+        Ok(())
+    }
+
+    /// Check the books of every device; a description of the first broken invariant.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        for device in 0..self.device_count() {
+            let (pool, _) = self.lock(device).map_err(|e| e.message)?;
+            pool.check().map_err(|e| format!("device {device}: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,104 @@
+//! The pool's figures for one device, kept exact at every moment: byte counts and peaks are
+//! updated with every change, event counters with every event.
+
+/// A device's figures; the Rust twin of `rm_stats`, field for field.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes in live blocks (block sizes, multiples of 512).
+    pub allocated_bytes: u64,
+    /// Bytes in live blocks as the callers asked for them.
+    pub requested_bytes: u64,
+    /// Bytes held from the driver (all segments).
+    pub reserved_bytes: u64,
+    /// `reserved_bytes - allocated_bytes`: memory the pool holds but nobody uses.
+    pub reusable_bytes: u64,
+    /// The largest single request the pool can serve without the driver.
+    pub largest_reusable_block: u64,
+    /// The most `allocated_bytes` has been since the last peak reset.
+    pub peak_allocated_bytes: u64,
+    /// The most `reserved_bytes` has been since the last peak reset.
+    pub peak_reserved_bytes: u64,
+    /// Blocks handed out and not yet released.
+    pub live_blocks: u64,
+    /// Segments held from the driver.
+    pub segments: u64,
+    /// Calls of `reserve` with a non-zero size.
+    pub reserve_calls: u64,
+    /// Those served without a driver allocation.
+    pub cache_hits: u64,
+    /// Successful driver allocations.
+    pub driver_allocs: u64,
+    /// Successful driver frees.
+    pub driver_frees: u64,
+    /// Times a driver out-of-memory made the pool return all reusable memory and retry.
+    pub oom_retries: u64,
+    /// Requests that failed with out-of-memory.
+    pub ooms: u64,
+}
+
+impl Stats {
+    /// Count a new live block.
+    pub fn add_live(&mut self, size: u64, requested: u64) {
+        self.allocated_bytes += size;
+        self.requested_bytes += requested;
+        self.live_blocks += 1;
+        self.peak_allocated_bytes = self.peak_allocated_bytes.max(self.allocated_bytes);
+    }
+
+    /// Count a released block.
+    pub fn remove_live(&mut self, size: u64, requested: u64) {
+        self.allocated_bytes -= size;
+        self.requested_bytes -= requested;
+        self.live_blocks -= 1;
+    }
+
+    /// Count a new segment.
+    pub fn add_segment(&mut self, size: u64) {
+        self.reserved_bytes += size;
+        self.segments += 1;
+        self.driver_allocs += 1;
+        self.peak_reserved_bytes = self.peak_reserved_bytes.max(self.reserved_bytes);
+    }
+
+    /// Count a segment returned to the driver.
+    pub fn remove_segment(&mut self, size: u64) {
+        self.reserved_bytes -= size;
+        self.segments -= 1;
+        self.driver_frees += 1;
+    }
+
+    /// Bytes held but not in live blocks.
+    pub fn reusable(&self) -> u64 {
+        self.reserved_bytes - self.allocated_bytes
+    }
+
+    /// Set the peaks to the current values.
+    pub fn reset_peaks(&mut self) {
+        self.peak_allocated_bytes = self.allocated_bytes;
+        self.peak_reserved_bytes = self.reserved_bytes;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peaks_follow_and_reset() {
+        let mut s = Stats::default();
+        s.add_segment(4 << 20);
+        s.add_live(3 << 20, 3_000_000);
+        s.remove_live(3 << 20, 3_000_000);
+        assert_eq!(
+            (s.allocated_bytes, s.requested_bytes, s.live_blocks),
+            (0, 0, 0)
+        );
+        assert_eq!(s.peak_allocated_bytes, 3 << 20);
+        assert_eq!(s.reusable(), 4 << 20);
+        s.remove_segment(4 << 20);
+        assert_eq!(s.peak_reserved_bytes, 4 << 20);
+        assert_eq!((s.driver_allocs, s.driver_frees, s.segments), (1, 1, 0));
+        s.reset_peaks();
+        assert_eq!((s.peak_allocated_bytes, s.peak_reserved_bytes), (0, 0));
+    }
+}

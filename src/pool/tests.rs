@@ -1,0 +1,506 @@
+//! The pool against simulated devices: each rule of the policy, the books after every step, and
+//! the messages.
+
+use std::sync::Arc;
+
+use cuda_sim::Sim;
+
+use super::*;
+use crate::driver::sim::SimDriver;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// A pool over fresh simulated devices of these capacities, and the devices.
+fn pool_with(capacities: &[u64], config: PoolConfig) -> (Pool, &'static Sim) {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(capacities)));
+    let driver = SimDriver::new(sim).expect("sim initialises");
+    (Pool::new(Arc::new(driver), config), sim)
+}
+
+fn pool(capacity: u64) -> (Pool, &'static Sim) {
+    pool_with(&[capacity], PoolConfig::default())
+}
+
+/// The books are consistent, and reserved equals what the driver holds for us.
+fn assert_books(pool: &Pool, sim: &Sim) {
+    pool.check().unwrap();
+    for device in 0..pool.device_count() {
+        let stats = pool.stats(device).unwrap();
+        assert_eq!(
+            stats.reserved_bytes,
+            sim.used_bytes(device),
+            "device {device}"
+        );
+        assert_eq!(
+            stats.reusable_bytes,
+            stats.reserved_bytes - stats.allocated_bytes
+        );
+    }
+}
+
+#[test]
+fn small_requests_share_a_segment_and_are_aligned() {
+    let (pool, sim) = pool(24 * GIB);
+    let a = pool.reserve(0, 1, 0).unwrap();
+    let b = pool.reserve(0, 700, 0).unwrap();
+    let c = pool.reserve(0, MIB, 0).unwrap();
+    assert_eq!(a % 512, 0);
+    assert_eq!(b, a + 512);
+    assert_eq!(c, b + 1024);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.segments, 1);
+    assert_eq!(s.reserved_bytes, 2 * MIB);
+    assert_eq!(s.allocated_bytes, 512 + 1024 + MIB);
+    assert_eq!(s.requested_bytes, 1 + 700 + MIB);
+    assert_eq!(s.live_blocks, 3);
+    assert_eq!((s.reserve_calls, s.cache_hits, s.driver_allocs), (3, 2, 1));
+    assert_eq!(s.largest_reusable_block, 2 * MIB - (512 + 1024 + MIB));
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn large_requests_get_their_own_segment_rounded_to_pages() {
+    let (pool, sim) = pool(24 * GIB);
+    let p = pool.reserve(0, 3 * MIB + 1, 0).unwrap();
+    assert_eq!(p % (2 * MIB), 0);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 4 * MIB);
+    assert_eq!(s.allocated_bytes, 3 * MIB + 512);
+    // The 1 MiB - 512 B left over serves nothing: small requests come from small segments, and
+    // no large request fits it.
+    assert_eq!(s.largest_reusable_block, 0);
+    pool.release(p).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.reusable_bytes), (0, 4 * MIB));
+    assert_eq!(s.largest_reusable_block, 4 * MIB);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn released_blocks_coalesce_and_are_reused_without_the_driver() {
+    let (pool, sim) = pool(24 * GIB);
+    pool.warmup(0, 64 * MIB).unwrap();
+    let ptrs: Vec<u64> = (0..8)
+        .map(|_| pool.reserve(0, 8 * MIB, 0).unwrap())
+        .collect();
+    for w in ptrs.windows(2) {
+        assert_eq!(w[1], w[0] + 8 * MIB, "the warm segment is split in order");
+    }
+    for &p in ptrs.iter().rev().step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+    for &p in ptrs.iter().step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        s.largest_reusable_block,
+        64 * MIB,
+        "all eight merged back into one"
+    );
+    assert_eq!((s.driver_allocs, s.cache_hits, s.reserve_calls), (1, 8, 8));
+    let again = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(again, ptrs[0]);
+    assert_eq!(pool.stats(0).unwrap().driver_allocs, 1);
+}
+
+#[test]
+fn exact_size_reuse_finds_the_same_block() {
+    let (pool, _) = pool(24 * GIB);
+    let keep = pool.reserve(0, 17 * 512, 0).unwrap();
+    let p = pool.reserve(0, 17 * 512, 0).unwrap();
+    let _fence = pool.reserve(0, 512, 0).unwrap();
+    pool.release(p).unwrap();
+    assert_eq!(pool.reserve(0, 17 * 512, 0).unwrap(), p);
+    assert_ne!(keep, p);
+}
+
+#[test]
+fn warmup_allocates_only_the_shortfall() {
+    let (pool, sim) = pool(24 * GIB);
+    assert_eq!(pool.warmup(0, 8 * GIB).unwrap(), 8 * GIB);
+    assert_eq!(pool.warmup(0, 8 * GIB).unwrap(), 0, "already reusable");
+    let p = pool.reserve(0, 6 * GIB, 0).unwrap();
+    // 2 GiB reusable, 3 GiB wanted: 1 GiB more.
+    assert_eq!(pool.warmup(0, 3 * GIB).unwrap(), GIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.segments, s.driver_allocs),
+        (9 * GIB, 2, 2)
+    );
+    pool.release(p).unwrap();
+    assert_eq!(pool.warmup(0, 9 * GIB).unwrap(), 0);
+    assert_eq!(pool.warmup(0, 0).unwrap(), 0);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn mem_get_info_counts_reusable_memory_as_free() {
+    let (pool, sim) = pool(24 * GIB);
+    let p = pool.reserve(0, 5 * GIB, 0).unwrap();
+    let (free, total) = pool.mem_get_info(0).unwrap();
+    assert_eq!((free, total), (19 * GIB, 24 * GIB));
+    pool.release(p).unwrap();
+    assert_eq!(
+        sim.mem_get_info(0).unwrap().0,
+        19 * GIB,
+        "the driver still sees it used"
+    );
+    assert_eq!(pool.mem_get_info(0).unwrap(), (24 * GIB, 24 * GIB));
+}
+
+#[test]
+fn idle_segments_go_back_to_the_driver_before_growing() {
+    // transformers #37436: 748 MiB cached, a 784 MiB request, 736 MiB free on the driver.
+    let (pool, sim) = pool((748 + 736) * MIB);
+    let cached = pool.reserve(0, 748 * MIB, 0).unwrap();
+    pool.release(cached).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 736 * MIB);
+    let p = pool.reserve(0, 784 * MIB, 0).unwrap();
+    assert_ne!(p, 0);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.driver_frees),
+        (784 * MIB, 2, 1)
+    );
+    assert_eq!(
+        (s.oom_retries, s.ooms),
+        (0, 0),
+        "no failed driver call was needed"
+    );
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn the_smallest_idle_segment_that_covers_the_shortfall_is_returned() {
+    let (pool, sim) = pool(100 * MIB);
+    let ptrs: Vec<u64> = [10, 30, 20, 40]
+        .iter()
+        .map(|&m| pool.reserve(0, m * MIB, 0).unwrap())
+        .collect();
+    for &p in &ptrs {
+        pool.release(p).unwrap();
+    }
+    // 0 MiB free on the driver; 50 MiB needed: 40 + 20 would do, but largest-first gives 40 + 30.
+    // A request of 45 MiB is short 46 MiB (page-rounded): no single segment covers it.
+    pool.reserve(0, 45 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 10 * MIB + 20 * MIB + 46 * MIB);
+    // Now 24 MiB free; a 30 MiB request is short 6 MiB: the 10 MiB segment covers it alone.
+    pool.reserve(0, 30 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 20 * MIB + 46 * MIB + 30 * MIB);
+    assert_eq!(s.driver_frees, 3);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn driver_oom_returns_everything_and_retries_once() {
+    let config = PoolConfig {
+        release_before_grow: false,
+        ..PoolConfig::default()
+    };
+    let (pool, sim) = pool_with(&[100 * MIB], config);
+    let p = pool.reserve(0, 60 * MIB, 0).unwrap();
+    pool.release(p).unwrap();
+    let q = pool.reserve(0, 70 * MIB, 0).unwrap();
+    assert_ne!(q, 0);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.oom_retries, s.ooms, s.driver_frees), (1, 0, 1));
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn out_of_memory_names_every_figure_and_changes_nothing() {
+    let (pool, sim) = pool(100 * MIB);
+    let live = pool.reserve(0, 60 * MIB, 0).unwrap();
+    let small = pool.reserve(0, 4096, 0).unwrap();
+    pool.release(small).unwrap();
+    let before = pool.stats(0).unwrap();
+    let err = pool.reserve(0, 50 * MIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    let m = &err.message;
+    assert!(m.contains("requested 50.00 MiB (52428800 bytes)"), "{m}");
+    assert!(m.contains("reserves 60.00 MiB (62914560 bytes)"), "{m}");
+    assert!(m.contains("0 B is reusable"), "{m}");
+    assert!(
+        m.contains("driver reports 40.00 MiB (41943040 bytes) free"),
+        "{m}"
+    );
+    let after = pool.stats(0).unwrap();
+    assert_eq!(after.ooms, 1);
+    assert_eq!(after.oom_retries, 1);
+    assert_eq!(
+        after.reserved_bytes,
+        before.reserved_bytes - 2 * MIB,
+        "the idle small segment went back"
+    );
+    assert_eq!(after.allocated_bytes, before.allocated_bytes);
+    pool.release(live).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_request_beyond_the_device_fails_without_flushing_the_cache() {
+    let (pool, sim) = pool(24 * GIB);
+    let p = pool.reserve(0, GIB, 0).unwrap();
+    pool.release(p).unwrap();
+    let err = pool.reserve(0, 25 * GIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("more than the device's total memory"),
+        "{}",
+        err.message
+    );
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, GIB);
+    let err = pool.reserve(0, u64::MAX - 511, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_VALUE);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn bad_pointers_are_refused_with_a_reason_and_nothing_changes() {
+    let (pool, sim) = pool(24 * GIB);
+    let a = pool.reserve(0, 4096, 0).unwrap();
+    let b = pool.reserve(0, 4096, 0).unwrap();
+    pool.release(a).unwrap();
+    let before = pool.stats(0).unwrap();
+    let cases = [
+        (a, "already released"),
+        (b + 512, "points 512 bytes into a live block"),
+        (b + 8192, "inside cached free memory"),
+        (0x1234_5000, "not returned by rm_reserve"),
+    ];
+    for (ptr, needle) in cases {
+        let err = pool.release(ptr).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+        assert!(err.message.contains(needle), "{ptr:#x}: {}", err.message);
+        let err = pool.record_stream(ptr, 0).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    }
+    assert_eq!(pool.stats(0).unwrap(), before);
+    pool.release(0).unwrap();
+    pool.release(b).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn invalid_devices_are_refused() {
+    let (pool, _) = pool_with(&[GIB, GIB], PoolConfig::default());
+    for device in [-2, -1, 2, 10_000, i32::MAX] {
+        let err = pool.reserve(device, 512, 0).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_DEVICE);
+        assert!(
+            err.message.contains("2 devices (ordinals 0 to 1)"),
+            "{}",
+            err.message
+        );
+        assert!(pool.stats(device).is_err());
+        assert!(pool.mem_get_info(device).is_err());
+        assert!(pool.warmup(device, 1).is_err());
+    }
+    assert!(pool.free_reusable(Some(-2)).is_err());
+}
+
+#[test]
+fn release_finds_the_device_of_a_pointer() {
+    let (pool, sim) = pool_with(&[GIB, GIB], PoolConfig::default());
+    let on0 = pool.reserve(0, 3 * MIB, 0).unwrap();
+    let on1 = pool.reserve(1, 3 * MIB, 0).unwrap();
+    assert_eq!(sim.device_of(on1), Some(1));
+    pool.release(on1).unwrap();
+    assert_eq!(pool.stats(1).unwrap().allocated_bytes, 0);
+    assert_eq!(pool.stats(0).unwrap().allocated_bytes, 3 * MIB);
+    pool.release(on0).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 8 * MIB);
+    assert_eq!((sim.used_bytes(0), sim.used_bytes(1)), (0, 0));
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn free_reusable_returns_idle_segments_only() {
+    let (pool, sim) = pool(24 * GIB);
+    let keep = pool.reserve(0, 10 * MIB, 0).unwrap();
+    let small = pool.reserve(0, 1000, 0).unwrap();
+    let gone = pool.reserve(0, 20 * MIB, 0).unwrap();
+    pool.release(gone).unwrap();
+    let partly = pool.reserve(0, 1000, 0).unwrap();
+    pool.release(small).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 20 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.segments), (12 * MIB, 2));
+    pool.release(keep).unwrap();
+    pool.release(partly).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 12 * MIB);
+    assert_eq!(sim.live_allocations(0), 0);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.driver_allocs, s.driver_frees, s.peak_reserved_bytes),
+        (3, 3, 32 * MIB)
+    );
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn peaks_track_and_reset() {
+    let (pool, _) = pool(24 * GIB);
+    let p = pool.reserve(0, 100 * MIB, 0).unwrap();
+    pool.release(p).unwrap();
+    pool.free_reusable(Some(0)).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.peak_allocated_bytes, s.peak_reserved_bytes),
+        (100 * MIB, 100 * MIB)
+    );
+    pool.reset_peak_stats(0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.peak_allocated_bytes, s.peak_reserved_bytes), (0, 0));
+}
+
+#[test]
+fn a_block_is_reused_on_its_own_stream_at_once() {
+    let (pool, sim) = pool(24 * GIB);
+    let s1 = sim.stream_create(0).unwrap();
+    let p = pool.reserve(0, 4096, s1).unwrap();
+    sim.enqueue_work(0, s1).unwrap();
+    pool.release(p).unwrap();
+    assert_eq!(
+        pool.reserve(0, 4096, s1).unwrap(),
+        p,
+        "stream order makes it safe"
+    );
+}
+
+#[test]
+fn another_stream_gets_an_idle_segment_ordered_after_the_old_streams_work() {
+    let (pool, sim) = pool(24 * GIB);
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let p = pool.reserve(0, 8 * MIB, s1).unwrap();
+    sim.enqueue_work(0, s1).unwrap(); // a kernel still using p
+    pool.release(p).unwrap();
+    let q = pool.reserve(0, 8 * MIB, s2).unwrap();
+    assert_eq!(q, p, "the idle segment moved to s2");
+    assert_eq!(pool.stats(0).unwrap().driver_allocs, 1);
+    // Work queued on s2 now cannot finish before s1's kernel.
+    sim.enqueue_work(0, s2).unwrap();
+    assert_eq!(sim.pending_work(0, s1).unwrap(), 1);
+    sim.complete_work(0, s2).unwrap();
+    assert_eq!(sim.pending_work(0, s1).unwrap(), 0, "s2 waited for s1");
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_partly_used_segment_of_another_stream_is_not_shared() {
+    let (pool, sim) = pool(24 * GIB);
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let _held = pool.reserve(0, 4096, s1).unwrap();
+    pool.reserve(0, 4096, s2).unwrap();
+    assert_eq!(pool.stats(0).unwrap().segments, 2);
+}
+
+#[test]
+fn record_stream_holds_a_block_until_that_streams_work_is_done() {
+    let (pool, sim) = pool(24 * GIB);
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let _fence = pool.reserve(0, 512, s1).unwrap();
+    let p = pool.reserve(0, 4096, s1).unwrap();
+    pool.record_stream(p, s2).unwrap();
+    pool.record_stream(p, s1).unwrap(); // its own stream: nothing to wait for
+    sim.enqueue_work(0, s2).unwrap();
+    pool.release(p).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.allocated_bytes, s.live_blocks),
+        (512, 1),
+        "released at once in the books"
+    );
+    let q = pool.reserve(0, 4096, s1).unwrap();
+    assert_ne!(q, p, "s2 may still be using it");
+    pool.check().unwrap();
+    sim.complete_work(0, s2).unwrap();
+    let r = pool.reserve(0, 4096, s1).unwrap();
+    assert_eq!(r, p, "reusable once s2's work completed");
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn free_reusable_waits_for_pending_blocks() {
+    let (pool, sim) = pool(24 * GIB);
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let p = pool.reserve(0, 4 * MIB, s1).unwrap();
+    pool.record_stream(p, s2).unwrap();
+    sim.enqueue_work(0, s2).unwrap();
+    pool.release(p).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 4 * MIB);
+    assert_eq!(
+        sim.pending_work(0, s2).unwrap(),
+        0,
+        "the host waited for s2"
+    );
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_hundred_thousand_cached_blocks_keep_working() {
+    let (pool, sim) = pool(24 * GIB);
+    let ptrs: Vec<u64> = (0..100_000u64)
+        .map(|i| pool.reserve(0, 512 * (1 + i % 7), 0).unwrap())
+        .collect();
+    // Release every other block: 50k cached fragments that cannot merge.
+    for &p in ptrs.iter().step_by(2) {
+        pool.release(p).unwrap();
+    }
+    pool.check().unwrap();
+    for i in 0..1000u64 {
+        let p = pool.reserve(0, 512 * (1 + i % 7), 0).unwrap();
+        pool.release(p).unwrap();
+    }
+    for &p in ptrs.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.allocated_bytes, 0);
+    assert_eq!(s.largest_reusable_block, MIB);
+    pool.free_reusable(Some(0)).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn threads_share_the_pool_and_release_each_others_blocks() {
+    let (pool, sim) = pool_with(&[8 * GIB, 8 * GIB], PoolConfig::default());
+    let pool = Arc::new(pool);
+    let (tx, rx) = std::sync::mpsc::channel::<u64>();
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let (pool, tx, rx) = (pool.clone(), tx.clone(), rx.clone());
+            std::thread::spawn(move || {
+                for i in 0..5_000u64 {
+                    let size = 512 + (i * 7919 + t * 31) % (3 * MIB);
+                    let p = pool.reserve((i % 2) as i32, size, 0).unwrap();
+                    tx.send(p).unwrap();
+                    if let Ok(q) = rx.lock().unwrap().try_recv() {
+                        pool.release(q).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    for h in handles {
+        h.join().unwrap();
+    }
+    while let Ok(q) = rx.lock().unwrap().try_recv() {
+        pool.release(q).unwrap();
+    }
+    for d in 0..2 {
+        assert_eq!(pool.stats(d).unwrap().allocated_bytes, 0);
+    }
+    assert_books(&pool, sim);
+    pool.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0) + sim.used_bytes(1), 0);
+}
