@@ -1,0 +1,245 @@
+/*
+ * resmem: a CUDA device-memory caching pool that counts reserved-but-unused memory as free.
+ *
+ * This header is generated from src/capi.rs by cbindgen; do not edit it by hand.
+ * Regenerate it with: RESMEM_BLESS=1 cargo test --test header
+ *
+ * Every function is thread-safe, never unwinds into the caller, never aborts the process, and
+ * prints nothing unless RESMEM_CONF=logging:true. On failure a function returns a status other
+ * than RM_SUCCESS and rm_last_error() describes what happened and what to do.
+ *
+ * Environment (read once, at the first call):
+ *   RESMEM_DRIVER        cuda (default: load the real driver) or sim (simulated devices)
+ *   RESMEM_CUDA_LIBRARY  the driver library to load (default libcuda.so.1)
+ *   RESMEM_CONF          pool settings, key:value,key:value (release_before_grow, logging)
+ *   CUDA_SIM_DEVICES     simulated devices' capacities, e.g. 24GiB or 80GiB,80GiB
+ */
+
+#ifndef RESMEM_H
+#define RESMEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/**
+ * The result of every resmem function.
+ */
+typedef enum rm_status {
+  /**
+   * The call did what it was asked.
+   */
+  RM_SUCCESS = 0,
+  /**
+   * An argument is wrong: a NULL out-pointer, a size that overflows, a malformed `RESMEM_CONF`.
+   */
+  RM_ERROR_INVALID_VALUE = 1,
+  /**
+   * The device ordinal is out of range for this process.
+   */
+  RM_ERROR_INVALID_DEVICE = 2,
+  /**
+   * The request cannot be met even after returning all reusable memory to the driver.
+   */
+  RM_ERROR_OUT_OF_MEMORY = 3,
+  /**
+   * The pointer was not returned by `rm_reserve`, points inside a block, or was already released.
+   */
+  RM_ERROR_INVALID_POINTER = 4,
+  /**
+   * No CUDA driver could be loaded or initialised.
+   */
+  RM_ERROR_NO_DRIVER = 5,
+  /**
+   * Another driver call failed; the message names the call and its `CUresult`.
+   */
+  RM_ERROR_DRIVER = 6,
+  /**
+   * A bug in resmem: a caught panic or a broken invariant. Please report it with the message.
+   */
+  RM_ERROR_INTERNAL = 7,
+} rm_status;
+
+/**
+ * A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
+ * the call.
+ */
+typedef struct rm_stats {
+  /**
+   * Bytes in live blocks (block sizes: requests rounded up to 512 bytes).
+   */
+  uint64_t allocated_bytes;
+  /**
+   * Bytes in live blocks as requested.
+   */
+  uint64_t requested_bytes;
+  /**
+   * Bytes held from the driver.
+   */
+  uint64_t reserved_bytes;
+  /**
+   * `reserved_bytes - allocated_bytes`: held but unused, counted as free by `rm_mem_get_info`.
+   */
+  uint64_t reusable_bytes;
+  /**
+   * The largest single request servable without the driver (on the stream owning that block).
+   */
+  uint64_t largest_reusable_block;
+  /**
+   * Highest `allocated_bytes` since start or the last `rm_reset_peak_stats`.
+   */
+  uint64_t peak_allocated_bytes;
+  /**
+   * Highest `reserved_bytes` since start or the last `rm_reset_peak_stats`.
+   */
+  uint64_t peak_reserved_bytes;
+  /**
+   * Blocks reserved and not yet released.
+   */
+  uint64_t live_blocks;
+  /**
+   * Segments (driver allocations) held.
+   */
+  uint64_t segments;
+  /**
+   * `rm_reserve` calls with a non-zero size.
+   */
+  uint64_t reserve_calls;
+  /**
+   * Of those, the ones served without a driver allocation.
+   */
+  uint64_t cache_hits;
+  /**
+   * Successful driver allocations.
+   */
+  uint64_t driver_allocs;
+  /**
+   * Successful driver frees.
+   */
+  uint64_t driver_frees;
+  /**
+   * Times a driver out-of-memory made the pool return all reusable memory and retry.
+   */
+  uint64_t oom_retries;
+  /**
+   * Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
+   */
+  uint64_t ooms;
+} rm_stats;
+
+#ifdef __cplusplus
+extern "C" {
+#endif // __cplusplus
+
+/**
+ * Free and total memory of `device` in bytes, where *free* is what the driver reports free
+ * plus this pool's reusable bytes on that device (memory it holds but nobody uses).
+ *
+ * # Safety
+ * `free_bytes` and `total_bytes` are NULL or valid for writing a `size_t`.
+ */
+enum rm_status rm_mem_get_info(int device, size_t *free_bytes, size_t *total_bytes);
+
+/**
+ * Reserve a block of at least `size` bytes on `device`, 512-byte aligned, for use on `stream`
+ * (a `CUstream`; NULL is the default stream). `size` 0 succeeds with `*out_ptr = NULL`.
+ *
+ * Order of attempts: a cached block on this stream (best fit); an idle cached segment of
+ * another stream, ordered after that stream's work; a new segment, returning idle cached
+ * segments to the driver first if the driver's free memory is short; on a driver
+ * out-of-memory, all reusable memory is returned and the allocation retried once; then
+ * `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and driver-free bytes in
+ * `rm_last_error()`. On failure `*out_ptr` is NULL.
+ *
+ * # Safety
+ * `out_ptr` is NULL or valid for writing a pointer.
+ */
+enum rm_status rm_reserve(int device, size_t size, void *stream, void **out_ptr);
+
+/**
+ * Give a block back to the pool (not to the driver). NULL is accepted and does nothing.
+ * A pointer the pool did not hand out, an interior pointer, or a second release fails with
+ * `RM_ERROR_INVALID_POINTER` and changes nothing. The block is reusable at once on the stream it
+ * was reserved for; elsewhere only after the work queued on every stream that used it.
+ *
+ * # Safety
+ * None beyond passing a value: the pointer is looked up, never dereferenced.
+ */
+enum rm_status rm_release(void *ptr);
+
+/**
+ * Note that the live block at `ptr` is also used on `stream` (PyTorch's `record_stream`): its
+ * release then waits for the work queued on `stream` before the block is reused.
+ *
+ * # Safety
+ * None beyond passing values: the pointers are looked up, never dereferenced.
+ */
+enum rm_status rm_record_stream(void *ptr, void *stream);
+
+/**
+ * Return every idle cached segment to the driver (what `torch.cuda.empty_cache()` does), after
+ * waiting for blocks still in use by other streams. `device` -1 means every device. The bytes
+ * returned are stored in `*released_bytes` unless it is NULL.
+ *
+ * # Safety
+ * `released_bytes` is NULL or valid for writing a `size_t`.
+ */
+enum rm_status rm_free_reusable(int device, size_t *released_bytes);
+
+/**
+ * Make sure at least `bytes` of reusable memory is reserved on `device`, counting what is
+ * already reusable first: only the shortfall is allocated, as one segment. Loading a model of
+ * the same size again therefore reserves nothing new.
+ *
+ * # Safety
+ * None: all arguments are values.
+ */
+enum rm_status rm_warmup(int device, size_t bytes);
+
+/**
+ * Fill `*out` with `device`'s figures.
+ *
+ * # Safety
+ * `out` is NULL or valid for writing an `rm_stats`.
+ */
+enum rm_status rm_get_stats(int device, struct rm_stats *out);
+
+/**
+ * Set `device`'s peak figures to the current ones.
+ *
+ * # Safety
+ * None: the argument is a value.
+ */
+enum rm_status rm_reset_peak_stats(int device);
+
+/**
+ * This thread's last failure in words, prefixed with the function that failed; `""` if none.
+ * The string stays valid until the next failing resmem call on this thread.
+ */
+const char *rm_last_error(void);
+
+/**
+ * The library's version, e.g. `"0.1.0"`; a static string.
+ */
+const char *rm_version(void);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif  // __cplusplus
+
+#endif  /* RESMEM_H */
+
+#ifndef RESMEM_H_STATUS_STRING
+#define RESMEM_H_STATUS_STRING
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/**
+ * A static description of a status code, never NULL (an unknown value is described as such).
+ */
+const char *rm_status_string(rm_status status);
+
+#ifdef __cplusplus
+}  /* extern "C" */
+#endif
+#endif  /* RESMEM_H_STATUS_STRING */
