@@ -38,8 +38,15 @@ fn compile(name: &str, cxx: bool, link_static: bool) -> PathBuf {
         cmd.args(["-x", "none"]);
     }
     if link_static {
-        cmd.arg(a.lib_dir.join("libresmem.a"))
-            .args(["-lpthread", "-ldl", "-lm", "-lrt", "-lutil", "-lgcc_s", "-lc"]);
+        cmd.arg(a.lib_dir.join("libresmem.a")).args([
+            "-lpthread",
+            "-ldl",
+            "-lm",
+            "-lrt",
+            "-lutil",
+            "-lgcc_s",
+            "-lc",
+        ]);
     } else {
         cmd.arg("-L")
             .arg(&a.link_dir)
@@ -62,8 +69,14 @@ fn quickstart_runs_on_both_simulator_paths() {
     let exe = compile("quickstart", false, false);
     for driver in [Driver::InProcess, Driver::SimLibrary] {
         let out = run(&exe, &[], driver, &[]);
-        assert!(out.contains("reserved 67108864, reusable 67108864"), "{out}");
-        assert!(out.contains("returned 67108864 bytes to the driver"), "{out}");
+        assert!(
+            out.contains("reserved 67108864, reusable 67108864"),
+            "{out}"
+        );
+        assert!(
+            out.contains("returned 67108864 bytes to the driver"),
+            "{out}"
+        );
     }
 }
 
@@ -81,12 +94,18 @@ fn loader_keeps_reserved_at_the_model_size_over_four_loads() {
     for driver in [Driver::InProcess, Driver::SimLibrary] {
         let out = run(&exe, &[], driver, &[]);
         assert!(
-            out.contains("model: 4022468096 parameters, 8044936192 bytes (7.49 GiB) in 398 tensors"),
+            out.contains(
+                "model: 4022468096 parameters, 8044936192 bytes (7.49 GiB) in 398 tensors"
+            ),
             "{out}"
         );
         let rows: Vec<&str> = out
             .lines()
-            .filter(|l| l.split_whitespace().next().is_some_and(|w| w.parse::<u32>().is_ok()))
+            .filter(|l| {
+                l.split_whitespace()
+                    .next()
+                    .is_some_and(|w| w.parse::<u32>().is_ok())
+            })
             .collect();
         assert_eq!(rows.len(), 4, "{out}");
         for row in rows {
@@ -96,7 +115,10 @@ fn loader_keeps_reserved_at_the_model_size_over_four_loads() {
             assert!(row.contains("7.50 GiB"), "{row}");
             assert!(row.trim_end().ends_with("no"), "{row}");
         }
-        assert!(out.contains("peak reserved 7.50 GiB (1.0005 x the model), 2 driver allocations"), "{out}");
+        assert!(
+            out.contains("peak reserved 7.50 GiB (1.0005 x the model), 2 driver allocations"),
+            "{out}"
+        );
     }
 }
 
@@ -112,7 +134,22 @@ fn errors_reports_every_failure_with_its_status_and_message() {
 #[test]
 fn errors_without_a_usable_driver() {
     let exe = compile("errors", false, false);
-    run(&exe, &["no-driver"], Driver::Library("/nonexistent/libcuda.so.1".into()), &[]);
-    run(&exe, &["bad-driver"], Driver::Library("libm.so.6".into()), &[]);
-    run(&exe, &["bad-conf"], Driver::InProcess, &[("RESMEM_CONF", "no_such_key:1")]);
+    run(
+        &exe,
+        &["no-driver"],
+        Driver::Library("/nonexistent/libcuda.so.1".into()),
+        &[],
+    );
+    run(
+        &exe,
+        &["bad-driver"],
+        Driver::Library("libm.so.6".into()),
+        &[],
+    );
+    run(
+        &exe,
+        &["bad-conf"],
+        Driver::InProcess,
+        &[("RESMEM_CONF", "no_such_key:1")],
+    );
 }

@@ -38,9 +38,16 @@ pub fn artifacts() -> &'static Artifacts {
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("run cargo build");
-        assert!(status.success(), "cargo build -p libcuda-sim -p resmem --lib failed");
+        assert!(
+            status.success(),
+            "cargo build -p libcuda-sim -p resmem --lib failed"
+        );
         for lib in ["libresmem.so", "libresmem.a", "libcuda_sim.so"] {
-            assert!(lib_dir.join(lib).exists(), "{lib} missing in {}", lib_dir.display());
+            assert!(
+                lib_dir.join(lib).exists(),
+                "{lib} missing in {}",
+                lib_dir.display()
+            );
         }
         let work = lib_dir.join("c_examples");
         let link_dir = work.join("lib");

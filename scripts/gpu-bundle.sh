@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build what scripts/gpu-check.sh runs into one folder (default target/gpu-bundle): the release
+# library, the cuda_driver test binary and the C examples, linked to find libresmem next to them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-target/gpu-bundle}
+mkdir -p "$out/lib"
+cargo build --release -p resmem --lib
+test_bin=$(cargo test --release --test cuda_driver --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda_driver" and m.get("executable"):
+        print(m["executable"])')
+cp "$test_bin" "$out/cuda_driver"
+rm -f "$out/lib/libresmem.so.0"
+cp target/release/libresmem.so "$out/lib/libresmem.so.0"
+ln -sf libresmem.so.0 "$out/lib/libresmem.so"
+for program in quickstart loader errors; do
+  gcc -std=c99 -Wall -Wextra -pedantic -Werror -O2 -Iinclude "c_examples/$program.c" \
+    -L"$out/lib" -lresmem -Wl,-rpath,'$ORIGIN/lib' -o "$out/$program"
+done
+echo "bundle ready in $out"

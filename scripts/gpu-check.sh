@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# resmem against the real CUDA driver, on a machine with an NVIDIA GPU.
+#
+#   scripts/gpu-check.sh               build with cargo and gcc here, then run the checks
+#   scripts/gpu-check.sh BUNDLE        run prebuilt programs from BUNDLE (made by
+#                                      scripts/gpu-bundle.sh on a build machine of the same
+#                                      architecture), for GPU machines without a Rust toolchain
+#
+# What it runs, each against libcuda.so.1:
+#   1. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
+#      reuse ordered by events, record_stream, free_reusable, and a cache-hit pair timing;
+#   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+date -u
+
+if [ $# -ge 1 ]; then
+  bundle=$1
+else
+  bundle=target/gpu-bundle
+  bash scripts/gpu-bundle.sh "$bundle"
+fi
+
+unset RESMEM_DRIVER RESMEM_CUDA_LIBRARY RESMEM_CONF CUDA_SIM_DEVICES
+status=0
+echo "== the pool through the real driver"
+RESMEM_TEST_CUDA_LIBRARY=libcuda.so.1 "$bundle/cuda_driver" --nocapture --test-threads=1 || status=1
+for program in quickstart loader errors; do
+  echo "== c_examples/$program"
+  "$bundle/$program" || status=1
+done
+echo "== gpu-check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
+exit $status

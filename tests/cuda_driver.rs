@@ -1,0 +1,210 @@
+//! The pool over the real loading path: `CudaDriver` opens a driver library with `dlopen`,
+//! resolves its table, and runs every call in the device's primary context.
+//!
+//! By default the library is `libcuda_sim.so`, so this runs everywhere; with
+//! `RESMEM_TEST_CUDA_LIBRARY=libcuda.so.1` it runs on a real GPU (`scripts/gpu-check.sh` does).
+//! Checks that need simulated kernels (work that stays queued until the test completes it) run
+//! only where the library exports the simulator's test hooks.
+
+mod common;
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::sync::Arc;
+use std::time::Instant;
+
+use resmem::driver::cuda::CudaDriver;
+use resmem::driver::Driver;
+use resmem::{Pool, PoolConfig};
+
+const MIB: u64 = 1 << 20;
+const CUDA_ERROR_NOT_READY: c_int = 600;
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+const RTLD_NOW: c_int = 2;
+
+type Fn1 = unsafe extern "C" fn(*mut c_void) -> c_int;
+type Fn2 = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type RetainFn = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
+
+/// The handful of extra driver calls the test itself makes (streams, and the simulator's hooks).
+struct Extra {
+    stream_create: Fn2,
+    stream_query: Fn1,
+    stream_synchronize: Fn1,
+    ctx_push: Fn1,
+    ctx_pop: Fn1,
+    primary_ctx_retain: RetainFn,
+    enqueue_work: Option<Fn1>,
+    complete_work: Option<Fn1>,
+}
+
+fn library() -> String {
+    std::env::var("RESMEM_TEST_CUDA_LIBRARY").unwrap_or_else(|_| {
+        common::artifacts()
+            .lib_dir
+            .join("libcuda_sim.so")
+            .display()
+            .to_string()
+    })
+}
+
+fn extra(library: &str) -> Extra {
+    let name = CString::new(library).unwrap();
+    // SAFETY: a NUL-terminated path; the same library CudaDriver opened, so the same handle.
+    let handle = unsafe { dlopen(name.as_ptr(), RTLD_NOW) };
+    assert!(!handle.is_null(), "dlopen {library}");
+    let sym = |s: &str| {
+        let s = CString::new(s).unwrap();
+        // SAFETY: a live handle and a NUL-terminated name.
+        unsafe { dlsym(handle, s.as_ptr()) }
+    };
+    let required = |s: &str| {
+        let p = sym(s);
+        assert!(!p.is_null(), "{library} lacks {s}");
+        p
+    };
+    // SAFETY: each symbol is non-null (or mapped to None) and is the driver function of that
+    // name, with the declared signature.
+    unsafe {
+        Extra {
+            stream_create: std::mem::transmute::<*mut c_void, Fn2>(required("cuStreamCreate")),
+            stream_query: std::mem::transmute::<*mut c_void, Fn1>(required("cuStreamQuery")),
+            stream_synchronize: std::mem::transmute::<*mut c_void, Fn1>(required(
+                "cuStreamSynchronize",
+            )),
+            ctx_push: std::mem::transmute::<*mut c_void, Fn1>(required("cuCtxPushCurrent_v2")),
+            ctx_pop: std::mem::transmute::<*mut c_void, Fn1>(required("cuCtxPopCurrent_v2")),
+            primary_ctx_retain: std::mem::transmute::<*mut c_void, RetainFn>(required(
+                "cuDevicePrimaryCtxRetain",
+            )),
+            enqueue_work: std::mem::transmute::<*mut c_void, Option<Fn1>>(sym(
+                "cudasim_enqueue_work",
+            )),
+            complete_work: std::mem::transmute::<*mut c_void, Option<Fn1>>(sym(
+                "cudasim_complete_work",
+            )),
+        }
+    }
+}
+
+impl Extra {
+    fn stream(&self) -> u64 {
+        let mut ctx = std::ptr::null_mut();
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; the context is pushed and popped around the creation.
+        unsafe {
+            assert_eq!((self.primary_ctx_retain)(&mut ctx, 0), 0);
+            assert_eq!((self.ctx_push)(ctx), 0);
+            assert_eq!((self.stream_create)(&mut stream, 1), 0);
+            let mut popped = std::ptr::null_mut();
+            assert_eq!((self.ctx_pop)((&mut popped as *mut *mut c_void).cast()), 0);
+        }
+        stream as u64
+    }
+}
+
+#[test]
+fn the_pool_works_through_the_loaded_driver() {
+    let library = library();
+    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    println!(
+        "{} with {} device(s)",
+        driver.describe(),
+        driver.device_count()
+    );
+    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    let x = extra(&library);
+    let simulated = x.enqueue_work.is_some();
+
+    // Reserve, release, and see the block counted as free.
+    let (free0, total) = pool.mem_get_info(0).unwrap();
+    let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(p % 512, 0);
+    pool.release(p).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.reusable_bytes), (64 * MIB, 64 * MIB));
+    let (driver_free, driver_total) = driver.mem_get_info(0).unwrap();
+    assert_eq!(driver_total, total);
+    let (free, _) = pool.mem_get_info(0).unwrap();
+    if simulated {
+        assert_eq!(free, driver_free + 64 * MIB);
+        assert_eq!(free, free0);
+    }
+    assert_eq!(
+        pool.reserve(0, 64 * MIB, 0).unwrap(),
+        p,
+        "served from cache"
+    );
+    pool.release(p).unwrap();
+
+    // Another stream takes the idle segment, ordered after the first stream's work.
+    let (s1, s2) = (x.stream(), x.stream());
+    let a = pool.reserve(0, 8 * MIB, s1).unwrap();
+    if let Some(enqueue) = x.enqueue_work {
+        // SAFETY: a stream of this driver.
+        assert_eq!(unsafe { enqueue(s1 as *mut c_void) }, 0);
+    }
+    pool.release(a).unwrap();
+    let b = pool.reserve(0, 8 * MIB, s2).unwrap();
+    assert_eq!(b, a, "the idle segment moved to the other stream");
+    if let (Some(enqueue), Some(complete)) = (x.enqueue_work, x.complete_work) {
+        // SAFETY: streams of this driver.
+        unsafe {
+            assert_eq!((x.stream_query)(s1 as *mut c_void), CUDA_ERROR_NOT_READY);
+            assert_eq!(enqueue(s2 as *mut c_void), 0);
+            assert_eq!(complete(s2 as *mut c_void), 0);
+            assert_eq!((x.stream_query)(s1 as *mut c_void), 0, "s2 waited for s1");
+        }
+    }
+    pool.release(b).unwrap();
+
+    // record_stream: the block waits for the other stream's work.
+    let fence = pool.reserve(0, 512, s1).unwrap();
+    let c = pool.reserve(0, 4096, s1).unwrap();
+    pool.record_stream(c, s2).unwrap();
+    if let Some(enqueue) = x.enqueue_work {
+        // SAFETY: a stream of this driver.
+        assert_eq!(unsafe { enqueue(s2 as *mut c_void) }, 0);
+    }
+    pool.release(c).unwrap();
+    let held = simulated.then(|| {
+        let d = pool.reserve(0, 4096, s1).unwrap();
+        assert_ne!(d, c, "s2 may still use it");
+        d
+    });
+    // SAFETY: a stream of this driver.
+    assert_eq!(unsafe { (x.stream_synchronize)(s2 as *mut c_void) }, 0);
+    let e = pool.reserve(0, 4096, s1).unwrap();
+    assert_eq!(e, c, "reusable after s2's work");
+    pool.release(e).unwrap();
+    if let Some(d) = held {
+        pool.release(d).unwrap();
+    }
+    pool.check().unwrap();
+
+    // A cache-hit pair's cost on this machine (printed, not asserted).
+    let n = 200_000;
+    let start = Instant::now();
+    for _ in 0..n {
+        let p = pool.reserve(0, 4096, s1).unwrap();
+        pool.release(p).unwrap();
+    }
+    println!(
+        "cache-hit reserve+release pair: {:.1} ns",
+        start.elapsed().as_nanos() as f64 / n as f64
+    );
+
+    // Everything idle goes back to the driver.
+    pool.release(fence).unwrap();
+    let returned = pool.free_reusable(None).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.allocated_bytes, s.segments), (0, 0, 0));
+    // The 8 MiB blocks came from the idle 64 MiB segment: one large and one small segment.
+    assert_eq!(returned, 64 * MIB + 2 * MIB);
+    if simulated {
+        assert_eq!(pool.mem_get_info(0).unwrap(), (free0, total));
+    }
+}
