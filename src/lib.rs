@@ -11,6 +11,7 @@
 //! [`Pool`] over a [`Driver`] directly.
 //!
 //! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
+//! - [`allocator`]: the [`Allocator`] trait every allocation policy implements;
 //! - [`capi`]: every exported `rm_*` function and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
@@ -18,6 +19,7 @@
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
 //! - [`runtime`]: the process-wide pool built from the environment on first use.
 
+pub mod allocator;
 pub mod capi;
 pub mod config;
 pub mod driver;
@@ -25,6 +27,7 @@ pub mod error;
 pub mod pool;
 pub mod runtime;
 
+pub use allocator::Allocator;
 pub use driver::{Driver, DriverError};
 pub use error::{rm_status, Error, Result};
 pub use pool::{Pool, PoolConfig, Stats};

@@ -62,6 +62,8 @@ pub struct DevicePool {
     extra_streams: IntMap<u32, Vec<StreamHandle>>,
     spare_events: Vec<EventHandle>,
     stats: Stats,
+    /// The most this pool may reserve, if capped.
+    limit: Option<u64>,
 }
 
 impl DevicePool {
@@ -80,6 +82,7 @@ impl DevicePool {
             extra_streams: IntMap::default(),
             spare_events: Vec::new(),
             stats: Stats::default(),
+            limit: None,
         }
     }
 
@@ -201,12 +204,36 @@ impl DevicePool {
     }
 
     /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
+    /// Under a memory limit, free is at most what the limit leaves to new blocks.
     pub fn mem_get_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
         let (free, total) = cx
             .driver
             .mem_get_info(self.device)
             .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
-        Ok((free.saturating_add(self.stats.reusable()).min(total), total))
+        let mut free = free.saturating_add(self.stats.reusable()).min(total);
+        if let Some(limit) = self.limit {
+            free = free.min(limit.saturating_sub(self.stats.allocated_bytes));
+        }
+        Ok((free, total))
+    }
+
+    /// Cap what this pool reserves (`None`: no cap). Idle cache above a new cap is returned to
+    /// the driver now; live blocks are never touched, so reserved may stay above the cap until
+    /// they are released. Returns the bytes returned.
+    pub fn set_memory_limit(&mut self, cx: &Context<'_>, limit: Option<u64>) -> Result<u64> {
+        self.limit = limit;
+        match limit {
+            Some(limit) if self.stats.reserved_bytes > limit => {
+                self.collect_pending(cx, false)?;
+                self.release_idle(cx, self.stats.reserved_bytes - limit)
+            }
+            _ => Ok(0),
+        }
+    }
+
+    /// The cap set by [`DevicePool::set_memory_limit`].
+    pub fn memory_limit(&self) -> Option<u64> {
+        self.limit
     }
 
     /// The figures, exact now.
@@ -286,6 +313,26 @@ impl DevicePool {
                 human(requested),
                 human(total)
             )));
+        }
+        if let Some(limit) = self.limit {
+            let allowed = limit.saturating_sub(self.stats.reserved_bytes);
+            if segment > allowed && mode == Grow::MayRelease {
+                // Under a cap, returning idle cache is the only way to grow.
+                self.release_idle(cx, segment - allowed)?;
+            }
+            let allowed = limit.saturating_sub(self.stats.reserved_bytes);
+            if segment > allowed {
+                self.stats.ooms += 1;
+                return Err(Error::out_of_memory(format!(
+                    "device {}: requested {} (a new segment of {}) would take this pool past its                      memory limit of {}: it reserves {}, of which {} is reusable. Raise the limit                      (rm_set_memory_limit, or torch.cuda.set_per_process_memory_fraction), or                      release blocks you no longer need",
+                    self.device,
+                    human(requested),
+                    human(segment),
+                    human(limit),
+                    human(self.stats.reserved_bytes),
+                    human(self.stats.reusable())
+                )));
+            }
         }
         if mode == Grow::MayRelease && free < segment && self.config.release_before_grow {
             let released = self.release_idle(cx, segment - free)?;

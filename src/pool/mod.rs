@@ -184,16 +184,7 @@ impl Pool {
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
-        let devices = match device {
-            Some(d) => d..d + 1,
-            None => 0..self.device_count(),
-        };
-        let mut released = 0;
-        for device in devices {
-            let (mut pool, cx) = self.lock(device)?;
-            released += pool.free_reusable(&cx)?;
-        }
-        Ok(released)
+        self.each_device(device, |pool, cx| pool.free_reusable(cx))
     }
 
     /// Ensure at least `bytes` are reusable on `device`. Returns the bytes newly allocated.
@@ -213,6 +204,38 @@ impl Pool {
         let (mut pool, _) = self.lock(device)?;
         pool.reset_peak_stats();
         Ok(())
+    }
+
+    /// Cap what the pool reserves on `device` (`None`: every device) at `limit` bytes (`None`:
+    /// no cap). Idle cache above the cap goes back to the driver now; a reserve that would grow
+    /// past it returns idle cache first, then fails with out-of-memory naming the cap. Returns
+    /// the bytes returned to the driver.
+    pub fn set_memory_limit(&self, device: Option<i32>, limit: Option<u64>) -> Result<u64> {
+        self.each_device(device, |pool, cx| pool.set_memory_limit(cx, limit))
+    }
+
+    /// Run `f` on one device's pool or (`None`) on each in turn, summing what it returns.
+    fn each_device(
+        &self,
+        device: Option<i32>,
+        mut f: impl FnMut(&mut DevicePool, &Context<'_>) -> Result<u64>,
+    ) -> Result<u64> {
+        let devices = match device {
+            Some(d) => d..d + 1,
+            None => 0..self.device_count(),
+        };
+        let mut total = 0;
+        for device in devices {
+            let (mut pool, cx) = self.lock(device)?;
+            total += f(&mut pool, &cx)?;
+        }
+        Ok(total)
+    }
+
+    /// The cap on `device`, if any.
+    pub fn memory_limit(&self, device: i32) -> Result<Option<u64>> {
+        let (pool, _) = self.lock(device)?;
+        Ok(pool.memory_limit())
     }
 
     /// Check the books of every device; a description of the first broken invariant.

@@ -504,3 +504,41 @@ fn threads_share_the_pool_and_release_each_others_blocks() {
     pool.free_reusable(None).unwrap();
     assert_eq!(sim.used_bytes(0) + sim.used_bytes(1), 0);
 }
+
+#[test]
+fn a_memory_limit_caps_reserved_and_names_itself() {
+    let (pool, sim) = pool(24 * GIB);
+    let idle = pool.reserve(0, 6 * GIB, 0).unwrap();
+    pool.release(idle).unwrap();
+    // A new cap below what is reserved returns the idle cache at once.
+    assert_eq!(pool.set_memory_limit(None, Some(4 * GIB)).unwrap(), 6 * GIB);
+    assert_eq!(pool.memory_limit(0).unwrap(), Some(4 * GIB));
+    let a = pool.reserve(0, 3 * GIB, 0).unwrap();
+    assert_eq!(
+        pool.mem_get_info(0).unwrap().0,
+        GIB,
+        "free is what the cap leaves"
+    );
+    let err = pool.reserve(0, 2 * GIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("memory limit of 4.00 GiB"),
+        "{}",
+        err.message
+    );
+    assert!(
+        err.message.contains("set_per_process_memory_fraction"),
+        "{}",
+        err.message
+    );
+    // Growing under the cap returns idle cache first.
+    pool.release(a).unwrap();
+    let b = pool.reserve(0, 4 * GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.ooms), (4 * GIB, 1));
+    pool.release(b).unwrap();
+    pool.set_memory_limit(Some(0), None).unwrap();
+    assert_eq!(pool.memory_limit(0).unwrap(), None);
+    pool.reserve(0, 10 * GIB, 0).unwrap();
+    assert_books(&pool, sim);
+}
