@@ -45,8 +45,6 @@ pub struct Bins {
     subs: [u8; GROUPS],
     /// Free blocks held.
     count: usize,
-    /// Their total size in bytes.
-    bytes: u64,
 }
 
 impl Default for Bins {
@@ -56,7 +54,6 @@ impl Default for Bins {
             groups: 0,
             subs: [0; GROUPS],
             count: 0,
-            bytes: 0,
         }
     }
 }
@@ -79,14 +76,34 @@ impl Bins {
         self.groups |= 1 << (bin / SUBS);
         self.subs[bin / SUBS] |= 1 << (bin % SUBS);
         self.count += 1;
-        self.bytes += blocks[id].size;
     }
 
     /// Remove free block `id`, which these bins hold.
     pub fn remove(&mut self, blocks: &mut Blocks, id: u32) {
-        let (prev, next, size) = {
+        let size = blocks[id].size;
+        self.unlink(blocks, id, size);
+        self.count -= 1;
+    }
+
+    /// Free block `id`, which these bins hold, changed size from `old_size`: move it to its new
+    /// bin if that differs (a block stays in place while its size stays within its bin).
+    pub fn resized(&mut self, blocks: &mut Blocks, id: u32, old_size: u64) {
+        let (old, new) = (
+            bin_floor(old_size / MIN_BLOCK),
+            bin_floor(blocks[id].size / MIN_BLOCK),
+        );
+        if old != new {
+            self.unlink(blocks, id, old_size);
+            self.count -= 1;
+            self.insert(blocks, id);
+        }
+    }
+
+    /// Take `id` out of the list of the bin of `size`.
+    fn unlink(&mut self, blocks: &mut Blocks, id: u32, size: u64) {
+        let (prev, next) = {
             let block = &blocks[id];
-            (block.bin_prev, block.bin_next, block.size)
+            (block.bin_prev, block.bin_next)
         };
         if prev != NIL {
             blocks[prev].bin_next = next;
@@ -107,8 +124,6 @@ impl Bins {
         let block = &mut blocks[id];
         block.bin_prev = NIL;
         block.bin_next = NIL;
-        self.count -= 1;
-        self.bytes -= size;
     }
 
     /// A free block of at least `size` bytes (a multiple of 512), if any; it stays in the bins.
@@ -207,11 +222,6 @@ impl Bins {
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }
-
-    /// Total bytes of the free blocks held.
-    pub fn bytes(&self) -> u64 {
-        self.bytes
-    }
 }
 
 #[cfg(test)]
@@ -225,12 +235,12 @@ mod tests {
             size,
             requested: 0,
             segment: 0,
-            stream: 0,
             prev: NIL,
             next: NIL,
             bin_prev: NIL,
             bin_next: NIL,
             state: State::Free,
+            shared: false,
         })
     }
 
@@ -276,7 +286,6 @@ mod tests {
             bins.insert(&mut blocks, id);
         }
         assert_eq!(bins.len(), 5);
-        assert_eq!(bins.bytes(), sizes.iter().sum::<u64>());
         // 17 units lies inside a bin of width 2: the exact block is found by the own-bin scan.
         assert_eq!(bins.find(&blocks, 17 * 512), Some(ids[3]));
         assert_eq!(bins.find(&blocks, 512), Some(ids[0]));
@@ -294,7 +303,6 @@ mod tests {
             bins.remove(&mut blocks, id);
         }
         assert!(bins.is_empty());
-        assert_eq!(bins.bytes(), 0);
         assert_eq!(bins.largest(&blocks), 0);
         assert_eq!(bins.find(&blocks, 512), None);
     }

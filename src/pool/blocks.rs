@@ -6,7 +6,7 @@
 //!
 //! [`Bins`]: super::bins::Bins
 
-use crate::driver::{DevicePtr, StreamHandle};
+use crate::driver::DevicePtr;
 
 /// The "no block" index.
 pub const NIL: u32 = u32::MAX;
@@ -33,10 +33,8 @@ pub struct Block {
     pub size: u64,
     /// For live blocks, the bytes the caller asked for.
     pub requested: u64,
-    /// Index of the segment that holds it.
+    /// Index of the segment that holds it (and whose stream's bins hold it while free).
     pub segment: u32,
-    /// The stream whose bins hold it while free (the segment's stream).
-    pub stream: StreamHandle,
     /// Address neighbours in the same segment.
     pub prev: u32,
     /// See `prev`.
@@ -47,6 +45,8 @@ pub struct Block {
     pub bin_next: u32,
     /// Where it stands.
     pub state: State,
+    /// Live and also used on streams other than its own (`record_stream`).
+    pub shared: bool,
 }
 
 /// All blocks of one device.
@@ -111,12 +111,12 @@ mod tests {
             size: 512,
             requested: 0,
             segment: 0,
-            stream: 0,
             prev: NIL,
             next: NIL,
             bin_prev: NIL,
             bin_next: NIL,
             state: State::Free,
+            shared: false,
         }
     }
 

@@ -8,8 +8,6 @@
 //! used on other streams (`record_stream`) wait, *pending*, until events recorded on those
 //! streams at release complete.
 
-use std::collections::BTreeSet;
-
 use super::bins::Bins;
 use super::blocks::{Block, Blocks, State, NIL};
 use super::hash::IntMap;
@@ -24,11 +22,22 @@ use crate::error::{Error, Result};
 struct Segment {
     base: DevicePtr,
     size: u64,
-    stream: StreamHandle,
+    /// The stream slot whose bins hold its free blocks.
+    slot: u32,
     class: Class,
     /// The block at `base`.
     first: u32,
     in_use: bool,
+    /// Its index in `DevicePool::idle` while entirely free, else `NIL`.
+    idle_at: u32,
+}
+
+/// A stream's free blocks, small and large class. Slots are reused once no segment is theirs.
+struct StreamSlot {
+    handle: StreamHandle,
+    bins: [Bins; 2],
+    /// Segments that belong to this stream.
+    segments: u32,
 }
 
 /// A released block waiting for other streams' work.
@@ -51,15 +60,17 @@ pub struct DevicePool {
     blocks: Blocks,
     segments: Vec<Segment>,
     vacant_segments: Vec<u32>,
-    /// Free blocks per stream, small and large class.
-    streams: IntMap<StreamHandle, [Bins; 2]>,
+    /// Per-stream free blocks; `slot_of` maps a stream to its slot.
+    slots: Vec<StreamSlot>,
+    vacant_slots: Vec<u32>,
+    slot_of: IntMap<StreamHandle, u32>,
     /// Live blocks by address.
     live: IntMap<DevicePtr, u32>,
-    /// Entirely free segments per class, by (size, index).
-    idle: [BTreeSet<(u64, u32)>; 2],
+    /// Entirely free segments, unordered (each knows its index).
+    idle: Vec<u32>,
     pending: Vec<Pending>,
-    /// Streams other than its own that a live block was used on.
-    extra_streams: IntMap<u32, Vec<StreamHandle>>,
+    /// Streams other than its own that a live block was used on (blocks marked `shared`).
+    shared: IntMap<u32, Vec<StreamHandle>>,
     spare_events: Vec<EventHandle>,
     stats: Stats,
     /// The most this pool may reserve, if capped.
@@ -75,11 +86,13 @@ impl DevicePool {
             blocks: Blocks::default(),
             segments: Vec::new(),
             vacant_segments: Vec::new(),
-            streams: IntMap::default(),
+            slots: Vec::new(),
+            vacant_slots: Vec::new(),
+            slot_of: IntMap::default(),
             live: IntMap::default(),
-            idle: [BTreeSet::new(), BTreeSet::new()],
+            idle: Vec::new(),
             pending: Vec::new(),
-            extra_streams: IntMap::default(),
+            shared: IntMap::default(),
             spare_events: Vec::new(),
             stats: Stats::default(),
             limit: None,
@@ -100,10 +113,9 @@ impl DevicePool {
         }
         let class = size::class_of(block_size);
         // 1. A cached block on this stream.
-        let found = self
-            .streams
-            .get(&stream)
-            .and_then(|bins| bins[class as usize].find(&self.blocks, block_size));
+        let found = self.slot_of.get(&stream).and_then(|&slot| {
+            self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
+        });
         if let Some(id) = found {
             self.stats.cache_hits += 1;
             return Ok(self.take(id, block_size, size));
@@ -127,18 +139,21 @@ impl DevicePool {
 
     /// Give the block at `ptr` back to the pool.
     pub fn release(&mut self, cx: &Context<'_>, ptr: DevicePtr) -> Result<()> {
-        let Some(&id) = self.live.get(&ptr) else {
+        let Some(id) = self.live.remove(&ptr) else {
             return Err(self.explain_bad_pointer(ptr));
         };
         // Record the events first, so that a failing driver leaves the block live and the books
         // unchanged.
         let mut events = Vec::new();
-        if let Some(streams) = self.extra_streams.get(&id).cloned() {
-            for stream in streams {
+        if self.blocks[id].shared {
+            let streams = self.shared.remove(&id).unwrap_or_default();
+            for &stream in &streams {
                 match self.record_event(cx, stream) {
                     Ok(event) => events.push(event),
                     Err(err) => {
                         self.spare_events.append(&mut events);
+                        self.shared.insert(id, streams);
+                        self.live.insert(ptr, id);
                         return Err(Error::driver(
                             &format!(
                                 "releasing {ptr:#x}: recording an event on stream {stream:#x} \
@@ -149,9 +164,8 @@ impl DevicePool {
                     }
                 }
             }
+            self.blocks[id].shared = false;
         }
-        self.live.remove(&ptr);
-        self.extra_streams.remove(&id);
         let block = &self.blocks[id];
         self.stats.remove_live(block.size, block.requested);
         if events.is_empty() {
@@ -168,8 +182,9 @@ impl DevicePool {
         let Some(&id) = self.live.get(&ptr) else {
             return Err(self.explain_bad_pointer(ptr));
         };
-        if self.blocks[id].stream != stream {
-            let streams = self.extra_streams.entry(id).or_default();
+        if self.stream_of(id) != stream {
+            self.blocks[id].shared = true;
+            let streams = self.shared.entry(id).or_default();
             if !streams.contains(&stream) {
                 streams.push(stream);
             }
@@ -241,9 +256,9 @@ impl DevicePool {
         let mut stats = self.stats;
         stats.reusable_bytes = stats.reusable();
         let (mut small, mut large) = (0, 0);
-        for bins in self.streams.values() {
-            small = small.max(bins[Class::Small as usize].largest(&self.blocks));
-            large = large.max(bins[Class::Large as usize].largest(&self.blocks));
+        for slot in &self.slots {
+            small = small.max(slot.bins[Class::Small as usize].largest(&self.blocks));
+            large = large.max(slot.bins[Class::Large as usize].largest(&self.blocks));
         }
         // Small requests come only from small segments, large ones (over 1 MiB) only from large.
         let large = if large > SMALL_MAX { large } else { 0 };
@@ -254,11 +269,6 @@ impl DevicePool {
     /// Set the peaks to the current values.
     pub fn reset_peak_stats(&mut self) {
         self.stats.reset_peaks();
-    }
-
-    /// Whether `ptr` is a live block of this pool.
-    pub fn owns_live(&self, ptr: DevicePtr) -> bool {
-        self.live.contains_key(&ptr)
     }
 
     // ----- the steps of the policy -----
@@ -272,20 +282,28 @@ impl DevicePool {
         block_size: u64,
         stream: StreamHandle,
     ) -> Result<Option<u32>> {
-        let Some(&(_, seg)) = self.idle[class as usize].range((block_size, 0)..).next() else {
+        let best = self
+            .idle
+            .iter()
+            .map(|&seg| (&self.segments[seg as usize], seg))
+            .filter(|(s, _)| s.class == class && s.size >= block_size)
+            .min_by_key(|(s, seg)| (s.size, *seg))
+            .map(|(_, seg)| seg);
+        let Some(seg) = best else {
             return Ok(None);
         };
-        let (old, id) = (
-            self.segments[seg as usize].stream,
+        let (old_slot, id) = (
+            self.segments[seg as usize].slot,
             self.segments[seg as usize].first,
         );
+        let old = self.slots[old_slot as usize].handle;
         if old != stream {
             self.order_after(cx, old, stream)?;
-            self.bin_remove(old, class, id);
-            self.drop_stream_if_empty(old);
-            self.segments[seg as usize].stream = stream;
-            self.blocks[id].stream = stream;
-            self.bin_insert(stream, class, id);
+            self.bin_remove(old_slot, class, id);
+            self.leave_slot(old_slot);
+            let slot = self.join_slot(stream);
+            self.segments[seg as usize].slot = slot;
+            self.bin_insert(slot, class, id);
         }
         Ok(Some(id))
     }
@@ -367,10 +385,11 @@ impl DevicePool {
                 self.segments.push(Segment {
                     base: 0,
                     size: 0,
-                    stream: 0,
+                    slot: NIL,
                     class,
                     first: NIL,
                     in_use: false,
+                    idle_at: NIL,
                 });
                 u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
             }
@@ -380,23 +399,25 @@ impl DevicePool {
             size: segment,
             requested: 0,
             segment: seg,
-            stream,
             prev: NIL,
             next: NIL,
             bin_prev: NIL,
             bin_next: NIL,
             state: State::Free,
+            shared: false,
         });
+        let slot = self.join_slot(stream);
         self.segments[seg as usize] = Segment {
             base: ptr,
             size: segment,
-            stream,
+            slot,
             class,
             first: id,
             in_use: true,
+            idle_at: NIL,
         };
-        self.bin_insert(stream, class, id);
-        self.idle[class as usize].insert((segment, seg));
+        self.bin_insert(slot, class, id);
+        self.mark_idle(seg);
         cx.directory.insert(ptr, segment, self.device);
         self.stats.add_segment(segment);
         Ok(id)
@@ -441,7 +462,11 @@ impl DevicePool {
     /// Return idle segments to the driver until at least `needed` bytes are back (`u64::MAX`:
     /// all of them): the smallest single segment that covers it, else the largest first.
     fn release_idle(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        let mut idle: Vec<(u64, u32)> = self.idle.iter().flatten().copied().collect();
+        let mut idle: Vec<(u64, u32)> = self
+            .idle
+            .iter()
+            .map(|&seg| (self.segments[seg as usize].size, seg))
+            .collect();
         if idle.is_empty() {
             return Ok(0);
         }
@@ -478,7 +503,7 @@ impl DevicePool {
         let Segment {
             base,
             size,
-            stream,
+            slot,
             class,
             first,
             ..
@@ -486,10 +511,10 @@ impl DevicePool {
         cx.driver.mem_free(self.device, base).map_err(|e| {
             Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
         })?;
-        self.bin_remove(stream, class, first);
-        self.drop_stream_if_empty(stream);
+        self.bin_remove(slot, class, first);
+        self.unmark_idle(seg);
+        self.leave_slot(slot);
         self.blocks.remove(first);
-        self.idle[class as usize].remove(&(size, seg));
         self.segments[seg as usize].in_use = false;
         self.vacant_segments.push(seg);
         cx.directory.remove(base);
@@ -537,105 +562,201 @@ impl DevicePool {
 
     // ----- blocks -----
 
-    /// Hand out free block `id` as a block of `block_size` bytes, splitting off the rest.
+    /// Hand out free block `id` as a block of `block_size` bytes. When it is larger, the front
+    /// becomes a new live block and `id` stays as the free rest, moving between bins only if its
+    /// size crosses a bin boundary: the usual cache hit touches no bin list at all.
     fn take(&mut self, id: u32, block_size: u64, requested: u64) -> DevicePtr {
-        let (stream, seg) = (self.blocks[id].stream, self.blocks[id].segment);
-        let (class, seg_size) = {
+        let seg = self.blocks[id].segment;
+        let (slot, class) = {
             let s = &self.segments[seg as usize];
-            (s.class, s.size)
+            (s.slot, s.class)
         };
-        self.bin_remove(stream, class, id);
-        let block = &self.blocks[id];
-        if block.prev == NIL && block.next == NIL {
-            self.idle[class as usize].remove(&(seg_size, seg));
+        let (ptr, size, prev, next) = {
+            let b = &self.blocks[id];
+            (b.ptr, b.size, b.prev, b.next)
+        };
+        if prev == NIL && next == NIL {
+            self.unmark_idle(seg);
         }
-        let rest = self.blocks[id].size - block_size;
-        if rest > 0 {
-            let (ptr, next) = (self.blocks[id].ptr, self.blocks[id].next);
-            let rest_id = self.blocks.insert(Block {
-                ptr: ptr + block_size,
-                size: rest,
-                requested: 0,
+        let live_id = if size == block_size {
+            self.bin_remove(slot, class, id);
+            id
+        } else {
+            let live_id = self.blocks.insert(Block {
+                ptr,
+                size: block_size,
+                requested,
                 segment: seg,
-                stream,
-                prev: id,
-                next,
+                prev,
+                next: id,
                 bin_prev: NIL,
                 bin_next: NIL,
-                state: State::Free,
+                state: State::Live,
+                shared: false,
             });
-            if next != NIL {
-                self.blocks[next].prev = rest_id;
+            if prev != NIL {
+                self.blocks[prev].next = live_id;
+            } else {
+                self.segments[seg as usize].first = live_id;
             }
-            self.blocks[id].next = rest_id;
-            self.bin_insert(stream, class, rest_id);
-        }
-        let block = &mut self.blocks[id];
+            let rest = &mut self.blocks[id];
+            rest.prev = live_id;
+            rest.ptr = ptr + block_size;
+            rest.size = size - block_size;
+            self.bin_resized(slot, class, id, size);
+            live_id
+        };
+        let block = &mut self.blocks[live_id];
         block.size = block_size;
         block.requested = requested;
         block.state = State::Live;
-        let ptr = block.ptr;
-        self.live.insert(ptr, id);
+        self.live.insert(ptr, live_id);
         self.stats.add_live(block_size, requested);
         ptr
     }
 
-    /// Make block `id` free: merge it with free neighbours and put it in its bins.
-    fn free_block(&mut self, mut id: u32) {
-        let (stream, seg) = (self.blocks[id].stream, self.blocks[id].segment);
-        let class = self.segments[seg as usize].class;
-        self.blocks[id].state = State::Free;
-        self.blocks[id].requested = 0;
-        let prev = self.blocks[id].prev;
-        if prev != NIL && self.blocks[prev].state == State::Free {
-            self.bin_remove(stream, class, prev);
-            self.absorb_next(prev);
-            id = prev;
-        }
-        let next = self.blocks[id].next;
-        if next != NIL && self.blocks[next].state == State::Free {
-            self.bin_remove(stream, class, next);
-            self.absorb_next(id);
-        }
-        self.bin_insert(stream, class, id);
-        let block = &self.blocks[id];
-        if block.prev == NIL {
-            self.segments[seg as usize].first = id;
-            if block.next == NIL {
-                let size = self.segments[seg as usize].size;
-                self.idle[class as usize].insert((size, seg));
+    /// Make block `id` free, merged with its free neighbours. A free neighbour grows over it in
+    /// place (changing bins only if its size crosses a bin boundary).
+    fn free_block(&mut self, id: u32) {
+        let seg = self.blocks[id].segment;
+        let (slot, class) = {
+            let s = &self.segments[seg as usize];
+            (s.slot, s.class)
+        };
+        let (ptr, size, prev, next) = {
+            let b = &mut self.blocks[id];
+            b.state = State::Free;
+            b.requested = 0;
+            (b.ptr, b.size, b.prev, b.next)
+        };
+        let prev_free = prev != NIL && self.blocks[prev].state == State::Free;
+        let next_free = next != NIL && self.blocks[next].state == State::Free;
+        let merged = match (prev_free, next_free) {
+            (false, false) => {
+                self.bin_insert(slot, class, id);
+                id
             }
+            (true, false) => {
+                let old = self.blocks[prev].size;
+                self.blocks[prev].size += size;
+                self.unlink(id);
+                self.bin_resized(slot, class, prev, old);
+                prev
+            }
+            (false, true) => {
+                let old = self.blocks[next].size;
+                let b = &mut self.blocks[next];
+                b.ptr = ptr;
+                b.size += size;
+                self.unlink(id);
+                self.bin_resized(slot, class, next, old);
+                next
+            }
+            (true, true) => {
+                self.bin_remove(slot, class, next);
+                let old = self.blocks[prev].size;
+                self.blocks[prev].size += size + self.blocks[next].size;
+                self.unlink(id);
+                self.unlink(next);
+                self.bin_resized(slot, class, prev, old);
+                prev
+            }
+        };
+        let b = &self.blocks[merged];
+        if b.prev == NIL && b.next == NIL {
+            self.mark_idle(seg);
         }
     }
 
-    /// Merge the next block into block `id`, which stays.
-    fn absorb_next(&mut self, id: u32) {
-        let next = self.blocks[id].next;
-        let (size, after) = (self.blocks[next].size, self.blocks[next].next);
-        self.blocks[id].size += size;
-        self.blocks[id].next = after;
-        if after != NIL {
-            self.blocks[after].prev = id;
+    /// Take block `id` out of its segment's chain and the arena (its neighbours now cover it).
+    fn unlink(&mut self, id: u32) {
+        let (seg, prev, next) = {
+            let b = &self.blocks[id];
+            (b.segment, b.prev, b.next)
+        };
+        if prev != NIL {
+            self.blocks[prev].next = next;
+        } else {
+            self.segments[seg as usize].first = next;
         }
-        self.blocks.remove(next);
-    }
-
-    fn bin_insert(&mut self, stream: StreamHandle, class: Class, id: u32) {
-        self.streams.entry(stream).or_default()[class as usize].insert(&mut self.blocks, id);
-    }
-
-    fn bin_remove(&mut self, stream: StreamHandle, class: Class, id: u32) {
-        self.streams.entry(stream).or_default()[class as usize].remove(&mut self.blocks, id);
-    }
-
-    fn drop_stream_if_empty(&mut self, stream: StreamHandle) {
-        if self
-            .streams
-            .get(&stream)
-            .is_some_and(|bins| bins.iter().all(Bins::is_empty))
-        {
-            self.streams.remove(&stream);
+        if next != NIL {
+            self.blocks[next].prev = prev;
         }
+        self.blocks.remove(id);
+    }
+
+    /// Free block `id`, held in the bins, changed size from `old_size`: move it if its bin did.
+    fn bin_resized(&mut self, slot: u32, class: Class, id: u32, old_size: u64) {
+        self.slots[slot as usize].bins[class as usize].resized(&mut self.blocks, id, old_size);
+    }
+
+    fn bin_insert(&mut self, slot: u32, class: Class, id: u32) {
+        self.slots[slot as usize].bins[class as usize].insert(&mut self.blocks, id);
+    }
+
+    fn bin_remove(&mut self, slot: u32, class: Class, id: u32) {
+        self.slots[slot as usize].bins[class as usize].remove(&mut self.blocks, id);
+    }
+
+    /// The stream of block `id` (its segment's).
+    fn stream_of(&self, id: u32) -> StreamHandle {
+        let slot = self.segments[self.blocks[id].segment as usize].slot;
+        self.slots[slot as usize].handle
+    }
+
+    /// The slot of `stream`, made if needed, counting one more segment of it.
+    fn join_slot(&mut self, stream: StreamHandle) -> u32 {
+        let slot = match self.slot_of.get(&stream) {
+            Some(&slot) => slot,
+            None => {
+                let fresh = StreamSlot {
+                    handle: stream,
+                    bins: [Bins::default(), Bins::default()],
+                    segments: 0,
+                };
+                let slot = match self.vacant_slots.pop() {
+                    Some(slot) => {
+                        self.slots[slot as usize] = fresh;
+                        slot
+                    }
+                    None => {
+                        self.slots.push(fresh);
+                        (self.slots.len() - 1) as u32
+                    }
+                };
+                self.slot_of.insert(stream, slot);
+                slot
+            }
+        };
+        self.slots[slot as usize].segments += 1;
+        slot
+    }
+
+    /// A segment left `slot`; the slot is freed with its last segment (its bins are empty then).
+    fn leave_slot(&mut self, slot: u32) {
+        let s = &mut self.slots[slot as usize];
+        s.segments -= 1;
+        if s.segments == 0 {
+            debug_assert!(s.bins.iter().all(Bins::is_empty));
+            self.slot_of.remove(&s.handle);
+            self.vacant_slots.push(slot);
+        }
+    }
+
+    fn mark_idle(&mut self, seg: u32) {
+        debug_assert_eq!(self.segments[seg as usize].idle_at, NIL);
+        self.segments[seg as usize].idle_at = self.idle.len() as u32;
+        self.idle.push(seg);
+    }
+
+    fn unmark_idle(&mut self, seg: u32) {
+        let at = self.segments[seg as usize].idle_at;
+        debug_assert_ne!(at, NIL);
+        self.idle.swap_remove(at as usize);
+        if let Some(&moved) = self.idle.get(at as usize) {
+            self.segments[moved as usize].idle_at = at;
+        }
+        self.segments[seg as usize].idle_at = NIL;
     }
 
     // ----- events -----
@@ -727,6 +848,14 @@ impl DevicePool {
         ))
     }
 
+    /// Live blocks marked as used on other streams.
+    fn blocks_shared(&self) -> usize {
+        self.live
+            .values()
+            .filter(|&&id| self.blocks[id].shared)
+            .count()
+    }
+
     fn log(&self, args: std::fmt::Arguments<'_>) {
         if self.config.logging {
             eprintln!("resmem: device {}: {args}", self.device);
@@ -741,6 +870,7 @@ impl DevicePool {
         let mut live = 0;
         let mut free_blocks = 0usize;
         let mut segments = 0;
+        let mut slot_segments: IntMap<u32, u32> = IntMap::default();
         for (index, seg) in self.segments.iter().enumerate() {
             if !seg.in_use {
                 continue;
@@ -759,9 +889,6 @@ impl DevicePool {
                 }
                 if b.size == 0 || b.size % MIN_BLOCK != 0 || b.ptr % MIN_BLOCK != 0 {
                     return Err(format!("{here}: misaligned ({} bytes)", b.size));
-                }
-                if b.stream != seg.stream {
-                    return Err(format!("{here}: stream differs from its segment's"));
                 }
                 match b.state {
                     State::Live => {
@@ -792,13 +919,47 @@ impl DevicePool {
             }
             let first = &self.blocks[seg.first];
             let is_idle = first.next == NIL && first.state == State::Free;
-            if is_idle != self.idle[seg.class as usize].contains(&(seg.size, index as u32)) {
-                return Err(format!("segment {:#x}: idle set is wrong", seg.base));
+            let listed =
+                seg.idle_at != NIL && self.idle.get(seg.idle_at as usize) == Some(&(index as u32));
+            if is_idle != listed {
+                return Err(format!("segment {:#x}: idle list is wrong", seg.base));
+            }
+            *slot_segments.entry(seg.slot).or_insert(0u32) += 1;
+        }
+        if self
+            .idle
+            .iter()
+            .any(|&seg| !self.segments[seg as usize].in_use)
+        {
+            return Err("a vacant segment is listed as idle".to_string());
+        }
+        for (&handle, &slot) in &self.slot_of {
+            let s = &self.slots[slot as usize];
+            if s.handle != handle
+                || slot_segments.get(&slot).copied().unwrap_or(0) != s.segments
+                || s.segments == 0
+            {
+                return Err(format!("stream {handle:#x}: slot {slot} has wrong books"));
             }
         }
-        let binned: usize = self.streams.values().flatten().map(Bins::len).sum();
+        if slot_segments.len() != self.slot_of.len() {
+            return Err("a segment belongs to an unmapped stream slot".to_string());
+        }
+        let binned: usize = self
+            .slot_of
+            .values()
+            .flat_map(|&slot| self.slots[slot as usize].bins.iter())
+            .map(Bins::len)
+            .sum();
         if binned != free_blocks {
             return Err(format!("{free_blocks} free blocks but {binned} in bins"));
+        }
+        let shared = self.blocks_shared();
+        if shared != self.shared.len() {
+            return Err(format!(
+                "{shared} blocks marked shared, {} in the map",
+                self.shared.len()
+            ));
         }
         if self.live.len() != live as usize {
             return Err(format!(
