@@ -20,6 +20,8 @@ pub enum State {
     Live,
     /// Released, but waiting for work on other streams (`record_stream`) before reuse.
     Pending,
+    /// Released on its own stream and kept unmerged for exact-size reuse; reusable memory.
+    Parked,
     /// An unused arena slot.
     Vacant,
 }

@@ -7,6 +7,12 @@
 //! new user's work is ordered after everything queued on the old stream. Blocks that were also
 //! used on other streams (`record_stream`) wait, *pending*, until events recorded on those
 //! streams at release complete.
+//!
+//! A block released on its own stream is first *parked* in a short per-stream list without
+//! being merged with its neighbours, so that the common reserve-release-reserve of one size is
+//! served from that list without touching the bins or the address map. Parked blocks are
+//! reusable memory in every figure; they are merged (flushed) before any step that needs the
+//! whole picture: a miss in the bins, idle-segment search, statistics, and returning memory.
 
 use super::bins::Bins;
 use super::blocks::{Block, Blocks, State, NIL};
@@ -38,7 +44,12 @@ struct StreamSlot {
     bins: [Bins; 2],
     /// Segments that belong to this stream.
     segments: u32,
+    /// Parked blocks, most recently released last.
+    parked: Vec<u32>,
 }
+
+/// How many released blocks a stream keeps parked, unmerged, for exact-size reuse.
+const PARKED_MAX: usize = 16;
 
 /// A released block waiting for other streams' work.
 struct Pending {
@@ -64,8 +75,10 @@ pub struct DevicePool {
     slots: Vec<StreamSlot>,
     vacant_slots: Vec<u32>,
     slot_of: IntMap<StreamHandle, u32>,
-    /// Live blocks by address.
-    live: IntMap<DevicePtr, u32>,
+    /// Live and parked blocks by address.
+    by_ptr: IntMap<DevicePtr, u32>,
+    /// Parked blocks in all slots.
+    parked: usize,
     /// Entirely free segments, unordered (each knows its index).
     idle: Vec<u32>,
     pending: Vec<Pending>,
@@ -89,7 +102,8 @@ impl DevicePool {
             slots: Vec::new(),
             vacant_slots: Vec::new(),
             slot_of: IntMap::default(),
-            live: IntMap::default(),
+            by_ptr: IntMap::default(),
+            parked: 0,
             idle: Vec::new(),
             pending: Vec::new(),
             shared: IntMap::default(),
@@ -112,13 +126,29 @@ impl DevicePool {
             self.collect_pending(cx, false)?;
         }
         let class = size::class_of(block_size);
-        // 1. A cached block on this stream.
-        let found = self.slot_of.get(&stream).and_then(|&slot| {
-            self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
-        });
-        if let Some(id) = found {
-            self.stats.cache_hits += 1;
-            return Ok(self.take(id, block_size, size));
+        // 1. A cached block on this stream: a parked one of this very size, else the bins.
+        if let Some(&slot) = self.slot_of.get(&stream) {
+            if let Some(id) = self.unpark(slot, block_size) {
+                self.stats.cache_hits += 1;
+                return Ok(self.revive(id, size));
+            }
+            if let Some(id) =
+                self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
+            {
+                self.stats.cache_hits += 1;
+                return Ok(self.take(id, block_size, size));
+            }
+        }
+        if self.parked > 0 {
+            // Merged, the parked blocks may make room on this stream or an idle segment.
+            self.flush_parked();
+            let found = self.slot_of.get(&stream).and_then(|&slot| {
+                self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
+            });
+            if let Some(id) = found {
+                self.stats.cache_hits += 1;
+                return Ok(self.take(id, block_size, size));
+            }
         }
         // 2. An idle segment of another stream, ordered after that stream's work.
         if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
@@ -139,8 +169,9 @@ impl DevicePool {
 
     /// Give the block at `ptr` back to the pool.
     pub fn release(&mut self, cx: &Context<'_>, ptr: DevicePtr) -> Result<()> {
-        let Some(id) = self.live.remove(&ptr) else {
-            return Err(self.explain_bad_pointer(ptr));
+        let id = match self.by_ptr.get(&ptr) {
+            Some(&id) if self.blocks[id].state == State::Live => id,
+            _ => return Err(self.explain_bad_pointer(ptr)),
         };
         // Record the events first, so that a failing driver leaves the block live and the books
         // unchanged.
@@ -153,7 +184,6 @@ impl DevicePool {
                     Err(err) => {
                         self.spare_events.append(&mut events);
                         self.shared.insert(id, streams);
-                        self.live.insert(ptr, id);
                         return Err(Error::driver(
                             &format!(
                                 "releasing {ptr:#x}: recording an event on stream {stream:#x} \
@@ -169,8 +199,9 @@ impl DevicePool {
         let block = &self.blocks[id];
         self.stats.remove_live(block.size, block.requested);
         if events.is_empty() {
-            self.free_block(id);
+            self.park(id);
         } else {
+            self.by_ptr.remove(&ptr);
             self.blocks[id].state = State::Pending;
             self.pending.push(Pending { block: id, events });
         }
@@ -179,8 +210,9 @@ impl DevicePool {
 
     /// Note that the live block at `ptr` is also used on `stream`.
     pub fn record_stream(&mut self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        let Some(&id) = self.live.get(&ptr) else {
-            return Err(self.explain_bad_pointer(ptr));
+        let id = match self.by_ptr.get(&ptr) {
+            Some(&id) if self.blocks[id].state == State::Live => id,
+            _ => return Err(self.explain_bad_pointer(ptr)),
         };
         if self.stream_of(id) != stream {
             self.blocks[id].shared = true;
@@ -214,6 +246,7 @@ impl DevicePool {
     /// Return every idle segment to the driver, after waiting for pending blocks. Returns the
     /// bytes returned.
     pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
+        self.flush_parked();
         self.collect_pending(cx, true)?;
         self.release_idle(cx, u64::MAX)
     }
@@ -239,6 +272,7 @@ impl DevicePool {
         self.limit = limit;
         match limit {
             Some(limit) if self.stats.reserved_bytes > limit => {
+                self.flush_parked();
                 self.collect_pending(cx, false)?;
                 self.release_idle(cx, self.stats.reserved_bytes - limit)
             }
@@ -251,8 +285,10 @@ impl DevicePool {
         self.limit
     }
 
-    /// The figures, exact now.
-    pub fn stats(&self) -> Stats {
+    /// The figures, exact now. Parked blocks are merged first, so that the largest reusable
+    /// block is seen whole.
+    pub fn stats(&mut self) -> Stats {
+        self.flush_parked();
         let mut stats = self.stats;
         stats.reusable_bytes = stats.reusable();
         let (mut small, mut large) = (0, 0);
@@ -610,7 +646,7 @@ impl DevicePool {
         block.size = block_size;
         block.requested = requested;
         block.state = State::Live;
-        self.live.insert(ptr, live_id);
+        self.by_ptr.insert(ptr, live_id);
         self.stats.add_live(block_size, requested);
         ptr
     }
@@ -690,6 +726,61 @@ impl DevicePool {
         self.slots[slot as usize].bins[class as usize].resized(&mut self.blocks, id, old_size);
     }
 
+    /// Park released block `id` on its stream, unmerged; the oldest parked block is merged if
+    /// the list is full.
+    fn park(&mut self, id: u32) {
+        let slot = self.segments[self.blocks[id].segment as usize].slot as usize;
+        self.blocks[id].state = State::Parked;
+        self.blocks[id].requested = 0;
+        if self.slots[slot].parked.len() == PARKED_MAX {
+            let oldest = self.slots[slot].parked.remove(0);
+            self.parked -= 1;
+            self.by_ptr.remove(&self.blocks[oldest].ptr);
+            self.free_block(oldest);
+        }
+        self.slots[slot].parked.push(id);
+        self.parked += 1;
+    }
+
+    /// The most recently parked block of exactly `block_size` bytes on `slot`, taken out.
+    fn unpark(&mut self, slot: u32, block_size: u64) -> Option<u32> {
+        let parked = &mut self.slots[slot as usize].parked;
+        let at = parked
+            .iter()
+            .rposition(|&id| self.blocks[id].size == block_size)?;
+        self.parked -= 1;
+        // Usually the last one: a pop, not a shift.
+        Some(if at + 1 == parked.len() {
+            parked.pop()?
+        } else {
+            parked.remove(at)
+        })
+    }
+
+    /// Hand a parked block out again.
+    fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
+        let block = &mut self.blocks[id];
+        block.state = State::Live;
+        block.requested = requested;
+        let (ptr, size) = (block.ptr, block.size);
+        self.stats.add_live(size, requested);
+        ptr
+    }
+
+    /// Merge every parked block into the free blocks of its stream.
+    fn flush_parked(&mut self) {
+        if self.parked == 0 {
+            return;
+        }
+        for slot in 0..self.slots.len() {
+            for id in std::mem::take(&mut self.slots[slot].parked) {
+                self.by_ptr.remove(&self.blocks[id].ptr);
+                self.free_block(id);
+            }
+        }
+        self.parked = 0;
+    }
+
     fn bin_insert(&mut self, slot: u32, class: Class, id: u32) {
         self.slots[slot as usize].bins[class as usize].insert(&mut self.blocks, id);
     }
@@ -713,6 +804,7 @@ impl DevicePool {
                     handle: stream,
                     bins: [Bins::default(), Bins::default()],
                     segments: 0,
+                    parked: Vec::with_capacity(PARKED_MAX),
                 };
                 let slot = match self.vacant_slots.pop() {
                     Some(slot) => {
@@ -737,7 +829,7 @@ impl DevicePool {
         let s = &mut self.slots[slot as usize];
         s.segments -= 1;
         if s.segments == 0 {
-            debug_assert!(s.bins.iter().all(Bins::is_empty));
+            debug_assert!(s.bins.iter().all(Bins::is_empty) && s.parked.is_empty());
             self.slot_of.remove(&s.handle);
             self.vacant_slots.push(slot);
         }
@@ -824,7 +916,7 @@ impl DevicePool {
             let block = &self.blocks[id];
             if block.ptr <= ptr && ptr - block.ptr < block.size {
                 let what = match (block.ptr == ptr, block.state) {
-                    (true, State::Free | State::Pending) => {
+                    (true, State::Free | State::Pending | State::Parked) => {
                         "was already released (double release); the pool is unchanged".to_string()
                     }
                     (false, State::Live) => format!(
@@ -850,7 +942,7 @@ impl DevicePool {
 
     /// Live blocks marked as used on other streams.
     fn blocks_shared(&self) -> usize {
-        self.live
+        self.by_ptr
             .values()
             .filter(|&&id| self.blocks[id].shared)
             .count()
@@ -868,6 +960,7 @@ impl DevicePool {
         let mut allocated = 0;
         let mut requested = 0;
         let mut live = 0;
+        let mut parked = 0usize;
         let mut free_blocks = 0usize;
         let mut segments = 0;
         let mut slot_segments: IntMap<u32, u32> = IntMap::default();
@@ -895,8 +988,17 @@ impl DevicePool {
                         allocated += b.size;
                         requested += b.requested;
                         live += 1;
-                        if self.live.get(&b.ptr) != Some(&id) {
+                        if self.by_ptr.get(&b.ptr) != Some(&id) {
                             return Err(format!("{here}: live but not in the address map"));
+                        }
+                        prev_free = false;
+                    }
+                    State::Parked => {
+                        parked += 1;
+                        if self.by_ptr.get(&b.ptr) != Some(&id)
+                            || !self.slots[seg.slot as usize].parked.contains(&id)
+                        {
+                            return Err(format!("{here}: parked but not listed"));
                         }
                         prev_free = false;
                     }
@@ -961,10 +1063,17 @@ impl DevicePool {
                 self.shared.len()
             ));
         }
-        if self.live.len() != live as usize {
+        if self.by_ptr.len() != live as usize + parked {
             return Err(format!(
-                "{live} live blocks but {} in the map",
-                self.live.len()
+                "{live} live and {parked} parked blocks but {} in the map",
+                self.by_ptr.len()
+            ));
+        }
+        let listed: usize = self.slots.iter().map(|s| s.parked.len()).sum();
+        if listed != parked || self.parked != parked {
+            return Err(format!(
+                "{parked} parked blocks, {listed} listed, {} counted",
+                self.parked
             ));
         }
         let s = &self.stats;

@@ -195,7 +195,7 @@ impl Pool {
 
     /// The figures of `device`.
     pub fn stats(&self, device: i32) -> Result<Stats> {
-        let (pool, _) = self.lock(device)?;
+        let (mut pool, _) = self.lock(device)?;
         Ok(pool.stats())
     }
 

@@ -542,3 +542,51 @@ fn a_memory_limit_caps_reserved_and_names_itself() {
     pool.reserve(0, 10 * GIB, 0).unwrap();
     assert_books(&pool, sim);
 }
+
+#[test]
+fn parked_blocks_are_reused_by_size_and_merged_when_needed() {
+    let (pool, sim) = pool(24 * GIB);
+    let a = pool.reserve(0, 4096, 0).unwrap();
+    let b = pool.reserve(0, 8192, 0).unwrap();
+    let c = pool.reserve(0, 4096, 0).unwrap();
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    // Parked, not merged: the same sizes come back from the same places, newest first.
+    assert_eq!(pool.reserve(0, 8192, 0).unwrap(), b);
+    assert_eq!(pool.reserve(0, 4096, 0).unwrap(), a);
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    pool.check().unwrap();
+    // A size no parked block has is served from the bins while they have room: the parked
+    // blocks wait, unmerged, and memory does not grow.
+    let d = pool.reserve(0, 12288, 0).unwrap();
+    assert_eq!(d, c + 4096);
+    pool.release(d).unwrap();
+    // Statistics merge them, and then a and b's space serves the same size.
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.largest_reusable_block, MIB);
+    assert_eq!(pool.reserve(0, 12288, 0).unwrap(), a);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.driver_allocs), (12288 + 4096, 1));
+    pool.release(c).unwrap();
+    // A parked block counts as reusable and as released.
+    assert_eq!(pool.stats(0).unwrap().reusable_bytes, 2 * MIB - 12288);
+    let err = pool.release(c).unwrap_err();
+    assert!(err.message.contains("already released"), "{}", err.message);
+    assert!(pool.record_stream(c, 7).is_err());
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_full_parking_list_merges_its_oldest_block() {
+    let (pool, sim) = pool(24 * GIB);
+    let ptrs: Vec<u64> = (0..40).map(|_| pool.reserve(0, 4096, 0).unwrap()).collect();
+    for &p in &ptrs {
+        pool.release(p).unwrap();
+        pool.check().unwrap();
+    }
+    // The last 16 released are parked; the first 24 merged into one free run.
+    assert_eq!(pool.reserve(0, 4096, 0).unwrap(), ptrs[39]);
+    assert_eq!(pool.reserve(0, 24 * 4096, 0).unwrap(), ptrs[0]);
+    assert_books(&pool, sim);
+}
