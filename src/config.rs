@@ -26,7 +26,7 @@ pub struct Settings {
 pub const DEFAULT_CUDA_LIBRARY: &str = "libcuda.so.1";
 
 /// The keys `RESMEM_CONF` accepts, with what they take, for messages.
-const KEYS: &str = "release_before_grow:true|false, logging:true|false";
+const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false";
 
 impl Settings {
     /// Settings from the variables' values (`None`: unset).
@@ -77,6 +77,7 @@ pub fn parse_conf(text: &str) -> Result<PoolConfig, Error> {
         let slot = match key {
             "release_before_grow" => &mut config.release_before_grow,
             "logging" => &mut config.logging,
+            "vmm" => &mut config.vmm,
             _ => {
                 return Err(Error::invalid_value(format!(
                     "RESMEM_CONF: unknown key {key:?}; the keys are {KEYS}"
@@ -128,6 +129,8 @@ mod tests {
         let c = parse_conf(" logging:true , release_before_grow:false ").unwrap();
         assert!(c.logging);
         assert!(!c.release_before_grow);
+        assert!(!c.vmm);
+        assert!(parse_conf("vmm:true").unwrap().vmm);
         assert_eq!(parse_conf("").unwrap(), PoolConfig::default());
         assert_eq!(parse_conf(",,").unwrap(), PoolConfig::default());
         assert!(parse_conf("logging:0").map(|c| !c.logging).unwrap());

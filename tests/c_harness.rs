@@ -7,6 +7,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Mutex;
 
 use common::{artifacts, run, Driver};
 
@@ -20,6 +21,20 @@ fn root() -> &'static Path {
 /// Compile `c_examples/<name>.c` (as C, or as C++ with `cxx`), linked against the shared or the
 /// static library.
 fn compile(name: &str, cxx: bool, link_static: bool) -> PathBuf {
+    // Tests run in parallel and share programs: compile each once, so that none is rewritten
+    // while another test runs it.
+    static COMPILED: Mutex<Vec<((String, bool, bool), PathBuf)>> = Mutex::new(Vec::new());
+    let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
+    let key = (name.to_string(), cxx, link_static);
+    if let Some((_, path)) = compiled.iter().find(|(k, _)| *k == key) {
+        return path.clone();
+    }
+    let path = compile_now(name, cxx, link_static);
+    compiled.push((key, path.clone()));
+    path
+}
+
+fn compile_now(name: &str, cxx: bool, link_static: bool) -> PathBuf {
     let a = artifacts();
     let out = a.work.join(format!(
         "{name}{}{}",

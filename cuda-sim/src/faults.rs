@@ -79,6 +79,15 @@ driver_calls! {
     EventDestroy = "cuEventDestroy_v2",
     GetErrorName = "cuGetErrorName",
     GetErrorString = "cuGetErrorString",
+    DeviceGetAttribute = "cuDeviceGetAttribute",
+    MemGetAllocationGranularity = "cuMemGetAllocationGranularity",
+    MemAddressReserve = "cuMemAddressReserve",
+    MemAddressFree = "cuMemAddressFree",
+    MemCreate = "cuMemCreate",
+    MemRelease = "cuMemRelease",
+    MemMap = "cuMemMap",
+    MemUnmap = "cuMemUnmap",
+    MemSetAccess = "cuMemSetAccess",
 }
 
 impl fmt::Display for Call {

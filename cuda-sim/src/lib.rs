@@ -38,8 +38,10 @@ use std::fmt;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod faults;
+mod vmm;
 use faults::Faults;
 pub use faults::{Call, Fault};
+pub use vmm::{ATTRIBUTE_VMM_SUPPORTED, GRANULARITY};
 
 /// The result of a simulated driver call.
 pub type CuResult<T> = Result<T, CuError>;
@@ -350,6 +352,7 @@ struct State {
     alloc_calls: u64,
     free_calls: u64,
     faults: Faults,
+    vmm: vmm::VmmState,
 }
 
 /// Adds `req` to `reqs`, keeping one entry per stream with the larger count.
@@ -537,6 +540,7 @@ impl Sim {
                 alloc_calls: 0,
                 free_calls: 0,
                 faults: Faults::new(),
+                vmm: vmm::VmmState::new(),
             }),
             config_error: None,
         }
@@ -557,6 +561,9 @@ impl Sim {
         let sim = parse_devices(&spec)
             .map(|caps| Sim::new(&caps))
             .map_err(|e| format!("{ENV_VAR}={spec:?}: {e}"))?;
+        if std::env::var("CUDA_SIM_VMM").is_ok_and(|v| v.trim() == "0") {
+            sim.disable_vmm();
+        }
         match std::env::var(FAULTS_VAR) {
             Ok(faults) => sim
                 .inject_faults(&faults)
@@ -748,8 +755,11 @@ impl Sim {
     /// The device whose live allocation contains `ptr` (its base or any byte
     /// inside it); `None` otherwise. Needs no initialization.
     pub fn device_of(&self, ptr: u64) -> Option<i32> {
-        let dev = window_device(ptr)?;
         let st = self.lock();
+        if let Some(dev) = vmm::device_of_mapping(&st, ptr) {
+            return Some(dev);
+        }
+        let dev = window_device(ptr)?;
         let d = st.devices.get(dev)?;
         let (&base, &len) = d.allocations.range(..=ptr).next_back()?;
         (ptr < base + len).then_some(dev as i32)

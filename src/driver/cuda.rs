@@ -10,7 +10,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, StreamHandle};
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle};
 use crate::error::{rm_status, Error};
 
 type CUresult = c_int;
@@ -26,13 +26,13 @@ const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 
 /// Declares the function table and its resolver: field, exported symbol, parameter types.
 macro_rules! driver_table {
-    ($( $field:ident = $symbol:literal ( $($arg:ty),* ); )*) => {
-        /// The driver functions resmem calls, resolved from the library handle.
-        struct Table {
+    ($(#[$doc:meta])* $table:ident { $( $field:ident = $symbol:literal ( $($arg:ty),* ); )* }) => {
+        $(#[$doc])*
+        struct $table {
             $( $field: unsafe extern "C" fn($($arg),*) -> CUresult, )*
         }
 
-        impl Table {
+        impl $table {
             /// The names of every symbol the table needs.
             const SYMBOLS: &'static [&'static str] = &[$($symbol),*];
 
@@ -41,7 +41,7 @@ macro_rules! driver_table {
             /// # Safety
             /// `handle` is a live `dlopen` handle of a library whose symbols of these names have
             /// the CUDA driver API's signatures, as declared here.
-            unsafe fn resolve(handle: *mut c_void) -> Result<Table, Vec<&'static str>> {
+            unsafe fn resolve(handle: *mut c_void) -> Result<$table, Vec<&'static str>> {
                 let mut missing = Vec::new();
                 $(
                     let name = concat!($symbol, "\0");
@@ -54,7 +54,7 @@ macro_rules! driver_table {
                 if !missing.is_empty() {
                     return Err(missing);
                 }
-                Ok(Table {
+                Ok($table {
                     $(
                         // SAFETY: the symbol is non-null and, by the caller's contract, a function
                         // with exactly this C signature; fn pointers and data pointers have the
@@ -70,6 +70,8 @@ macro_rules! driver_table {
 }
 
 driver_table! {
+    /// The driver functions resmem needs, resolved from the library handle.
+    Table {
     init = "cuInit"(c_uint);
     driver_get_version = "cuDriverGetVersion"(*mut c_int);
     device_get_count = "cuDeviceGetCount"(*mut c_int);
@@ -90,6 +92,66 @@ driver_table! {
     stream_wait_event = "cuStreamWaitEvent"(CUstream, CUevent, c_uint);
     get_error_name = "cuGetErrorName"(CUresult, *mut *const c_char);
     get_error_string = "cuGetErrorString"(CUresult, *mut *const c_char);
+    }
+}
+
+driver_table! {
+    /// The virtual-memory API (CUDA 10.2 and later), used when present.
+    VmmTable {
+    device_get_attribute = "cuDeviceGetAttribute"(*mut c_int, c_int, CUdevice);
+    granularity = "cuMemGetAllocationGranularity"(*mut usize, *const MemAllocationProp, c_int);
+    address_reserve = "cuMemAddressReserve"(*mut CUdeviceptr, usize, usize, CUdeviceptr, u64);
+    address_free = "cuMemAddressFree"(CUdeviceptr, usize);
+    create = "cuMemCreate"(*mut u64, usize, *const MemAllocationProp, u64);
+    release = "cuMemRelease"(u64);
+    map = "cuMemMap"(CUdeviceptr, usize, usize, u64, u64);
+    unmap = "cuMemUnmap"(CUdeviceptr, usize);
+    set_access = "cuMemSetAccess"(CUdeviceptr, usize, *const MemAccessDesc, usize);
+    }
+}
+
+/// `CUmemLocation`.
+#[repr(C)]
+struct MemLocation {
+    kind: c_int,
+    id: c_int,
+}
+
+/// `CUmemAllocationProp`.
+#[repr(C)]
+struct MemAllocationProp {
+    kind: c_int,
+    requested_handle_types: c_int,
+    location: MemLocation,
+    win32_handle_meta_data: *mut c_void,
+    alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+struct MemAccessDesc {
+    location: MemLocation,
+    flags: c_int,
+}
+
+const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
+const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
+const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
+
+/// A pinned allocation on `device`.
+fn device_prop(device: i32) -> MemAllocationProp {
+    MemAllocationProp {
+        kind: CU_MEM_ALLOCATION_TYPE_PINNED,
+        requested_handle_types: 0,
+        location: MemLocation {
+            kind: CU_MEM_LOCATION_TYPE_DEVICE,
+            id: device,
+        },
+        win32_handle_meta_data: std::ptr::null_mut(),
+        alloc_flags: [0; 8],
+    }
 }
 
 /// The names of the driver functions resmem loads (for documentation and tests).
@@ -97,10 +159,17 @@ pub fn required_symbols() -> &'static [&'static str] {
     Table::SYMBOLS
 }
 
+/// The names of the virtual-memory functions resmem uses when the library has them.
+pub fn optional_symbols() -> &'static [&'static str] {
+    VmmTable::SYMBOLS
+}
+
 /// The CUDA driver, loaded from a shared library.
 pub struct CudaDriver {
     library: String,
     table: Table,
+    /// The virtual-memory API, if the library exports it.
+    vmm: Option<VmmTable>,
     version: c_int,
     devices: Vec<CUdevice>,
     /// Each device's primary context, retained on first use.
@@ -143,9 +212,12 @@ impl CudaDriver {
                 missing.join(", ")
             ))
         })?;
+        // SAFETY: as for the table above.
+        let vmm = unsafe { VmmTable::resolve(handle) }.ok();
         let mut driver = CudaDriver {
             library: library.to_string(),
             table,
+            vmm,
             version: 0,
             devices: Vec::new(),
             contexts: Vec::new(),
@@ -263,10 +335,37 @@ impl CudaDriver {
         name: &'static str,
         call: impl FnOnce(&Table) -> CUresult,
     ) -> DriverResult<()> {
+        self.in_context_with(device, name, || call(&self.table))
+    }
+
+    /// Run a virtual-memory call in `device`'s primary context; the API must be present.
+    fn vmm_call(
+        &self,
+        device: i32,
+        name: &'static str,
+        call: impl FnOnce(&VmmTable) -> CUresult,
+    ) -> DriverResult<()> {
+        let Some(vmm) = &self.vmm else {
+            return Err(DriverError {
+                call: name,
+                code: 801,
+                name: "CUDA_ERROR_NOT_SUPPORTED".to_string(),
+                description: "the driver library lacks the virtual-memory API".to_string(),
+            });
+        };
+        self.in_context_with(device, name, || call(vmm))
+    }
+
+    fn in_context_with(
+        &self,
+        device: i32,
+        name: &'static str,
+        call: impl FnOnce() -> CUresult,
+    ) -> DriverResult<()> {
         let ctx = self.context(device)?;
         // SAFETY: `ctx` is a retained primary context of this driver.
         self.check("cuCtxPushCurrent_v2", unsafe { (self.table.ctx_push)(ctx) })?;
-        let result = call(&self.table);
+        let result = call();
         let mut popped: CUcontext = std::ptr::null_mut();
         // SAFETY: the push above succeeded, so there is a context to pop; the out-pointer is valid.
         let pop = unsafe { (self.table.ctx_pop)(&mut popped) };
@@ -395,6 +494,99 @@ impl Driver for CudaDriver {
             (t.ctx_synchronize)()
         })
     }
+
+    fn vmm_granularity(&self, device: i32) -> Option<u64> {
+        let mut supported: c_int = 0;
+        // SAFETY: the out-pointer is valid; the device handle came from cuDeviceGet.
+        let dev = *self.devices.get(usize::try_from(device).ok()?)?;
+        self.vmm_call(device, "cuDeviceGetAttribute", |v| unsafe {
+            (v.device_get_attribute)(
+                &mut supported,
+                CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                dev,
+            )
+        })
+        .ok()?;
+        if supported == 0 {
+            return None;
+        }
+        let mut granularity = 0usize;
+        let prop = device_prop(dev);
+        // SAFETY: the out-pointer and the property are valid for the call.
+        self.vmm_call(device, "cuMemGetAllocationGranularity", |v| unsafe {
+            (v.granularity)(&mut granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        })
+        .ok()?;
+        (granularity > 0).then_some(granularity as u64)
+    }
+
+    fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr> {
+        let mut ptr: CUdeviceptr = 0;
+        // SAFETY: the out-pointer is valid; no fixed address, default alignment, flags 0.
+        self.vmm_call(device, "cuMemAddressReserve", |v| unsafe {
+            (v.address_reserve)(&mut ptr, size as usize, 0, 0, 0)
+        })?;
+        Ok(ptr)
+    }
+
+    fn vmm_free(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        // SAFETY: a range this driver reserved, with nothing mapped in it.
+        self.vmm_call(device, "cuMemAddressFree", |v| unsafe {
+            (v.address_free)(ptr, size as usize)
+        })
+    }
+
+    fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle> {
+        let mut handle = 0u64;
+        let dev = self.devices.get(device as usize).copied().unwrap_or(device);
+        let prop = device_prop(dev);
+        // SAFETY: the out-pointer and the property are valid for the call; flags 0.
+        self.vmm_call(device, "cuMemCreate", |v| unsafe {
+            (v.create)(&mut handle, size as usize, &prop, 0)
+        })?;
+        Ok(handle)
+    }
+
+    fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()> {
+        // SAFETY: a handle from cuMemCreate, released once.
+        self.vmm_call(device, "cuMemRelease", |v| unsafe { (v.release)(handle) })
+    }
+
+    fn vmm_map(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysHandle,
+    ) -> DriverResult<()> {
+        // SAFETY: a reserved, unmapped, granularity-aligned range and a live handle; offset and
+        // flags 0.
+        self.vmm_call(device, "cuMemMap", |v| unsafe {
+            (v.map)(ptr, size as usize, 0, handle, 0)
+        })
+    }
+
+    fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        // SAFETY: a run of whole mappings this driver made.
+        self.vmm_call(device, "cuMemUnmap", |v| unsafe {
+            (v.unmap)(ptr, size as usize)
+        })
+    }
+
+    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        let dev = self.devices.get(device as usize).copied().unwrap_or(device);
+        let desc = MemAccessDesc {
+            location: MemLocation {
+                kind: CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev,
+            },
+            flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: one valid descriptor for a run of whole mappings.
+        self.vmm_call(device, "cuMemSetAccess", |v| unsafe {
+            (v.set_access)(ptr, size as usize, &desc, 1)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -424,5 +616,7 @@ mod tests {
     fn the_table_lists_every_function() {
         assert_eq!(required_symbols().len(), 20);
         assert!(required_symbols().contains(&"cuMemAlloc_v2"));
+        assert_eq!(optional_symbols().len(), 9);
+        assert!(optional_symbols().contains(&"cuMemMap"));
     }
 }

@@ -20,6 +20,8 @@ pub type DevicePtr = u64;
 pub type StreamHandle = u64;
 /// An event handle (`CUevent`).
 pub type EventHandle = u64;
+/// A physical allocation of the virtual-memory API (`CUmemGenericAllocationHandle`).
+pub type PhysHandle = u64;
 
 /// `CUDA_ERROR_OUT_OF_MEMORY`, the one driver result the pool reacts to by itself.
 pub const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
@@ -98,4 +100,30 @@ pub trait Driver: Send + Sync {
     ) -> DriverResult<()>;
     /// Block the host until all work on the device has completed.
     fn synchronize(&self, device: i32) -> DriverResult<()>;
+
+    // The virtual-memory API (`cuMemCreate`, `cuMemMap`, ...), where driver and device have it.
+
+    /// The allocation granularity of the virtual-memory API on `device`, or `None` where the
+    /// driver lacks the API or the device does not support it.
+    fn vmm_granularity(&self, device: i32) -> Option<u64>;
+    /// Reserve `size` bytes of address space (`cuMemAddressReserve`).
+    fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr>;
+    /// Free a reserved address range with nothing mapped in it (`cuMemAddressFree`).
+    fn vmm_free(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()>;
+    /// Create `size` bytes of physical memory on `device` (`cuMemCreate`).
+    fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle>;
+    /// Release physical memory; the driver frees it once unmapped (`cuMemRelease`).
+    fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()>;
+    /// Map all `size` bytes of `handle` at `ptr` (`cuMemMap`).
+    fn vmm_map(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysHandle,
+    ) -> DriverResult<()>;
+    /// Unmap `[ptr, ptr + size)` (`cuMemUnmap`).
+    fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()>;
+    /// Give `device` read-write access to `[ptr, ptr + size)` (`cuMemSetAccess`).
+    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()>;
 }

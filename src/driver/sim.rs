@@ -3,7 +3,7 @@
 
 use cuda_sim::{CuError, Sim};
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, StreamHandle};
+use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle};
 use crate::error::{rm_status, Error};
 
 /// The simulated devices as a [`Driver`].
@@ -116,5 +116,59 @@ impl Driver for SimDriver {
         self.sim
             .synchronize(device)
             .map_err(fail("cuCtxSynchronize"))
+    }
+
+    fn vmm_granularity(&self, device: i32) -> Option<u64> {
+        let supported = self
+            .sim
+            .device_attribute(device, cuda_sim::ATTRIBUTE_VMM_SUPPORTED);
+        if supported != Ok(1) {
+            return None;
+        }
+        self.sim.mem_granularity(device).ok()
+    }
+
+    fn vmm_reserve(&self, _device: i32, size: u64) -> DriverResult<DevicePtr> {
+        self.sim
+            .mem_address_reserve(size, 0)
+            .map_err(fail("cuMemAddressReserve"))
+    }
+
+    fn vmm_free(&self, _device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.sim
+            .mem_address_free(ptr, size)
+            .map_err(fail("cuMemAddressFree"))
+    }
+
+    fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle> {
+        self.sim
+            .mem_create(device, size)
+            .map_err(fail("cuMemCreate"))
+    }
+
+    fn vmm_release(&self, _device: i32, handle: PhysHandle) -> DriverResult<()> {
+        self.sim.mem_release(handle).map_err(fail("cuMemRelease"))
+    }
+
+    fn vmm_map(
+        &self,
+        _device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysHandle,
+    ) -> DriverResult<()> {
+        self.sim
+            .mem_map(ptr, size, handle)
+            .map_err(fail("cuMemMap"))
+    }
+
+    fn vmm_unmap(&self, _device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.sim.mem_unmap(ptr, size).map_err(fail("cuMemUnmap"))
+    }
+
+    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.sim
+            .mem_set_access(ptr, size, device)
+            .map_err(fail("cuMemSetAccess"))
     }
 }

@@ -22,6 +22,9 @@ pub enum State {
     Pending,
     /// Released on its own stream and kept unmerged for exact-size reuse; reusable memory.
     Parked,
+    /// Address space of a stitched segment whose physical memory was taken for another
+    /// segment: unmapped, never handed out.
+    Hole,
     /// An unused arena slot.
     Vacant,
 }

@@ -20,6 +20,9 @@ use super::hash::IntMap;
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
+use stitch::{Chunk, VmmMode};
+
+mod stitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
 
@@ -36,6 +39,10 @@ struct Segment {
     in_use: bool,
     /// Its index in `DevicePool::idle` while entirely free, else `NIL`.
     idle_at: u32,
+    /// For a stitched segment (virtual-memory mode), the physical chunks mapped in it, by
+    /// offset from `base`, in address order; the rest of it is holes. Empty for a segment from
+    /// `cuMemAlloc`.
+    chunks: Vec<(u64, Chunk)>,
 }
 
 /// A stream's free blocks, small and large class. Slots are reused once no segment is theirs.
@@ -88,6 +95,10 @@ pub struct DevicePool {
     stats: Stats,
     /// The most this pool may reserve, if capped.
     limit: Option<u64>,
+    /// Whether segments are stitched from physical chunks (decided at the first growth).
+    vmm: VmmMode,
+    /// Physical chunks held but mapped nowhere (virtual-memory mode): reserved and reusable.
+    spare: Vec<Chunk>,
 }
 
 impl DevicePool {
@@ -110,6 +121,8 @@ impl DevicePool {
             spare_events: Vec::new(),
             stats: Stats::default(),
             limit: None,
+            vmm: VmmMode::Undecided,
+            spare: Vec::new(),
         }
     }
 
@@ -248,7 +261,14 @@ impl DevicePool {
     pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
         self.flush_parked();
         self.collect_pending(cx, true)?;
-        self.release_idle(cx, u64::MAX)
+        let mut released = self.release_idle(cx, u64::MAX)?;
+        if matches!(self.vmm, VmmMode::On(_)) {
+            // Chunks under free blocks of segments still in use go back too.
+            let chunks = self.harvest(cx, u64::MAX)?;
+            released += chunks.iter().map(|c| c.size).sum::<u64>();
+            self.release_chunks(cx, chunks)?;
+        }
+        Ok(released)
     }
 
     /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
@@ -368,26 +388,12 @@ impl DevicePool {
                 human(total)
             )));
         }
-        if let Some(limit) = self.limit {
-            let allowed = limit.saturating_sub(self.stats.reserved_bytes);
-            if segment > allowed && mode == Grow::MayRelease {
-                // Under a cap, returning idle cache is the only way to grow.
-                self.release_idle(cx, segment - allowed)?;
-            }
-            let allowed = limit.saturating_sub(self.stats.reserved_bytes);
-            if segment > allowed {
-                self.stats.ooms += 1;
-                return Err(Error::out_of_memory(format!(
-                    "device {}: requested {} (a new segment of {}) would take this pool past its                      memory limit of {}: it reserves {}, of which {} is reusable. Raise the limit                      (rm_set_memory_limit, or torch.cuda.set_per_process_memory_fraction), or                      release blocks you no longer need",
-                    self.device,
-                    human(requested),
-                    human(segment),
-                    human(limit),
-                    human(self.stats.reserved_bytes),
-                    human(self.stats.reusable())
-                )));
-            }
+        if self.stitching(cx) {
+            let (base, chunks) = self.stitch(cx, segment, class, requested, mode, free)?;
+            let size = chunks.iter().map(|c| c.size).sum();
+            return Ok(self.install_segment(cx, base, size, class, stream, chunks));
         }
+        self.make_room_under_limit(cx, segment, requested, mode)?;
         if mode == Grow::MayRelease && free < segment && self.config.release_before_grow {
             let released = self.release_idle(cx, segment - free)?;
             self.log(format_args!(
@@ -415,6 +421,57 @@ impl DevicePool {
             }
             Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
         };
+        self.stats.add_reserved(segment, 1);
+        Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
+    }
+
+    /// Under a memory limit, make room for `bytes` more by returning idle cache (if `mode`
+    /// allows), or fail with an out-of-memory error naming the limit.
+    fn make_room_under_limit(
+        &mut self,
+        cx: &Context<'_>,
+        bytes: u64,
+        requested: u64,
+        mode: Grow,
+    ) -> Result<()> {
+        let Some(limit) = self.limit else {
+            return Ok(());
+        };
+        let allowed = limit.saturating_sub(self.stats.reserved_bytes);
+        if bytes > allowed && mode == Grow::MayRelease {
+            // Under a cap, returning idle cache is the only way to grow.
+            self.release_idle(cx, bytes - allowed)?;
+        }
+        let allowed = limit.saturating_sub(self.stats.reserved_bytes);
+        if bytes <= allowed {
+            return Ok(());
+        }
+        self.stats.ooms += 1;
+        Err(Error::out_of_memory(format!(
+            "device {}: requested {} (needing {} more from the driver) would take this pool past \
+             its memory limit of {}: it reserves {}, of which {} is reusable. Raise the limit \
+             (rm_set_memory_limit, or torch.cuda.set_per_process_memory_fraction), or release \
+             blocks you no longer need",
+            self.device,
+            human(requested),
+            human(bytes),
+            human(limit),
+            human(self.stats.reserved_bytes),
+            human(self.stats.reusable())
+        )))
+    }
+
+    /// Book a new segment at `ptr` of `size` bytes (its memory already counted as reserved),
+    /// as one free, idle block of `stream`; returns the block.
+    fn install_segment(
+        &mut self,
+        cx: &Context<'_>,
+        ptr: DevicePtr,
+        segment: u64,
+        class: Class,
+        stream: StreamHandle,
+        chunks: Vec<Chunk>,
+    ) -> u32 {
         let seg = match self.vacant_segments.pop() {
             Some(seg) => seg,
             None => {
@@ -426,6 +483,7 @@ impl DevicePool {
                     first: NIL,
                     in_use: false,
                     idle_at: NIL,
+                    chunks: Vec::new(),
                 });
                 u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
             }
@@ -443,6 +501,14 @@ impl DevicePool {
             shared: false,
         });
         let slot = self.join_slot(stream);
+        let mut offset = 0;
+        let chunks = chunks
+            .into_iter()
+            .map(|chunk| {
+                offset += chunk.size;
+                (offset - chunk.size, chunk)
+            })
+            .collect();
         self.segments[seg as usize] = Segment {
             base: ptr,
             size: segment,
@@ -451,12 +517,13 @@ impl DevicePool {
             first: id,
             in_use: true,
             idle_at: NIL,
+            chunks,
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);
         cx.directory.insert(ptr, segment, self.device);
-        self.stats.add_segment(segment);
-        Ok(id)
+        self.stats.segments += 1;
+        id
     }
 
     /// Turn a failed driver allocation into the error the caller sees.
@@ -498,13 +565,18 @@ impl DevicePool {
     /// Return idle segments to the driver until at least `needed` bytes are back (`u64::MAX`:
     /// all of them): the smallest single segment that covers it, else the largest first.
     fn release_idle(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
+        let spare = self.release_spare(cx, needed)?;
+        if spare >= needed {
+            return Ok(spare);
+        }
+        let needed = needed - spare;
         let mut idle: Vec<(u64, u32)> = self
             .idle
             .iter()
             .map(|&seg| (self.segments[seg as usize].size, seg))
             .collect();
         if idle.is_empty() {
-            return Ok(0);
+            return Ok(spare);
         }
         idle.sort_unstable();
         let chosen: Vec<(u64, u32)> = match idle.iter().find(|&&(size, _)| size >= needed) {
@@ -526,7 +598,7 @@ impl DevicePool {
         cx.driver.synchronize(self.device).map_err(|e| {
             Error::driver("waiting for the device before returning cached memory", &e)
         })?;
-        let mut released = 0;
+        let mut released = spare;
         for (size, seg) in chosen {
             self.free_segment(cx, seg)?;
             released += size;
@@ -536,26 +608,50 @@ impl DevicePool {
 
     /// Give an idle segment back to the driver and forget it.
     fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
-        let Segment {
-            base,
-            size,
-            slot,
-            class,
-            first,
-            ..
-        } = self.segments[seg as usize].clone();
-        cx.driver.mem_free(self.device, base).map_err(|e| {
-            Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
-        })?;
-        self.bin_remove(slot, class, first);
-        self.unmark_idle(seg);
+        let (base, size) = (
+            self.segments[seg as usize].base,
+            self.segments[seg as usize].size,
+        );
+        if self.segments[seg as usize].chunks.is_empty() {
+            cx.driver.mem_free(self.device, base).map_err(|e| {
+                Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
+            })?;
+            self.forget_segment(cx, seg);
+            self.stats.remove_reserved(size, 1);
+            return Ok(());
+        }
+        let chunks = self.dismantle(cx, seg)?;
+        self.release_chunks(cx, chunks)
+    }
+
+    /// Drop a segment with no block in use from the books (not its memory); returns the
+    /// chunks still mapped in it.
+    fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) -> Vec<Chunk> {
+        let (base, slot, class, mut id, idle_at) = {
+            let s = &self.segments[seg as usize];
+            (s.base, s.slot, s.class, s.first, s.idle_at)
+        };
+        while id != NIL {
+            let next = self.blocks[id].next;
+            debug_assert!(matches!(self.blocks[id].state, State::Free | State::Hole));
+            if self.blocks[id].state == State::Free {
+                self.bin_remove(slot, class, id);
+            }
+            self.blocks.remove(id);
+            id = next;
+        }
+        if idle_at != NIL {
+            self.unmark_idle(seg);
+        }
         self.leave_slot(slot);
-        self.blocks.remove(first);
         self.segments[seg as usize].in_use = false;
         self.vacant_segments.push(seg);
         cx.directory.remove(base);
-        self.stats.remove_segment(size);
-        Ok(())
+        self.stats.segments -= 1;
+        std::mem::take(&mut self.segments[seg as usize].chunks)
+            .into_iter()
+            .map(|(_, chunk)| chunk)
+            .collect()
     }
 
     /// Free the pending blocks whose events have completed (all of them, waiting, if `wait`).
@@ -974,6 +1070,7 @@ impl DevicePool {
             let mut expect = seg.base;
             let mut prev = NIL;
             let mut prev_free = false;
+            let mut holes = 0;
             while id != NIL {
                 let b = &self.blocks[id];
                 let here = format!("block {:#x} of segment {:#x}", b.ptr, seg.base);
@@ -1010,6 +1107,19 @@ impl DevicePool {
                         prev_free = true;
                     }
                     State::Pending => prev_free = false,
+                    State::Hole => {
+                        holes += b.size;
+                        let (start, end) = (b.ptr - seg.base, b.ptr - seg.base + b.size);
+                        if seg.chunks.is_empty()
+                            || seg
+                                .chunks
+                                .iter()
+                                .any(|&(o, c)| o < end && start < o + c.size)
+                        {
+                            return Err(format!("{here}: a hole where memory is mapped"));
+                        }
+                        prev_free = false;
+                    }
                     State::Vacant => return Err(format!("{here}: vacant slot linked")),
                 }
                 expect = b.ptr + b.size;
@@ -1019,6 +1129,17 @@ impl DevicePool {
             if expect != seg.base + seg.size {
                 return Err(format!("segment {:#x}: blocks do not cover it", seg.base));
             }
+            let mapped: u64 = seg.chunks.iter().map(|(_, c)| c.size).sum();
+            if !seg.chunks.is_empty() && mapped + holes != seg.size {
+                return Err(format!(
+                    "segment {:#x}: chunks and holes do not cover it",
+                    seg.base
+                ));
+            }
+            if seg.chunks.windows(2).any(|w| w[0].0 + w[0].1.size > w[1].0) {
+                return Err(format!("segment {:#x}: chunks overlap", seg.base));
+            }
+            reserved -= holes;
             let first = &self.blocks[seg.first];
             let is_idle = first.next == NIL && first.state == State::Free;
             let listed =
@@ -1076,6 +1197,7 @@ impl DevicePool {
                 self.parked
             ));
         }
+        reserved += self.spare_bytes();
         let s = &self.stats;
         let books = (
             s.reserved_bytes,

@@ -52,19 +52,17 @@ impl Stats {
         self.live_blocks -= 1;
     }
 
-    /// Count a new segment.
-    pub fn add_segment(&mut self, size: u64) {
-        self.reserved_bytes += size;
-        self.segments += 1;
-        self.driver_allocs += 1;
+    /// Count `bytes` newly held from the driver in `calls` allocations.
+    pub fn add_reserved(&mut self, bytes: u64, calls: u64) {
+        self.reserved_bytes += bytes;
+        self.driver_allocs += calls;
         self.peak_reserved_bytes = self.peak_reserved_bytes.max(self.reserved_bytes);
     }
 
-    /// Count a segment returned to the driver.
-    pub fn remove_segment(&mut self, size: u64) {
-        self.reserved_bytes -= size;
-        self.segments -= 1;
-        self.driver_frees += 1;
+    /// Count `bytes` given back to the driver in `calls` frees.
+    pub fn remove_reserved(&mut self, bytes: u64, calls: u64) {
+        self.reserved_bytes -= bytes;
+        self.driver_frees += calls;
     }
 
     /// Bytes held but not in live blocks.
@@ -86,7 +84,7 @@ mod tests {
     #[test]
     fn peaks_follow_and_reset() {
         let mut s = Stats::default();
-        s.add_segment(4 << 20);
+        s.add_reserved(4 << 20, 1);
         s.add_live(3 << 20, 3_000_000);
         s.remove_live(3 << 20, 3_000_000);
         assert_eq!(
@@ -95,9 +93,9 @@ mod tests {
         );
         assert_eq!(s.peak_allocated_bytes, 3 << 20);
         assert_eq!(s.reusable(), 4 << 20);
-        s.remove_segment(4 << 20);
+        s.remove_reserved(4 << 20, 1);
         assert_eq!(s.peak_reserved_bytes, 4 << 20);
-        assert_eq!((s.driver_allocs, s.driver_frees, s.segments), (1, 1, 0));
+        assert_eq!((s.driver_allocs, s.driver_frees), (1, 1));
         s.reset_peaks();
         assert_eq!((s.peak_allocated_bytes, s.peak_reserved_bytes), (0, 0));
     }

@@ -590,3 +590,161 @@ fn a_full_parking_list_merges_its_oldest_block() {
     assert_eq!(pool.reserve(0, 24 * 4096, 0).unwrap(), ptrs[0]);
     assert_books(&pool, sim);
 }
+
+fn vmm() -> PoolConfig {
+    PoolConfig {
+        vmm: true,
+        ..PoolConfig::default()
+    }
+}
+
+#[test]
+fn vmm_serves_the_37436_request_by_remapping_the_cache() {
+    // 748 MiB cached, 784 MiB wanted, 736 MiB free on the driver.
+    let (pool, sim) = pool_with(&[(748 + 736) * MIB], vmm());
+    let cached = pool.reserve(0, 748 * MIB, 0).unwrap();
+    pool.release(cached).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 736 * MIB);
+    let before = pool.stats(0).unwrap();
+    let p = pool.reserve(0, 784 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        s.reserved_bytes,
+        784 * MIB,
+        "the 748 MiB were remapped, 36 MiB created"
+    );
+    assert_eq!(s.driver_frees, 0, "nothing went back to the driver");
+    assert_eq!(
+        s.driver_allocs - before.driver_allocs,
+        5,
+        "36 MiB as 4 x 8 MiB + 4 MiB"
+    );
+    assert_eq!(sim.used_bytes(0), 784 * MIB);
+    assert_eq!(sim.is_accessible(p), Some(true));
+    assert_eq!(sim.is_accessible(p + 784 * MIB - 1), Some(true));
+    pool.release(p).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 784 * MIB);
+    assert_eq!(
+        (
+            sim.used_bytes(0),
+            sim.physical_allocations(0),
+            sim.reserved_ranges()
+        ),
+        (0, 0, 0)
+    );
+    assert_books(&pool, sim);
+}
+
+/// Ten 8 MiB blocks from one 80 MiB segment, with every other pair released: 48 MiB free in
+/// three 16 MiB holes between live blocks, and 20 MiB free on the driver.
+fn fragmented(config: PoolConfig) -> (Pool, &'static Sim, Vec<u64>) {
+    let (pool, sim) = pool_with(&[100 * MIB], config);
+    pool.warmup(0, 80 * MIB).unwrap();
+    let ptrs: Vec<u64> = (0..10)
+        .map(|_| pool.reserve(0, 8 * MIB, 0).unwrap())
+        .collect();
+    for i in [0, 1, 4, 5, 8, 9] {
+        pool.release(ptrs[i]).unwrap();
+    }
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 80 * MIB);
+    (pool, sim, ptrs)
+}
+
+#[test]
+fn classic_segments_cannot_use_free_memory_between_live_blocks() {
+    let (pool, sim, _) = fragmented(PoolConfig::default());
+    let err = pool.reserve(0, 60 * MIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("of which 48.00 MiB"),
+        "{}",
+        err.message
+    );
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_stitches_free_memory_between_live_blocks_into_a_new_segment() {
+    let (pool, sim, ptrs) = fragmented(vmm());
+    let big = pool.reserve(0, 60 * MIB, 0).unwrap();
+    pool.check().unwrap();
+    let s = pool.stats(0).unwrap();
+    // The three free 16 MiB chunks were unmapped and remapped; 12 MiB was created.
+    assert_eq!(s.reserved_bytes, 92 * MIB);
+    assert_eq!(s.allocated_bytes, 32 * MIB + 60 * MIB);
+    assert_eq!(sim.used_bytes(0), 92 * MIB);
+    assert_eq!(sim.is_accessible(big + 59 * MIB), Some(true));
+    assert_eq!(sim.is_accessible(ptrs[0]), None, "a hole now");
+    assert_eq!(
+        sim.is_accessible(ptrs[2]),
+        Some(true),
+        "live blocks keep their memory"
+    );
+    assert_eq!(sim.is_accessible(ptrs[7]), Some(true));
+    // The holes are never handed out, and releasing around them works.
+    let err = pool.release(ptrs[0]).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    for i in [2, 3, 6, 7] {
+        pool.release(ptrs[i]).unwrap();
+        pool.check().unwrap();
+    }
+    pool.release(big).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 92 * MIB);
+    assert_eq!(
+        (
+            sim.used_bytes(0),
+            sim.physical_allocations(0),
+            sim.reserved_ranges()
+        ),
+        (0, 0, 0)
+    );
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_free_reusable_returns_chunks_under_free_blocks_of_used_segments() {
+    let (pool, sim, ptrs) = fragmented(vmm());
+    // Chunks 0, 2 and 4 (16 MiB each) lie under free blocks; 1 and 3 hold live blocks.
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 48 * MIB);
+    assert_eq!(sim.used_bytes(0), 32 * MIB);
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 32 * MIB);
+    assert_eq!(pool.mem_get_info(0).unwrap().0, 68 * MIB);
+    for i in [2, 3, 6, 7] {
+        pool.release(ptrs[i]).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 32 * MIB);
+    assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_falls_back_to_classic_segments_without_the_api() {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
+    sim.disable_vmm();
+    let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), vmm());
+    let p = pool.reserve(0, 8 * MIB, 0).unwrap();
+    let q = pool.reserve(0, 4096, 0).unwrap();
+    assert_eq!(sim.physical_allocations(0), 0);
+    assert_eq!(sim.live_allocations(0), 2);
+    pool.release(p).unwrap();
+    pool.release(q).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_small_requests_share_stitched_segments() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    let a = pool.reserve(0, 512, 0).unwrap();
+    let b = pool.reserve(0, 4096, 0).unwrap();
+    assert_eq!(b, a + 512);
+    assert_eq!(sim.physical_allocations(0), 1);
+    assert_eq!(sim.is_accessible(a), Some(true));
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    // The idle small segment's chunk serves a large request without the driver.
+    let c = pool.reserve(0, 2 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (2 * MIB, 1));
+    pool.release(c).unwrap();
+    assert_books(&pool, sim);
+}

@@ -696,6 +696,225 @@ pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_
     })
 }
 
+/// `CUmemLocation`: where memory lives (type 1: a device, with its ordinal).
+#[repr(C)]
+pub struct CUmemLocation {
+    /// `CU_MEM_LOCATION_TYPE_DEVICE` (1) is the only type simulated.
+    pub kind: c_int,
+    /// The device ordinal.
+    pub id: c_int,
+}
+
+/// `CUmemAllocationProp`, as `cuda.h` lays it out.
+#[repr(C)]
+pub struct CUmemAllocationProp {
+    /// `CU_MEM_ALLOCATION_TYPE_PINNED` (1) is the only type simulated.
+    pub kind: c_int,
+    /// Shareable handle types requested (ignored).
+    pub requested_handle_types: c_int,
+    /// Where the memory lives.
+    pub location: CUmemLocation,
+    /// Windows-only metadata (ignored).
+    pub win32_handle_meta_data: *mut c_void,
+    /// Compression, RDMA and usage flags (ignored).
+    pub alloc_flags: [u8; 8],
+}
+
+/// `CUmemAccessDesc`: access for one location.
+#[repr(C)]
+pub struct CUmemAccessDesc {
+    /// The device given access.
+    pub location: CUmemLocation,
+    /// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` (3) is the only access simulated.
+    pub flags: c_int,
+}
+
+const CU_MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
+const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+
+/// The device a `CUmemAllocationProp` names, after checking what is simulated.
+///
+/// # Safety
+/// `prop` is NULL or points to a valid `CUmemAllocationProp`.
+unsafe fn prop_device(prop: *const CUmemAllocationProp) -> Result<CUdevice, CUresult> {
+    if prop.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: non-null and valid by the caller's contract.
+    let prop = unsafe { &*prop };
+    if prop.kind != CU_MEM_ALLOCATION_TYPE_PINNED
+        || prop.location.kind != CU_MEM_LOCATION_TYPE_DEVICE
+    {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    Ok(prop.location.id)
+}
+
+/// `cuDeviceGetAttribute`: only `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
+///
+/// # Safety
+/// `pi` is NULL or valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetAttribute(
+    pi: *mut c_int,
+    attrib: c_int,
+    dev: CUdevice,
+) -> CUresult {
+    guard(|| {
+        non_null(pi)?;
+        let value = cu(sim().device_attribute(dev, attrib))?;
+        // SAFETY: the caller's contract on `pi`.
+        unsafe { write_out(pi, value) }
+    })
+}
+
+/// `cuMemGetAllocationGranularity`: 2 MiB, minimum and recommended.
+///
+/// # Safety
+/// `granularity` is NULL or valid for writing a `size_t`; `prop` NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    granularity: *mut usize,
+    prop: *const CUmemAllocationProp,
+    option: c_int,
+) -> CUresult {
+    guard(|| {
+        non_null(granularity)?;
+        // SAFETY: the caller's contract on `prop`.
+        let dev = unsafe { prop_device(prop) }?;
+        if !(0..=1).contains(&option) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = cu(sim().mem_granularity(dev))?;
+        // SAFETY: the caller's contract on `granularity`.
+        unsafe { write_out(granularity, g as usize) }
+    })
+}
+
+/// `cuMemAddressReserve` (no fixed address, flags 0).
+///
+/// # Safety
+/// `ptr` is NULL or valid for writing a `CUdeviceptr`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    alignment: usize,
+    addr: CUdeviceptr,
+    flags: u64,
+) -> CUresult {
+    guard(|| {
+        non_null(ptr)?;
+        if addr != 0 || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let base = cu(sim().mem_address_reserve(size as u64, alignment as u64))?;
+        // SAFETY: the caller's contract on `ptr`.
+        unsafe { write_out(ptr, base) }
+    })
+}
+
+/// `cuMemAddressFree`.
+///
+/// # Safety
+/// Always safe to call: the address is only looked up.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    guard(|| cu(sim().mem_address_free(ptr, size as u64)))
+}
+
+/// `cuMemCreate` (flags 0).
+///
+/// # Safety
+/// `handle` is NULL or valid for writing a handle; `prop` NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut u64,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    guard(|| {
+        non_null(handle)?;
+        // SAFETY: the caller's contract on `prop`.
+        let dev = unsafe { prop_device(prop) }?;
+        if flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let h = cu(sim().mem_create(dev, size as u64))?;
+        // SAFETY: the caller's contract on `handle`.
+        unsafe { write_out(handle, h) }
+    })
+}
+
+/// `cuMemRelease`.
+///
+/// # Safety
+/// Always safe to call: the handle is only looked up.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CUresult {
+    guard(|| cu(sim().mem_release(handle)))
+}
+
+/// `cuMemMap` (offset 0, flags 0).
+///
+/// # Safety
+/// Always safe to call: the arguments are only looked up.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: u64,
+    flags: u64,
+) -> CUresult {
+    guard(|| {
+        if offset != 0 || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        cu(sim().mem_map(ptr, size as u64, handle))
+    })
+}
+
+/// `cuMemUnmap`.
+///
+/// # Safety
+/// Always safe to call: the range is only looked up.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    guard(|| cu(sim().mem_unmap(ptr, size as u64)))
+}
+
+/// `cuMemSetAccess`: read-write access for the devices the descriptors name.
+///
+/// # Safety
+/// `desc` is NULL or points to `count` valid descriptors.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    guard(|| {
+        if desc.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null with `count` elements by the caller's contract.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        for d in descs {
+            if d.location.kind != CU_MEM_LOCATION_TYPE_DEVICE
+                || d.flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            cu(sim().mem_set_access(ptr, size as u64, d.location.id))?;
+        }
+        Ok(())
+    })
+}
+
 /// Test-only (not CUDA): enqueues one incomplete simulated work item on the
 /// stream (NULL: the current context's default stream).
 ///

@@ -1,0 +1,478 @@
+//! The CUDA virtual-memory API, simulated with the driver's rules: address ranges reserved in
+//! granularity multiples, physical allocations (`cuMemCreate`) that count against the device's
+//! capacity when created, mappings only inside reserved ranges and only onto unmapped addresses,
+//! access set on mapped ranges, unmapping before an address range is freed, and the release of a
+//! still-mapped allocation deferred until its last mapping is gone.
+
+use std::collections::{BTreeMap, HashMap};
+
+use super::codes::*;
+use super::{Call, CuError, CuResult, Sim, State, PAGE};
+
+/// The allocation granularity of every simulated device (minimum and recommended): one page.
+pub const GRANULARITY: u64 = PAGE;
+
+/// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
+pub const ATTRIBUTE_VMM_SUPPORTED: i32 = 102;
+
+/// Reserved address ranges start here, away from `cuMemAlloc`'s device windows.
+const VA_BASE: u64 = 0x5000_0000_0000;
+/// The size of the reservable address space.
+const VA_SIZE: u64 = 1 << 44;
+/// Physical allocation handles start here, distinct from streams and events.
+const FIRST_HANDLE: u64 = 0xA000_0001;
+
+#[derive(Debug)]
+struct Physical {
+    device: i32,
+    size: u64,
+    mappings: u32,
+    released: bool,
+}
+
+#[derive(Debug)]
+struct Mapping {
+    size: u64,
+    handle: u64,
+    accessible: bool,
+}
+
+#[derive(Debug)]
+struct Range {
+    size: u64,
+    /// Mappings by address.
+    maps: BTreeMap<u64, Mapping>,
+}
+
+/// The virtual-memory state of a [`Sim`].
+#[derive(Debug)]
+pub(crate) struct VmmState {
+    pub(crate) supported: bool,
+    next_handle: u64,
+    handles: HashMap<u64, Physical>,
+    ranges: BTreeMap<u64, Range>,
+}
+
+impl VmmState {
+    pub(crate) fn new() -> VmmState {
+        VmmState {
+            supported: true,
+            next_handle: FIRST_HANDLE,
+            handles: HashMap::new(),
+            ranges: BTreeMap::new(),
+        }
+    }
+
+    /// The range containing `[ptr, ptr + size)`, by base.
+    fn range_of(&self, ptr: u64, size: u64) -> CuResult<u64> {
+        let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
+        let (&base, range) = self.ranges.range(..=ptr).next_back().ok_or(invalid)?;
+        let end = ptr.checked_add(size).ok_or(invalid)?;
+        if size == 0 || end > base + range.size {
+            return Err(invalid);
+        }
+        Ok(base)
+    }
+
+    /// The addresses of the mappings that exactly tile `[ptr, ptr + size)`.
+    fn whole_mappings(&self, ptr: u64, size: u64) -> CuResult<(u64, Vec<u64>)> {
+        let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
+        let base = self.range_of(ptr, size)?;
+        let range = &self.ranges[&base];
+        let mut at = ptr;
+        let mut found = Vec::new();
+        for (&addr, map) in range.maps.range(ptr..ptr + size) {
+            if addr != at {
+                return Err(invalid);
+            }
+            found.push(addr);
+            at = addr + map.size;
+        }
+        if at != ptr + size {
+            return Err(invalid);
+        }
+        Ok((base, found))
+    }
+
+    /// The device and accessibility of the mapping containing `ptr`.
+    pub(crate) fn mapping_at(&self, ptr: u64) -> Option<(i32, bool)> {
+        let (_, range) = self.ranges.range(..=ptr).next_back()?;
+        let (&addr, map) = range.maps.range(..=ptr).next_back()?;
+        (ptr < addr + map.size).then(|| (self.handles[&map.handle].device, map.accessible))
+    }
+}
+
+impl State {
+    fn vmm_check(&mut self, call: Call, dev: Option<i32>) -> CuResult<()> {
+        self.fault(call)?;
+        self.check_init()?;
+        if let Some(dev) = dev {
+            self.device(dev)?;
+        }
+        if !self.vmm.supported {
+            return Err(CuError(CUDA_ERROR_NOT_SUPPORTED));
+        }
+        Ok(())
+    }
+
+    /// Free the pages of a physical allocation that is released and unmapped.
+    fn drop_physical(&mut self, handle: u64) {
+        let physical = self.vmm.handles.remove(&handle).expect("known handle");
+        self.devices[physical.device as usize].used_pages -= physical.size / PAGE;
+    }
+}
+
+impl Sim {
+    /// `cuDeviceGetAttribute`: only `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`
+    /// (102) is simulated; other attributes give `CUDA_ERROR_INVALID_VALUE`.
+    pub fn device_attribute(&self, dev: i32, attribute: i32) -> CuResult<i32> {
+        let mut st = self.lock();
+        st.fault(Call::DeviceGetAttribute)?;
+        st.device(dev)?;
+        match attribute {
+            ATTRIBUTE_VMM_SUPPORTED => Ok(i32::from(st.vmm.supported)),
+            _ => Err(CuError(CUDA_ERROR_INVALID_VALUE)),
+        }
+    }
+
+    /// Make the devices report no virtual-memory support (as older GPUs and drivers do): the
+    /// attribute reads 0 and the virtual-memory calls fail with `CUDA_ERROR_NOT_SUPPORTED`.
+    /// `CUDA_SIM_VMM=0` does this for [`Sim::from_env`].
+    pub fn disable_vmm(&self) {
+        self.lock().vmm.supported = false;
+    }
+
+    /// `cuMemGetAllocationGranularity` for a pinned device allocation on `dev`.
+    pub fn mem_granularity(&self, dev: i32) -> CuResult<u64> {
+        self.lock()
+            .vmm_check(Call::MemGetAllocationGranularity, Some(dev))?;
+        Ok(GRANULARITY)
+    }
+
+    /// `cuMemAddressReserve`: a range of `size` bytes (a multiple of the granularity) at the
+    /// lowest free address aligned to `alignment` (0: the granularity).
+    pub fn mem_address_reserve(&self, size: u64, alignment: u64) -> CuResult<u64> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemAddressReserve, None)?;
+        let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
+        if size == 0 || size % GRANULARITY != 0 || (alignment != 0 && !alignment.is_power_of_two())
+        {
+            return Err(invalid);
+        }
+        let align = alignment.max(GRANULARITY);
+        let mut cursor = VA_BASE;
+        for (&base, range) in &st.vmm.ranges {
+            if base >= cursor && base - cursor >= size {
+                break;
+            }
+            cursor = (base + range.size).next_multiple_of(align);
+        }
+        if cursor + size > VA_BASE + VA_SIZE {
+            return Err(CuError(CUDA_ERROR_OUT_OF_MEMORY));
+        }
+        st.vmm.ranges.insert(
+            cursor,
+            Range {
+                size,
+                maps: BTreeMap::new(),
+            },
+        );
+        Ok(cursor)
+    }
+
+    /// `cuMemAddressFree`: `ptr` and `size` must be exactly a reserved range with nothing
+    /// mapped in it.
+    pub fn mem_address_free(&self, ptr: u64, size: u64) -> CuResult<()> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemAddressFree, None)?;
+        match st.vmm.ranges.get(&ptr) {
+            Some(range) if range.size == size && range.maps.is_empty() => {
+                st.vmm.ranges.remove(&ptr);
+                Ok(())
+            }
+            _ => Err(CuError(CUDA_ERROR_INVALID_VALUE)),
+        }
+    }
+
+    /// `cuMemCreate`: `size` bytes (a multiple of the granularity) of physical memory on `dev`,
+    /// counted against its capacity from now on.
+    pub fn mem_create(&self, dev: i32, size: u64) -> CuResult<u64> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemCreate, Some(dev))?;
+        if size == 0 || size % GRANULARITY != 0 {
+            return Err(CuError(CUDA_ERROR_INVALID_VALUE));
+        }
+        let d = &mut st.devices[dev as usize];
+        if size / PAGE > d.capacity / PAGE - d.used_pages {
+            return Err(CuError(CUDA_ERROR_OUT_OF_MEMORY));
+        }
+        d.used_pages += size / PAGE;
+        let handle = st.vmm.next_handle;
+        st.vmm.next_handle += 1;
+        st.vmm.handles.insert(
+            handle,
+            Physical {
+                device: dev,
+                size,
+                mappings: 0,
+                released: false,
+            },
+        );
+        Ok(handle)
+    }
+
+    /// `cuMemRelease`: the memory is freed now if unmapped, else when its last mapping goes.
+    pub fn mem_release(&self, handle: u64) -> CuResult<()> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemRelease, None)?;
+        let physical = match st.vmm.handles.get_mut(&handle) {
+            Some(p) if !p.released => p,
+            _ => return Err(CuError(CUDA_ERROR_INVALID_VALUE)),
+        };
+        physical.released = true;
+        if physical.mappings == 0 {
+            st.drop_physical(handle);
+        }
+        Ok(())
+    }
+
+    /// `cuMemMap` (offset 0): all of `handle`'s `size` bytes at `ptr`, a granularity-aligned
+    /// address inside a reserved range where nothing is mapped yet.
+    pub fn mem_map(&self, ptr: u64, size: u64, handle: u64) -> CuResult<()> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemMap, None)?;
+        let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
+        match st.vmm.handles.get(&handle) {
+            Some(p) if !p.released && p.size == size => {}
+            Some(_) => return Err(invalid),
+            None => return Err(CuError(CUDA_ERROR_INVALID_HANDLE)),
+        }
+        if ptr % GRANULARITY != 0 {
+            return Err(invalid);
+        }
+        let base = st.vmm.range_of(ptr, size)?;
+        let range = st.vmm.ranges.get_mut(&base).expect("range found");
+        if let Some((&addr, map)) = range.maps.range(..ptr + size).next_back() {
+            if addr + map.size > ptr {
+                return Err(invalid);
+            }
+        }
+        range.maps.insert(
+            ptr,
+            Mapping {
+                size,
+                handle,
+                accessible: false,
+            },
+        );
+        st.vmm.handles.get_mut(&handle).expect("known").mappings += 1;
+        Ok(())
+    }
+
+    /// `cuMemUnmap`: `[ptr, ptr + size)` must be exactly a run of whole mappings.
+    pub fn mem_unmap(&self, ptr: u64, size: u64) -> CuResult<()> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemUnmap, None)?;
+        let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
+        for addr in addrs {
+            let map = st
+                .vmm
+                .ranges
+                .get_mut(&base)
+                .expect("range found")
+                .maps
+                .remove(&addr)
+                .expect("mapping found");
+            let physical = st.vmm.handles.get_mut(&map.handle).expect("mapped handle");
+            physical.mappings -= 1;
+            if physical.released && physical.mappings == 0 {
+                st.drop_physical(map.handle);
+            }
+        }
+        Ok(())
+    }
+
+    /// `cuMemSetAccess` (read-write for `dev`): `[ptr, ptr + size)` must be exactly a run of
+    /// whole mappings.
+    pub fn mem_set_access(&self, ptr: u64, size: u64, dev: i32) -> CuResult<()> {
+        let mut st = self.lock();
+        st.vmm_check(Call::MemSetAccess, Some(dev))?;
+        let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
+        let range = st.vmm.ranges.get_mut(&base).expect("range found");
+        for addr in addrs {
+            range.maps.get_mut(&addr).expect("mapping found").accessible = true;
+        }
+        Ok(())
+    }
+
+    /// Whether `ptr` is mapped, and if so whether access to it was set (for tests).
+    pub fn is_accessible(&self, ptr: u64) -> Option<bool> {
+        self.lock().vmm.mapping_at(ptr).map(|(_, a)| a)
+    }
+
+    /// Physical allocations of `dev` that exist (not yet freed), for tests.
+    pub fn physical_allocations(&self, dev: i32) -> usize {
+        self.lock()
+            .vmm
+            .handles
+            .values()
+            .filter(|p| p.device == dev)
+            .count()
+    }
+
+    /// Reserved address ranges, all devices, for tests.
+    pub fn reserved_ranges(&self) -> usize {
+        self.lock().vmm.ranges.len()
+    }
+}
+
+/// The device of the physical memory mapped at `ptr`, if any.
+pub(crate) fn device_of_mapping(st: &State, ptr: u64) -> Option<i32> {
+    st.vmm.mapping_at(ptr).map(|(d, _)| d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn sim(capacity: u64) -> Sim {
+        let sim = Sim::new(&[capacity]);
+        sim.init().unwrap();
+        sim
+    }
+
+    fn err(code: i32) -> CuError {
+        CuError(code)
+    }
+
+    #[test]
+    fn physical_memory_counts_at_create_and_frees_when_released_and_unmapped() {
+        let sim = sim(64 * MIB);
+        assert_eq!(sim.device_attribute(0, ATTRIBUTE_VMM_SUPPORTED), Ok(1));
+        assert_eq!(sim.mem_granularity(0), Ok(2 * MIB));
+        let h = sim.mem_create(0, 32 * MIB).unwrap();
+        assert_eq!(sim.used_bytes(0), 32 * MIB);
+        assert_eq!(sim.mem_get_info(0).unwrap().0, 32 * MIB);
+        assert_eq!(
+            sim.mem_create(0, 34 * MIB),
+            Err(err(CUDA_ERROR_OUT_OF_MEMORY))
+        );
+        let va = sim.mem_address_reserve(64 * MIB, 0).unwrap();
+        assert_eq!(va % (2 * MIB), 0);
+        sim.mem_map(va + 32 * MIB, 32 * MIB, h).unwrap();
+        assert_eq!(sim.is_accessible(va + 32 * MIB), Some(false));
+        assert_eq!(sim.is_accessible(va), None);
+        sim.mem_set_access(va + 32 * MIB, 32 * MIB, 0).unwrap();
+        assert_eq!(sim.is_accessible(va + 63 * MIB), Some(true));
+        assert_eq!(sim.device_of(va + 40 * MIB), Some(0));
+        // Released while mapped: freed only when unmapped.
+        sim.mem_release(h).unwrap();
+        assert_eq!(sim.used_bytes(0), 32 * MIB);
+        assert_eq!(sim.mem_release(h), Err(err(CUDA_ERROR_INVALID_VALUE)));
+        assert_eq!(
+            sim.mem_address_free(va, 64 * MIB),
+            Err(err(CUDA_ERROR_INVALID_VALUE))
+        );
+        sim.mem_unmap(va + 32 * MIB, 32 * MIB).unwrap();
+        assert_eq!(sim.used_bytes(0), 0);
+        assert_eq!(sim.physical_allocations(0), 0);
+        sim.mem_address_free(va, 64 * MIB).unwrap();
+        assert_eq!(sim.reserved_ranges(), 0);
+    }
+
+    #[test]
+    fn mappings_follow_the_drivers_rules() {
+        let sim = sim(64 * MIB);
+        let (a, b) = (
+            sim.mem_create(0, 4 * MIB).unwrap(),
+            sim.mem_create(0, 2 * MIB).unwrap(),
+        );
+        let va = sim.mem_address_reserve(8 * MIB, 0).unwrap();
+        let invalid = Err(err(CUDA_ERROR_INVALID_VALUE));
+        assert_eq!(sim.mem_map(va + MIB, 4 * MIB, a), invalid, "misaligned");
+        assert_eq!(
+            sim.mem_map(va + 6 * MIB, 4 * MIB, a),
+            invalid,
+            "past the range"
+        );
+        assert_eq!(
+            sim.mem_map(va, 2 * MIB, a),
+            invalid,
+            "not the whole allocation"
+        );
+        assert_eq!(
+            sim.mem_map(va, 4 * MIB, 12345),
+            Err(err(CUDA_ERROR_INVALID_HANDLE))
+        );
+        assert_eq!(
+            sim.mem_map(0x1000, 4 * MIB, a),
+            invalid,
+            "outside any range"
+        );
+        sim.mem_map(va, 4 * MIB, a).unwrap();
+        assert_eq!(sim.mem_map(va + 2 * MIB, 2 * MIB, b), invalid, "overlaps");
+        sim.mem_map(va + 4 * MIB, 2 * MIB, b).unwrap();
+        // Access and unmap take runs of whole mappings only.
+        assert_eq!(
+            sim.mem_set_access(va, 8 * MIB, 0),
+            invalid,
+            "a gap at the end"
+        );
+        assert_eq!(
+            sim.mem_set_access(va, 2 * MIB, 0),
+            invalid,
+            "part of a mapping"
+        );
+        sim.mem_set_access(va, 6 * MIB, 0).unwrap();
+        assert_eq!(sim.mem_unmap(va + 2 * MIB, 4 * MIB), invalid);
+        sim.mem_unmap(va, 6 * MIB).unwrap();
+        // The same physical memory maps again elsewhere.
+        let other = sim.mem_address_reserve(4 * MIB, 0).unwrap();
+        assert_ne!(other, va);
+        sim.mem_map(other, 4 * MIB, a).unwrap();
+        assert_eq!(
+            sim.is_accessible(other),
+            Some(false),
+            "access is per mapping"
+        );
+        sim.mem_unmap(other, 4 * MIB).unwrap();
+        for h in [a, b] {
+            sim.mem_release(h).unwrap();
+        }
+        assert_eq!(sim.used_bytes(0), 0);
+        let invalid = err(CUDA_ERROR_INVALID_VALUE);
+        assert_eq!(sim.mem_create(0, 3 * MIB), Err(invalid));
+        assert_eq!(sim.mem_address_reserve(3 * MIB, 0), Err(invalid));
+        assert_eq!(sim.mem_address_reserve(2 * MIB, 3 * MIB), Err(invalid));
+    }
+
+    #[test]
+    fn address_ranges_are_reused_lowest_first() {
+        let sim = sim(64 * MIB);
+        let a = sim.mem_address_reserve(4 * MIB, 0).unwrap();
+        let b = sim.mem_address_reserve(4 * MIB, 0).unwrap();
+        assert_eq!(b, a + 4 * MIB);
+        sim.mem_address_free(a, 4 * MIB).unwrap();
+        assert_eq!(sim.mem_address_reserve(2 * MIB, 0).unwrap(), a);
+        assert_eq!(sim.mem_address_reserve(4 * MIB, 0).unwrap(), b + 4 * MIB);
+        let aligned = sim.mem_address_reserve(2 * MIB, 64 * MIB).unwrap();
+        assert_eq!(aligned % (64 * MIB), 0);
+    }
+
+    #[test]
+    fn without_vmm_support_every_call_says_not_supported() {
+        let sim = sim(64 * MIB);
+        sim.disable_vmm();
+        assert_eq!(sim.device_attribute(0, ATTRIBUTE_VMM_SUPPORTED), Ok(0));
+        let unsupported = Err(err(CUDA_ERROR_NOT_SUPPORTED));
+        assert_eq!(sim.mem_create(0, 2 * MIB), unsupported);
+        assert_eq!(sim.mem_address_reserve(2 * MIB, 0), unsupported);
+        assert_eq!(sim.mem_granularity(0), unsupported);
+        assert_eq!(
+            sim.device_attribute(0, 1),
+            Err(err(CUDA_ERROR_INVALID_VALUE))
+        );
+    }
+}
