@@ -23,7 +23,8 @@ fn root() -> &'static Path {
 fn compile(name: &str, cxx: bool, link_static: bool) -> PathBuf {
     // Tests run in parallel and share programs: compile each once, so that none is rewritten
     // while another test runs it.
-    static COMPILED: Mutex<Vec<((String, bool, bool), PathBuf)>> = Mutex::new(Vec::new());
+    type Compiled = Vec<((String, bool, bool), PathBuf)>;
+    static COMPILED: Mutex<Compiled> = Mutex::new(Vec::new());
     let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
     let key = (name.to_string(), cxx, link_static);
     if let Some((_, path)) = compiled.iter().find(|(k, _)| *k == key) {
@@ -143,6 +144,17 @@ fn errors_reports_every_failure_with_its_status_and_message() {
     for driver in [Driver::InProcess, Driver::SimLibrary] {
         let out = run(&exe, &[], driver, &[]);
         assert!(out.contains("passed: 0 failure(s)"), "{out}");
+    }
+}
+
+#[test]
+fn the_programs_pass_with_virtual_memory_stitching_too() {
+    for name in ["quickstart", "loader", "errors"] {
+        let exe = compile(name, false, false);
+        for driver in [Driver::InProcess, Driver::SimLibrary] {
+            let out = run(&exe, &[], driver, &[("RESMEM_CONF", "vmm:true")]);
+            assert!(!out.contains("FAIL"), "{out}");
+        }
     }
 }
 

@@ -106,8 +106,15 @@ impl Extra {
     }
 }
 
+/// The tests share one driver (and its devices): they run one at a time.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn the_pool_works_through_the_loaded_driver() {
+    let _serial = one_at_a_time();
     let library = library();
     let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
     println!(
@@ -207,4 +214,54 @@ fn the_pool_works_through_the_loaded_driver() {
     if simulated {
         assert_eq!(pool.mem_get_info(0).unwrap(), (free0, total));
     }
+}
+
+#[test]
+fn stitching_through_the_loaded_driver() {
+    let _serial = one_at_a_time();
+    let library = library();
+    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    if driver.vmm_granularity(0).is_none() {
+        println!(
+            "{}: no virtual-memory API on device 0; stitching not exercised",
+            driver.describe()
+        );
+        return;
+    }
+    let config = PoolConfig {
+        vmm: true,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(driver.clone(), config);
+    // 512 cached 2 MiB chunks: requests just over 1 MiB get a 2 MiB segment (one chunk) each.
+    let ptrs: Vec<u64> = (0..512)
+        .map(|_| pool.reserve(0, MIB + 512, 0).unwrap())
+        .collect();
+    for &p in &ptrs {
+        pool.release(p).unwrap();
+    }
+    let before = pool.stats(0).unwrap();
+    assert_eq!((before.reserved_bytes, before.segments), (1024 * MIB, 512));
+    let start = Instant::now();
+    let big = pool.reserve(0, 1024 * MIB, 0).unwrap();
+    let elapsed = start.elapsed();
+    let after = pool.stats(0).unwrap();
+    assert_eq!(
+        after.reserved_bytes,
+        1024 * MIB,
+        "stitched from the cache, nothing created"
+    );
+    assert_eq!(after.driver_allocs, before.driver_allocs);
+    assert_eq!(after.segments, 1);
+    // 512 unmaps and 512 address frees to take the segments apart, one reserve, 512 maps and
+    // one access call to stitch.
+    let calls = 512 + 512 + 1 + 512 + 1;
+    println!(
+        "stitched a 1 GiB segment from 512 cached 2 MiB chunks in {:.2} ms ({:.1} us per driver call, {calls} calls)",
+        elapsed.as_secs_f64() * 1e3,
+        elapsed.as_secs_f64() * 1e6 / calls as f64
+    );
+    pool.release(big).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 1024 * MIB);
+    pool.check().unwrap();
 }
