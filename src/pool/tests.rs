@@ -748,3 +748,32 @@ fn vmm_small_requests_share_stitched_segments() {
     pool.release(c).unwrap();
     assert_books(&pool, sim);
 }
+
+#[test]
+fn vmm_uses_a_larger_cached_chunk_rather_than_asking_the_driver() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    // A 512 MiB warm-up is four 128 MiB chunks; x, y and z cover chunk 0, chunks 1-2, chunk 3.
+    pool.warmup(0, 512 * MIB).unwrap();
+    let x = pool.reserve(0, 128 * MIB, 0).unwrap();
+    let y = pool.reserve(0, 256 * MIB, 0).unwrap();
+    let z = pool.reserve(0, 128 * MIB, 0).unwrap();
+    pool.release(x).unwrap();
+    pool.release(z).unwrap();
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // 150 MiB: one free chunk is not enough, so the other one is taken too, whole, rather than
+    // asking the driver for the 22 MiB missing.
+    let big = pool.reserve(0, 150 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.driver_allocs, allocs, "nothing created");
+    assert_eq!(s.reserved_bytes, 512 * MIB);
+    assert_eq!(
+        s.largest_reusable_block,
+        106 * MIB,
+        "the excess stays reusable in the segment"
+    );
+    assert_eq!(sim.used_bytes(0), 512 * MIB);
+    for p in [big, y] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}

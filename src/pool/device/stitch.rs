@@ -107,6 +107,7 @@ impl DevicePool {
             }
         }
         let have: u64 = picked.iter().map(|c| c.size).sum();
+        let size = size.max(have);
         let created = match self.create_chunks(cx, size - have, requested, mode, driver_free) {
             Ok(created) => created,
             Err(err) => {
@@ -132,9 +133,11 @@ impl DevicePool {
         }
     }
 
-    /// Move spare chunks into `picked`, largest first, while each fits what is still needed.
+    /// Move spare chunks into `picked`: largest first while each fits what is still needed,
+    /// then, if that is not enough, the smallest one that covers the rest (the segment grows by
+    /// the excess, which stays reusable in it, rather than the driver being asked for more).
     fn pick_spare(&mut self, picked: &mut Vec<Chunk>, size: u64) {
-        let mut need = size - picked.iter().map(|c| c.size).sum::<u64>();
+        let mut need = size.saturating_sub(picked.iter().map(|c| c.size).sum::<u64>());
         self.spare
             .sort_unstable_by_key(|c| std::cmp::Reverse(c.size));
         let mut i = 0;
@@ -145,6 +148,12 @@ impl DevicePool {
                 picked.push(chunk);
             } else {
                 i += 1;
+            }
+        }
+        if need > 0 {
+            // Sorted largest first: the last one that covers the rest is the smallest.
+            if let Some(at) = self.spare.iter().rposition(|c| c.size >= need) {
+                picked.push(self.spare.remove(at));
             }
         }
     }
@@ -203,7 +212,7 @@ impl DevicePool {
     /// address space into holes, until at least `need` bytes are collected (`u64::MAX`: all),
     /// taking only chunks of at most `need` bytes. Segments left with no memory are freed.
     pub(super) fn harvest(&mut self, cx: &Context<'_>, need: u64) -> Result<Vec<Chunk>> {
-        let mut found: Vec<(u32, u64, Chunk, u32)> = Vec::new();
+        let mut found: Vec<(u32, u64, Chunk)> = Vec::new();
         for (seg, s) in self.segments.iter().enumerate() {
             if !s.in_use || s.chunks.is_empty() {
                 continue;
@@ -219,33 +228,46 @@ impl DevicePool {
                     break;
                 }
                 let b = &self.blocks[id];
-                if b.state == State::Free
-                    && b.ptr <= start
-                    && end <= b.ptr + b.size
-                    && chunk.size <= need
-                {
-                    found.push((seg as u32, offset, chunk, id));
+                if b.state == State::Free && b.ptr <= start && end <= b.ptr + b.size {
+                    found.push((seg as u32, offset, chunk));
                 }
             }
         }
         if found.is_empty() {
             return Ok(Vec::new());
         }
-        // Largest chunks first: fewer unmaps for the same memory.
-        found.sort_unstable_by_key(|&(seg, offset, chunk, _)| {
+        // Largest chunks that fit first (fewer unmaps for the same memory); if they fall short,
+        // the smallest larger one covers the rest.
+        found.sort_unstable_by_key(|&(seg, offset, chunk)| {
             (std::cmp::Reverse(chunk.size), seg, offset)
         });
+        let mut chosen = Vec::new();
+        let mut left = Vec::new();
+        let mut have = 0u64;
+        for entry in found {
+            if have < need && entry.2.size <= need - have {
+                have += entry.2.size;
+                chosen.push(entry);
+            } else {
+                left.push(entry);
+            }
+        }
+        if have < need {
+            let rest = need - have;
+            // `left` is sorted largest first: the last that covers the rest is the smallest.
+            if let Some(&entry) = left.iter().rev().find(|e| e.2.size > rest) {
+                chosen.push(entry);
+            }
+        }
+        if chosen.is_empty() {
+            return Ok(Vec::new());
+        }
         cx.driver.synchronize(self.device).map_err(|e| {
             Error::driver("waiting for the device before remapping cached memory", &e)
         })?;
         let mut taken = Vec::new();
-        let mut have = 0u64;
-        for (seg, offset, chunk, _) in found {
-            if have >= need {
-                break;
-            }
+        for (seg, offset, chunk) in chosen {
             self.carve_hole(cx, seg, offset, chunk)?;
-            have += chunk.size;
             taken.push(chunk);
         }
         self.free_hollow_segments(cx)?;
