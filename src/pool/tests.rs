@@ -750,7 +750,7 @@ fn vmm_small_requests_share_stitched_segments() {
 }
 
 #[test]
-fn vmm_uses_a_larger_cached_chunk_rather_than_asking_the_driver() {
+fn vmm_takes_free_chunks_and_creates_only_the_shortfall() {
     let (pool, sim) = pool_with(&[GIB], vmm());
     // A 512 MiB warm-up is four 128 MiB chunks; x, y and z cover chunk 0, chunks 1-2, chunk 3.
     pool.warmup(0, 512 * MIB).unwrap();
@@ -760,20 +760,48 @@ fn vmm_uses_a_larger_cached_chunk_rather_than_asking_the_driver() {
     pool.release(x).unwrap();
     pool.release(z).unwrap();
     let allocs = pool.stats(0).unwrap().driver_allocs;
-    // 150 MiB: one free chunk is not enough, so the other one is taken too, whole, rather than
-    // asking the driver for the 22 MiB missing.
+    // 150 MiB: one free chunk (128 MiB) is remapped, 22 MiB is created (5 x 4 MiB + 2 MiB).
     let big = pool.reserve(0, 150 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.driver_allocs, allocs, "nothing created");
-    assert_eq!(s.reserved_bytes, 512 * MIB);
-    assert_eq!(
-        s.largest_reusable_block,
-        106 * MIB,
-        "the excess stays reusable in the segment"
-    );
-    assert_eq!(sim.used_bytes(0), 512 * MIB);
+    assert_eq!(s.driver_allocs - allocs, 6);
+    assert_eq!(s.reserved_bytes, 534 * MIB);
+    assert_eq!(sim.used_bytes(0), 534 * MIB);
+    // The other free chunk still backs its free block.
+    assert_eq!(s.largest_reusable_block, 128 * MIB);
     for p in [big, y] {
         pool.release(p).unwrap();
     }
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_covers_a_large_request_with_a_larger_spare_chunk() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    // Two idle segments: 512 MiB (4 x 128 MiB chunks) and 256 MiB (4 x 64 MiB).
+    let a = pool.reserve(0, 512 * MIB, 0).unwrap();
+    let b = pool.reserve(0, 256 * MIB, 0).unwrap();
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // 600 MiB: both are taken apart; 4 x 128 + 64 MiB fit, and the 24 MiB still missing come
+    // from one more 64 MiB chunk rather than from the driver.
+    let c = pool.reserve(0, 600 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.driver_allocs, allocs, "nothing created");
+    assert_eq!((s.reserved_bytes, s.segments), (768 * MIB, 1));
+    assert_eq!(
+        s.largest_reusable_block,
+        40 * MIB,
+        "the excess is free in the new segment"
+    );
+    assert_eq!(
+        s.reusable_bytes,
+        168 * MIB,
+        "40 MiB in the segment, 128 MiB of spare chunks"
+    );
+    assert_eq!(pool.mem_get_info(0).unwrap().0, GIB - 600 * MIB);
+    pool.release(c).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 768 * MIB);
+    assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
     assert_books(&pool, sim);
 }

@@ -94,16 +94,16 @@ impl DevicePool {
         let size = size.next_multiple_of(granularity);
         let mut picked = Vec::new();
         if mode == Grow::MayRelease {
-            self.pick_spare(&mut picked, size);
+            self.pick_spare(&mut picked, size, class);
             if picked.iter().map(|c| c.size).sum::<u64>() < size && !self.idle.is_empty() {
                 self.take_apart_idle(cx, size, class)?;
-                self.pick_spare(&mut picked, size);
+                self.pick_spare(&mut picked, size, class);
             }
             let have: u64 = picked.iter().map(|c| c.size).sum();
             if have < size {
                 let harvested = self.harvest(cx, size - have)?;
                 self.spare.extend(harvested);
-                self.pick_spare(&mut picked, size);
+                self.pick_spare(&mut picked, size, class);
             }
         }
         let have: u64 = picked.iter().map(|c| c.size).sum();
@@ -134,9 +134,10 @@ impl DevicePool {
     }
 
     /// Move spare chunks into `picked`: largest first while each fits what is still needed,
-    /// then, if that is not enough, the smallest one that covers the rest (the segment grows by
-    /// the excess, which stays reusable in it, rather than the driver being asked for more).
-    fn pick_spare(&mut self, picked: &mut Vec<Chunk>, size: u64) {
+    /// then, for a large request that is not covered, the smallest spare chunk that covers the
+    /// rest (the segment grows by the excess, which stays reusable in it, rather than the
+    /// driver being asked for more memory while unmapped memory sits idle).
+    fn pick_spare(&mut self, picked: &mut Vec<Chunk>, size: u64, class: Class) {
         let mut need = size.saturating_sub(picked.iter().map(|c| c.size).sum::<u64>());
         self.spare
             .sort_unstable_by_key(|c| std::cmp::Reverse(c.size));
@@ -150,7 +151,7 @@ impl DevicePool {
                 i += 1;
             }
         }
-        if need > 0 {
+        if need > 0 && class == Class::Large {
             // Sorted largest first: the last one that covers the rest is the smallest.
             if let Some(at) = self.spare.iter().rposition(|c| c.size >= need) {
                 picked.push(self.spare.remove(at));
@@ -236,26 +237,17 @@ impl DevicePool {
         if found.is_empty() {
             return Ok(Vec::new());
         }
-        // Largest chunks that fit first (fewer unmaps for the same memory); if they fall short,
-        // the smallest larger one covers the rest.
+        // Largest chunks first: fewer unmaps for the same memory.
         found.sort_unstable_by_key(|&(seg, offset, chunk)| {
             (std::cmp::Reverse(chunk.size), seg, offset)
         });
+        // Only chunks that fit are taken: a larger one would carve free space out of a segment
+        // that is likely still filling (a warm-up range being split into parameters).
         let mut chosen = Vec::new();
-        let mut left = Vec::new();
         let mut have = 0u64;
         for entry in found {
             if have < need && entry.2.size <= need - have {
                 have += entry.2.size;
-                chosen.push(entry);
-            } else {
-                left.push(entry);
-            }
-        }
-        if have < need {
-            let rest = need - have;
-            // `left` is sorted largest first: the last that covers the rest is the smallest.
-            if let Some(&entry) = left.iter().rev().find(|e| e.2.size > rest) {
                 chosen.push(entry);
             }
         }
