@@ -11,7 +11,8 @@
  * Environment (read once, at the first call):
  *   RESMEM_DRIVER        cuda (default: load the real driver) or sim (simulated devices)
  *   RESMEM_CUDA_LIBRARY  the driver library to load (default libcuda.so.1)
- *   RESMEM_CONF          pool settings, key:value,key:value (release_before_grow, logging)
+ *   RESMEM_CONF          settings, key:value,key:value (release_before_grow, logging,
+ *                        preload_allocations)
  *   CUDA_SIM_DEVICES     simulated devices' capacities, e.g. 24GiB or 80GiB,80GiB
  */
 
@@ -20,6 +21,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 /**
  * The result of every resmem function.
@@ -212,6 +214,25 @@ enum rm_status rm_get_stats(int device, struct rm_stats *out);
 enum rm_status rm_reset_peak_stats(int device);
 
 /**
+ * Cap what the pool may reserve on `device` at `bytes` (0: no cap; `device` -1: every device).
+ * Idle cached memory above the cap goes back to the driver at once; a later `rm_reserve` that
+ * would grow past the cap first returns idle cache, then fails with `RM_ERROR_OUT_OF_MEMORY`
+ * naming the cap. This is what `torch.cuda.set_per_process_memory_fraction` sets.
+ *
+ * # Safety
+ * None: all arguments are values.
+ */
+enum rm_status rm_set_memory_limit(int device, size_t bytes);
+
+/**
+ * Store `device`'s cap in `*bytes`: 0 when there is none.
+ *
+ * # Safety
+ * `bytes` is NULL or valid for writing a `size_t`.
+ */
+enum rm_status rm_get_memory_limit(int device, size_t *bytes);
+
+/**
  * This thread's last failure in words, prefixed with the function that failed; `""` if none.
  * The string stays valid until the next failing resmem call on this thread.
  */
@@ -221,6 +242,64 @@ const char *rm_last_error(void);
  * The library's version, e.g. `"0.1.0"`; a static string.
  */
 const char *rm_version(void);
+
+/**
+ * Allocate `size` bytes on `device` for use on `stream` (a `cudaStream_t`): PyTorch's
+ * `alloc_fn`. Size 0 returns NULL, as PyTorch expects of an empty tensor. A negative size, or a
+ * failure (out of memory, bad device, no driver), returns NULL with `rm_last_error()` saying why.
+ *
+ * # Safety
+ * None beyond passing values: `stream` is handed to the driver, never dereferenced here.
+ */
+void *rm_torch_malloc(ssize_t size, int device, void *stream);
+
+/**
+ * Give back a block from [`rm_torch_malloc`]: PyTorch's `free_fn`. The pool knows the block's
+ * size, device and stream, so those arguments are accepted for the signature's sake. NULL does
+ * nothing; an unknown pointer leaves a message in `rm_last_error()` and changes nothing.
+ *
+ * # Safety
+ * None beyond passing values: the pointer is looked up, never dereferenced.
+ */
+void rm_torch_free(void *ptr, ssize_t size, int device, void *stream);
+
+/**
+ * PyTorch's `init_fn`, called with the number of devices: starts the pool (loads the driver)
+ * so that a missing driver shows up in `rm_last_error()` before the first allocation.
+ *
+ * # Safety
+ * None: the argument is a value.
+ */
+void rm_torch_init(int device_count);
+
+/**
+ * PyTorch's `reset_fn`, which `torch.cuda.empty_cache()` calls: return every idle cached
+ * segment on every device to the driver (`rm_free_reusable(-1, NULL)`).
+ *
+ * # Safety
+ * None: there are no arguments.
+ */
+void rm_torch_empty_cache(void);
+
+/**
+ * PyTorch's `memory_fraction_fn`, which `torch.cuda.set_per_process_memory_fraction(fraction,
+ * device)` calls: cap what the pool reserves on `device` at `fraction` of its total memory
+ * (rounded down to a byte). Past the cap `rm_torch_malloc` fails with out-of-memory and a
+ * message naming the cap. A fraction outside 0..=1 is refused and changes nothing.
+ *
+ * # Safety
+ * None: all arguments are values.
+ */
+void rm_torch_set_memory_fraction(double fraction, int device);
+
+/**
+ * PyTorch's `record_stream_fn`, which `Tensor.record_stream(stream)` calls: the block at `ptr`
+ * is also used on `stream`, so its reuse waits for that stream's work (`rm_record_stream`).
+ *
+ * # Safety
+ * None beyond passing values: the pointers are looked up, never dereferenced.
+ */
+void rm_torch_record_stream(void *ptr, void *stream);
 
 #ifdef __cplusplus
 }  // extern "C"

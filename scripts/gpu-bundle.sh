@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build what scripts/gpu-check.sh runs into one folder (default target/gpu-bundle): the release
-# library, the cuda_driver test binary and the C examples, linked to find libresmem next to them.
+# library, the cuda_driver test binary and the C examples, linked to find libresmem next to them,
+# and the Python package with python/tests/test_torch_gpu.py (it uses lib/libresmem.so.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/gpu-bundle}
@@ -20,4 +21,8 @@ for program in quickstart loader errors; do
   gcc -std=c99 -Wall -Wextra -pedantic -Werror -O2 -Iinclude "c_examples/$program.c" \
     -L"$out/lib" -lresmem -Wl,-rpath,'$ORIGIN/lib' -o "$out/$program"
 done
+rm -rf "$out/python"
+mkdir -p "$out/python/tests"
+cp -r python/resmem "$out/python/"
+cp python/tests/test_torch_gpu.py "$out/python/tests/"
 echo "bundle ready in $out"

@@ -9,7 +9,9 @@
 # What it runs, each against libcuda.so.1:
 #   1. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
 #      reuse ordered by events, record_stream, free_reusable, and a cache-hit pair timing;
-#   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors.
+#   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors;
+#   3. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
+#      with transformers' device_map="auto", with and without resmem as the allocator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,5 +34,12 @@ for program in quickstart loader errors; do
   echo "== c_examples/$program"
   "$bundle/$program" || status=1
 done
+echo "== python/tests/test_torch_gpu.py"
+if python3 -c "import torch" 2>/dev/null; then
+  RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \
+    python3 "$bundle/python/tests/test_torch_gpu.py" || status=1
+else
+  echo "skipped: python3 has no torch"
+fi
 echo "== gpu-check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status

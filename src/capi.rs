@@ -93,7 +93,7 @@ fn install_quiet_panic_hook() {
 
 /// Run an export's body: its error becomes a status and this thread's last-error message,
 /// prefixed with the function's name; a panic becomes `RM_ERROR_INTERNAL`.
-fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
+pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
     install_quiet_panic_hook();
     let outer = IN_BOUNDARY.with(|b| b.replace(true));
     let outcome = panic::catch_unwind(AssertUnwindSafe(body));
@@ -133,7 +133,7 @@ unsafe fn write_out<T>(out: *mut T, value: T) {
     }
 }
 
-fn pool() -> Result<&'static Pool> {
+pub(crate) fn pool() -> Result<&'static Pool> {
     runtime::pool()
 }
 
@@ -294,6 +294,40 @@ pub unsafe extern "C" fn rm_get_stats(device: c_int, out: *mut rm_stats) -> rm_s
 #[no_mangle]
 pub unsafe extern "C" fn rm_reset_peak_stats(device: c_int) -> rm_status {
     boundary("rm_reset_peak_stats", || pool()?.reset_peak_stats(device))
+}
+
+/// Cap what the pool may reserve on `device` at `bytes` (0: no cap; `device` -1: every device).
+/// Idle cached memory above the cap goes back to the driver at once; a later `rm_reserve` that
+/// would grow past the cap first returns idle cache, then fails with `RM_ERROR_OUT_OF_MEMORY`
+/// naming the cap. This is what `torch.cuda.set_per_process_memory_fraction` sets.
+///
+/// # Safety
+/// None: all arguments are values.
+#[no_mangle]
+pub unsafe extern "C" fn rm_set_memory_limit(device: c_int, bytes: usize) -> rm_status {
+    boundary("rm_set_memory_limit", || {
+        let limit = (bytes != 0).then_some(size_arg(bytes));
+        pool()?
+            .set_memory_limit((device != -1).then_some(device), limit)
+            .map(drop)
+    })
+}
+
+/// Store `device`'s cap in `*bytes`: 0 when there is none.
+///
+/// # Safety
+/// `bytes` is NULL or valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn rm_get_memory_limit(device: c_int, bytes: *mut usize) -> rm_status {
+    boundary("rm_get_memory_limit", || {
+        if bytes.is_null() {
+            return Err(null_argument("bytes"));
+        }
+        let limit = pool()?.memory_limit(device)?.unwrap_or(0);
+        // SAFETY: checked non-null; valid by the caller's contract.
+        unsafe { write_out(bytes, usize_out(limit)) };
+        Ok(())
+    })
 }
 
 /// A static description of a status code, never NULL (an unknown value is described as such).

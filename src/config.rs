@@ -18,15 +18,29 @@ pub enum DriverChoice {
 pub struct Settings {
     /// `RESMEM_DRIVER` and `RESMEM_CUDA_LIBRARY`.
     pub driver: DriverChoice,
-    /// `RESMEM_CONF`.
+    /// `RESMEM_CONF`, the pool's part.
     pub pool: PoolConfig,
+    /// `RESMEM_CONF`'s `preload_allocations`: whether `libresmem_preload.so` also routes
+    /// `cudaMalloc`/`cudaFree` and `cuMemAlloc_v2`/`cuMemFree_v2` through the pool (default
+    /// off: it only makes the memory-info calls count reusable memory as free).
+    pub preload_allocations: bool,
+}
+
+/// Everything `RESMEM_CONF` says.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Conf {
+    /// The pool's settings.
+    pub pool: PoolConfig,
+    /// See [`Settings::preload_allocations`].
+    pub preload_allocations: bool,
 }
 
 /// The driver library loaded when `RESMEM_CUDA_LIBRARY` is unset.
 pub const DEFAULT_CUDA_LIBRARY: &str = "libcuda.so.1";
 
 /// The keys `RESMEM_CONF` accepts, with what they take, for messages.
-const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false";
+const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false, \
+                    preload_allocations:true|false";
 
 impl Settings {
     /// Settings from the variables' values (`None`: unset).
@@ -49,17 +63,19 @@ impl Settings {
                 )))
             }
         };
+        let conf = parse_conf(conf.unwrap_or(""))?;
         Ok(Settings {
             driver,
-            pool: parse_conf(conf.unwrap_or(""))?,
+            pool: conf.pool,
+            preload_allocations: conf.preload_allocations,
         })
     }
 }
 
 /// Parse `RESMEM_CONF`: `key:value` pairs separated by commas; spaces around them are ignored.
 /// An unknown key, a repeated key or a bad value is an error, never ignored.
-pub fn parse_conf(text: &str) -> Result<PoolConfig, Error> {
-    let mut config = PoolConfig::default();
+pub fn parse_conf(text: &str) -> Result<Conf, Error> {
+    let mut config = Conf::default();
     let mut seen: Vec<&str> = Vec::new();
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let Some((key, value)) = item.split_once(':') else {
@@ -75,9 +91,10 @@ pub fn parse_conf(text: &str) -> Result<PoolConfig, Error> {
         }
         seen.push(key);
         let slot = match key {
-            "release_before_grow" => &mut config.release_before_grow,
-            "logging" => &mut config.logging,
-            "vmm" => &mut config.vmm,
+            "release_before_grow" => &mut config.pool.release_before_grow,
+            "logging" => &mut config.pool.logging,
+            "vmm" => &mut config.pool.vmm,
+            "preload_allocations" => &mut config.preload_allocations,
             _ => {
                 return Err(Error::invalid_value(format!(
                     "RESMEM_CONF: unknown key {key:?}; the keys are {KEYS}"
@@ -109,6 +126,7 @@ mod tests {
         let s = Settings::from_vars(None, None, None).unwrap();
         assert_eq!(s.driver, DriverChoice::Cuda("libcuda.so.1".into()));
         assert_eq!(s.pool, PoolConfig::default());
+        assert!(!s.preload_allocations);
         assert!(s.pool.release_before_grow);
         assert!(!s.pool.logging);
     }
@@ -127,13 +145,32 @@ mod tests {
     #[test]
     fn conf_keys_and_values() {
         let c = parse_conf(" logging:true , release_before_grow:false ").unwrap();
-        assert!(c.logging);
-        assert!(!c.release_before_grow);
-        assert!(!c.vmm);
-        assert!(parse_conf("vmm:true").unwrap().vmm);
-        assert_eq!(parse_conf("").unwrap(), PoolConfig::default());
-        assert_eq!(parse_conf(",,").unwrap(), PoolConfig::default());
-        assert!(parse_conf("logging:0").map(|c| !c.logging).unwrap());
+        assert!(c.pool.logging);
+        assert!(!c.pool.release_before_grow);
+        assert!(!c.preload_allocations);
+        assert!(!c.pool.vmm);
+        assert!(parse_conf("vmm:true").unwrap().pool.vmm);
+        assert_eq!(parse_conf("").unwrap(), Conf::default());
+        assert_eq!(parse_conf(",,").unwrap(), Conf::default());
+        assert!(parse_conf("logging:0").map(|c| !c.pool.logging).unwrap());
+    }
+
+    #[test]
+    fn preload_allocations_is_off_unless_asked() {
+        let s = Settings::from_vars(None, None, None).unwrap();
+        assert!(!s.preload_allocations);
+        let s = Settings::from_vars(None, None, Some("preload_allocations:true")).unwrap();
+        assert!(s.preload_allocations);
+        assert_eq!(s.pool, PoolConfig::default());
+        let s =
+            Settings::from_vars(None, None, Some("preload_allocations:off,logging:on")).unwrap();
+        assert!(!s.preload_allocations);
+        assert!(s.pool.logging);
+        let e = parse_conf("preload_allocations:sometimes").unwrap_err();
+        assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+        assert!(e
+            .message
+            .contains("preload_allocations:sometimes is not a boolean"));
     }
 
     #[test]

@@ -17,7 +17,8 @@
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
 //! - [`driver`]: the trait, the CUDA driver loaded at run time, the simulated driver;
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
-//! - [`runtime`]: the process-wide pool built from the environment on first use.
+//! - [`runtime`]: the process-wide pool built from the environment on first use;
+//! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`).
 
 pub mod allocator;
 pub mod capi;
@@ -26,6 +27,7 @@ pub mod driver;
 pub mod error;
 pub mod pool;
 pub mod runtime;
+pub mod torch;
 
 pub use allocator::Allocator;
 pub use driver::{Driver, DriverError};

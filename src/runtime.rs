@@ -13,6 +13,7 @@ use crate::driver::Driver;
 use crate::error::Error;
 use crate::pool::Pool;
 
+static SETTINGS: OnceLock<Result<Settings, Error>> = OnceLock::new();
 static POOL: OnceLock<Result<Pool, Error>> = OnceLock::new();
 
 fn var(name: &str) -> Option<String> {
@@ -28,18 +29,30 @@ pub fn build(settings: &Settings) -> Result<Pool, Error> {
     Ok(Pool::new(driver, settings.pool))
 }
 
-/// The process-wide pool, created on first use from `RESMEM_DRIVER`, `RESMEM_CUDA_LIBRARY` and
-/// `RESMEM_CONF`.
+/// The process's settings, read once from `RESMEM_DRIVER`, `RESMEM_CUDA_LIBRARY` and
+/// `RESMEM_CONF`. Reading them loads nothing.
+pub fn settings() -> Result<&'static Settings, Error> {
+    SETTINGS
+        .get_or_init(|| {
+            let (driver, library, conf) = (
+                var("RESMEM_DRIVER"),
+                var("RESMEM_CUDA_LIBRARY"),
+                var("RESMEM_CONF"),
+            );
+            Settings::from_vars(driver.as_deref(), library.as_deref(), conf.as_deref())
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The process-wide pool, created on first use from [`settings`].
 pub fn pool() -> Result<&'static Pool, Error> {
-    POOL.get_or_init(|| {
-        let (driver, library, conf) = (
-            var("RESMEM_DRIVER"),
-            var("RESMEM_CUDA_LIBRARY"),
-            var("RESMEM_CONF"),
-        );
-        Settings::from_vars(driver.as_deref(), library.as_deref(), conf.as_deref())
-            .and_then(|settings| build(&settings))
-    })
-    .as_ref()
-    .map_err(Clone::clone)
+    POOL.get_or_init(|| settings().and_then(build))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// The process-wide pool if a call has already started it; `None` otherwise (nothing is loaded).
+pub fn started() -> Option<&'static Pool> {
+    POOL.get().and_then(|pool| pool.as_ref().ok())
 }

@@ -9,7 +9,8 @@ use std::sync::OnceLock;
 
 /// Where the built libraries are, and a scratch folder for compiled programs.
 pub struct Artifacts {
-    /// `target/<profile>`: holds `libresmem.so`, `libresmem.a` and `libcuda_sim.so`.
+    /// `target/<profile>`: holds `libresmem.so`, `libresmem.a`, `libcuda_sim.so` and
+    /// `libresmem_preload.so`.
     pub lib_dir: PathBuf,
     /// `target/<profile>/c_examples`.
     pub work: PathBuf,
@@ -19,7 +20,7 @@ pub struct Artifacts {
 }
 
 /// The libraries, built once per test binary. `cargo test` builds this package's own library,
-/// but not the cdylib of the simulator package, so that one is built here.
+/// but not the cdylibs of the simulator and preload packages, so those are built here.
 pub fn artifacts() -> &'static Artifacts {
     static ARTIFACTS: OnceLock<Artifacts> = OnceLock::new();
     ARTIFACTS.get_or_init(|| {
@@ -30,7 +31,16 @@ pub fn artifacts() -> &'static Artifacts {
             .expect("target/<profile>/deps/<test>")
             .to_path_buf();
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "-p", "libcuda-sim", "-p", "resmem", "--lib"]);
+        cmd.args([
+            "build",
+            "-p",
+            "libcuda-sim",
+            "-p",
+            "resmem",
+            "-p",
+            "resmem-preload",
+            "--lib",
+        ]);
         if !cfg!(debug_assertions) {
             cmd.arg("--release");
         }
@@ -40,9 +50,14 @@ pub fn artifacts() -> &'static Artifacts {
             .expect("run cargo build");
         assert!(
             status.success(),
-            "cargo build -p libcuda-sim -p resmem --lib failed"
+            "cargo build -p libcuda-sim -p resmem -p resmem-preload --lib failed"
         );
-        for lib in ["libresmem.so", "libresmem.a", "libcuda_sim.so"] {
+        for lib in [
+            "libresmem.so",
+            "libresmem.a",
+            "libcuda_sim.so",
+            "libresmem_preload.so",
+        ] {
             assert!(
                 lib_dir.join(lib).exists(),
                 "{lib} missing in {}",

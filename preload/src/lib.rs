@@ -1,0 +1,298 @@
+//! `libresmem_preload.so`: resmem for programs that cannot be changed.
+//!
+//! ```sh
+//! LD_PRELOAD=/usr/local/lib/libresmem_preload.so program
+//! RESMEM_CONF=preload_allocations:true LD_PRELOAD=/usr/local/lib/libresmem_preload.so program
+//! ```
+//!
+//! Preloaded, it interposes the memory-information calls, so that they report the driver's free
+//! memory plus the bytes resmem's pool holds but does not use (as `rm_mem_get_info` does):
+//! `cudaMemGetInfo` (runtime API, through a dynamically linked `libcudart`), `cuMemGetInfo_v2`
+//! and `cuMemGetInfo` (driver API). With `RESMEM_CONF=preload_allocations:true` it also routes
+//! `cudaMalloc`/`cudaFree` and `cuMemAlloc_v2`/`cuMemFree_v2` through the pool, so that an
+//! unmodified program gets the reserved-reuse policy. The pool comes with this object (its
+//! `rm_*` functions are exported too, and being preloaded they are the ones a program calls).
+//!
+//! The real functions are reached through handles of their own libraries ([`real`]), so a call
+//! never comes back here. Nothing is opened until a hooked function is called: a program that
+//! never touches CUDA runs as if this object were absent.
+//!
+//! This is a separate object from `libresmem.so` on purpose: a C++ engine that links
+//! `-lresmem -lcuda` must not have its own driver calls redirected by link order.
+
+mod real;
+
+use std::ffi::{c_int, c_uint, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Once;
+
+use resmem::error::rm_status;
+use resmem::{runtime, Error};
+
+const CUDA_SUCCESS: c_int = 0;
+/// `cudaErrorInvalidValue` and `CUDA_ERROR_INVALID_VALUE`.
+const INVALID_VALUE: c_int = 1;
+/// `cudaErrorMemoryAllocation` and `CUDA_ERROR_OUT_OF_MEMORY`.
+const OUT_OF_MEMORY: c_int = 2;
+/// `cudaErrorInitializationError` and `CUDA_ERROR_NOT_INITIALIZED`.
+const NOT_INITIALIZED: c_int = 3;
+/// `cudaErrorInvalidDevice` and `CUDA_ERROR_INVALID_DEVICE`.
+const INVALID_DEVICE: c_int = 101;
+/// `cudaErrorUnknown` and `CUDA_ERROR_UNKNOWN`.
+const UNKNOWN: c_int = 999;
+
+/// Run an interposer's body; a panic becomes `UNKNOWN` rather than unwinding into the program.
+fn guard(body: impl FnOnce() -> c_int) -> c_int {
+    catch_unwind(AssertUnwindSafe(body)).unwrap_or(UNKNOWN)
+}
+
+/// The CUDA code for a pool error (the same numbers in the runtime and the driver API).
+fn cuda_code(error: &Error) -> c_int {
+    match error.status {
+        rm_status::RM_SUCCESS => CUDA_SUCCESS,
+        rm_status::RM_ERROR_INVALID_VALUE | rm_status::RM_ERROR_INVALID_POINTER => INVALID_VALUE,
+        rm_status::RM_ERROR_OUT_OF_MEMORY => OUT_OF_MEMORY,
+        rm_status::RM_ERROR_INVALID_DEVICE => INVALID_DEVICE,
+        rm_status::RM_ERROR_NO_DRIVER => NOT_INITIALIZED,
+        rm_status::RM_ERROR_DRIVER | rm_status::RM_ERROR_INTERNAL => UNKNOWN,
+    }
+}
+
+/// Whether `RESMEM_CONF` asks for allocations to go through the pool. A malformed
+/// `RESMEM_CONF` is said once on standard error, and the hooks then pass every call through.
+fn route_allocations() -> bool {
+    match runtime::settings() {
+        Ok(settings) => settings.preload_allocations,
+        Err(error) => {
+            static SAID: Once = Once::new();
+            SAID.call_once(|| {
+                eprintln!(
+                    "resmem preload: {}; cudaMalloc and cuMemAlloc are not routed through the pool",
+                    error.message
+                )
+            });
+            false
+        }
+    }
+}
+
+/// `free + reusable` on `device`, no more than `total`. Reusable memory exists only once the
+/// pool has started; asking does not start it.
+fn with_reusable(device: c_int, free: usize, total: usize) -> usize {
+    let reusable = runtime::started()
+        .and_then(|pool| pool.stats(device).ok())
+        .map_or(0, |s| {
+            usize::try_from(s.reusable_bytes).unwrap_or(usize::MAX)
+        });
+    free.saturating_add(reusable).min(total)
+}
+
+/// `cudaMemGetInfo`: the current device's free memory, counting resmem's reusable bytes, and
+/// its total memory.
+///
+/// # Safety
+/// As `cudaMemGetInfo`: `free` and `total` are valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> c_int {
+    guard(|| {
+        let Some(rt) = real::runtime() else {
+            return NOT_INITIALIZED;
+        };
+        // SAFETY: the real function, with the caller's arguments.
+        let status = unsafe { (rt.mem_get_info)(free, total) };
+        if status != CUDA_SUCCESS || free.is_null() || total.is_null() {
+            return status;
+        }
+        let mut device = 0;
+        // SAFETY: device is a valid int.
+        if unsafe { (rt.get_device)(&mut device) } == CUDA_SUCCESS {
+            // SAFETY: both written by the real call just now.
+            unsafe { *free = with_reusable(device, *free, *total) };
+        }
+        CUDA_SUCCESS
+    })
+}
+
+/// `cuMemGetInfo_v2`: the current context's device's free memory, counting resmem's reusable
+/// bytes, and its total memory.
+///
+/// # Safety
+/// As `cuMemGetInfo_v2`: `free` and `total` are valid for writing a `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> c_int {
+    guard(|| {
+        let Some(driver) = real::driver() else {
+            return NOT_INITIALIZED;
+        };
+        // SAFETY: the real function, with the caller's arguments.
+        let status = unsafe { (driver.mem_get_info)(free, total) };
+        if status != CUDA_SUCCESS || free.is_null() || total.is_null() {
+            return status;
+        }
+        let mut device = 0;
+        // SAFETY: device is a valid int.
+        if unsafe { (driver.ctx_get_device)(&mut device) } == CUDA_SUCCESS {
+            // SAFETY: both written by the real call just now.
+            unsafe { *free = with_reusable(device, *free, *total) };
+        }
+        CUDA_SUCCESS
+    })
+}
+
+/// `cuMemGetInfo`, the driver API's original 32-bit form: as [`cuMemGetInfo_v2`], each figure
+/// capped at `UINT_MAX`.
+///
+/// # Safety
+/// `free` and `total` are valid for writing an `unsigned int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> c_int {
+    if free.is_null() || total.is_null() {
+        return INVALID_VALUE;
+    }
+    let (mut f, mut t) = (0usize, 0usize);
+    // SAFETY: both are valid size_t locals.
+    let status = unsafe { cuMemGetInfo_v2(&mut f, &mut t) };
+    if status == CUDA_SUCCESS {
+        let cap = |v: usize| c_uint::try_from(v).unwrap_or(c_uint::MAX);
+        // SAFETY: checked non-null; valid by the caller's contract.
+        unsafe {
+            *free = cap(f);
+            *total = cap(t);
+        }
+    }
+    status
+}
+
+/// `cudaMalloc`: through the pool on the current device when `preload_allocations` is on,
+/// otherwise the runtime's own.
+///
+/// # Safety
+/// As `cudaMalloc`: `ptr` is valid for writing a pointer.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    guard(|| {
+        let Some(rt) = real::runtime() else {
+            return NOT_INITIALIZED;
+        };
+        if !route_allocations() {
+            // SAFETY: the real function, with the caller's arguments.
+            return unsafe { (rt.malloc)(ptr, size) };
+        }
+        if ptr.is_null() {
+            return INVALID_VALUE;
+        }
+        let mut device = 0;
+        // SAFETY: device is a valid int.
+        let status = unsafe { (rt.get_device)(&mut device) };
+        if status != CUDA_SUCCESS {
+            return status;
+        }
+        match runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0)) {
+            Ok(block) => {
+                // SAFETY: checked non-null; valid by the caller's contract.
+                unsafe { *ptr = block as *mut c_void };
+                CUDA_SUCCESS
+            }
+            Err(error) => cuda_code(&error),
+        }
+    })
+}
+
+/// `cudaFree`: like the runtime's, it first waits for the device's work (so the block is idle
+/// before anyone else can get it), then gives a pool block back to the pool. Any other pointer,
+/// and NULL, goes to the runtime's own `cudaFree`.
+///
+/// # Safety
+/// As `cudaFree`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
+    guard(|| {
+        let Some(rt) = real::runtime() else {
+            return NOT_INITIALIZED;
+        };
+        let pool = match runtime::started() {
+            Some(pool) if !ptr.is_null() && route_allocations() => pool,
+            // SAFETY: the real function, with the caller's argument.
+            _ => return unsafe { (rt.free)(ptr) },
+        };
+        // SAFETY: no arguments.
+        let status = unsafe { (rt.device_synchronize)() };
+        if status != CUDA_SUCCESS {
+            return status;
+        }
+        match pool.release(ptr as u64) {
+            Ok(()) => CUDA_SUCCESS,
+            // SAFETY: the real function, with the caller's argument.
+            Err(e) if e.status == rm_status::RM_ERROR_INVALID_POINTER => unsafe { (rt.free)(ptr) },
+            Err(e) => cuda_code(&e),
+        }
+    })
+}
+
+/// `cuMemAlloc_v2`: through the pool on the current context's device when
+/// `preload_allocations` is on, otherwise the driver's own. Size 0 is `CUDA_ERROR_INVALID_VALUE`,
+/// as in the driver.
+///
+/// # Safety
+/// As `cuMemAlloc_v2`: `ptr` is valid for writing a `CUdeviceptr`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, size: usize) -> c_int {
+    guard(|| {
+        let Some(driver) = real::driver() else {
+            return NOT_INITIALIZED;
+        };
+        if !route_allocations() {
+            // SAFETY: the real function, with the caller's arguments.
+            return unsafe { (driver.mem_alloc)(ptr, size) };
+        }
+        if ptr.is_null() || size == 0 {
+            return INVALID_VALUE;
+        }
+        let mut device = 0;
+        // SAFETY: device is a valid int.
+        let status = unsafe { (driver.ctx_get_device)(&mut device) };
+        if status != CUDA_SUCCESS {
+            return status;
+        }
+        match runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0)) {
+            Ok(block) => {
+                // SAFETY: checked non-null; valid by the caller's contract.
+                unsafe { *ptr = block };
+                CUDA_SUCCESS
+            }
+            Err(error) => cuda_code(&error),
+        }
+    })
+}
+
+/// `cuMemFree_v2`: waits for the current context's work, then gives a pool block back to the
+/// pool; any other pointer goes to the driver's own `cuMemFree_v2`.
+///
+/// # Safety
+/// As `cuMemFree_v2`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFree_v2(ptr: u64) -> c_int {
+    guard(|| {
+        let Some(driver) = real::driver() else {
+            return NOT_INITIALIZED;
+        };
+        let pool = match runtime::started() {
+            Some(pool) if ptr != 0 && route_allocations() => pool,
+            // SAFETY: the real function, with the caller's argument.
+            _ => return unsafe { (driver.mem_free)(ptr) },
+        };
+        // SAFETY: no arguments.
+        let status = unsafe { (driver.ctx_synchronize)() };
+        if status != CUDA_SUCCESS {
+            return status;
+        }
+        match pool.release(ptr) {
+            Ok(()) => CUDA_SUCCESS,
+            // SAFETY: the real function, with the caller's argument.
+            Err(e) if e.status == rm_status::RM_ERROR_INVALID_POINTER => unsafe {
+                (driver.mem_free)(ptr)
+            },
+            Err(e) => cuda_code(&e),
+        }
+    })
+}

@@ -1,0 +1,144 @@
+"""resmem as PyTorch's CUDA allocator.
+
+Call ``resmem.torch.install()`` before the first CUDA allocation::
+
+    import torch, resmem.torch
+    resmem.torch.install()
+    x = torch.empty(1 << 20, device="cuda")      # from resmem's pool
+    torch.cuda.memory_reserved()                 # resmem's figures, under PyTorch's names
+
+What it does:
+
+- makes ``libresmem.so`` the allocator (``torch.cuda.memory.CUDAPluggableAllocator`` with
+  ``rm_torch_malloc``/``rm_torch_free``, then ``change_current_allocator``);
+- wires the allocator's hooks: ``torch.cuda.empty_cache()`` returns idle cache to the driver,
+  ``torch.cuda.set_per_process_memory_fraction()`` caps the pool (an out-of-memory past the cap
+  names it), ``Tensor.record_stream()`` reaches ``rm_record_stream``;
+- makes ``torch.cuda.memory_stats``, ``memory_allocated``, ``memory_reserved``,
+  ``max_memory_allocated``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` report
+  resmem's figures under PyTorch's key names (for a pluggable allocator PyTorch raises there).
+
+``torch.cuda.mem_get_info`` keeps PyTorch's documented meaning, the driver's view, by default:
+transformers already adds ``memory_reserved() - memory_allocated()`` to it when it plans a
+load, and would count reusable memory twice if ``mem_get_info`` counted it too. For stacks that
+read only ``mem_get_info`` (plain accelerate ``device_map="auto"``), pass
+``count_reusable_as_free=True``: it then returns ``rm_mem_get_info``, driver free plus the
+pool's reusable bytes.
+"""
+
+import collections
+import ctypes
+
+from . import _lib
+
+#: The torch.cuda functions install() replaces.
+PATCHED = (
+    "memory_stats",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "reset_peak_memory_stats",
+)
+
+#: The hooks of PyTorch's allocator object, and the resmem function each is given.
+HOOKS = {
+    "set_init_fn": "rm_torch_init",
+    "set_reset_fn": "rm_torch_empty_cache",
+    "set_memory_fraction_fn": "rm_torch_set_memory_fraction",
+    "set_record_stream_fn": "rm_torch_record_stream",
+}
+
+
+def torch_stats(s):
+    """resmem's figures (a ``resmem.stats()`` dict) under ``torch.cuda.memory_stats()``'s keys.
+    resmem keeps one pool per device, so "all" and "large_pool"/"small_pool" are not split:
+    only the "all" keys are given. Figures resmem does not keep are left out rather than faked;
+    resmem's own extras are under "resmem.*"."""
+    out = {
+        "allocated_bytes.all.current": s["allocated_bytes"],
+        "allocated_bytes.all.peak": s["peak_allocated_bytes"],
+        "reserved_bytes.all.current": s["reserved_bytes"],
+        "reserved_bytes.all.peak": s["peak_reserved_bytes"],
+        "active_bytes.all.current": s["allocated_bytes"],
+        "active_bytes.all.peak": s["peak_allocated_bytes"],
+        "requested_bytes.all.current": s["requested_bytes"],
+        "allocation.all.current": s["live_blocks"],
+        "allocation.all.allocated": s["reserve_calls"],
+        "active.all.current": s["live_blocks"],
+        "segment.all.current": s["segments"],
+        "segment.all.allocated": s["driver_allocs"],
+        "segment.all.freed": s["driver_frees"],
+        "num_alloc_retries": s["oom_retries"],
+        "num_ooms": s["ooms"],
+        "num_device_alloc": s["driver_allocs"],
+        "num_device_free": s["driver_frees"],
+        "resmem.reusable_bytes": s["reusable_bytes"],
+        "resmem.largest_reusable_block": s["largest_reusable_block"],
+        "resmem.cache_hits": s["cache_hits"],
+    }
+    return collections.OrderedDict(sorted(out.items()))
+
+
+def _device_index(torch, device):
+    """PyTorch's device argument (None, an int, "cuda:1", a torch.device) as an ordinal."""
+    if device is None:
+        return torch.cuda.current_device()
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        _, _, index = device.partition(":")
+        return int(index) if index else torch.cuda.current_device()
+    index = getattr(device, "index", None)
+    return torch.cuda.current_device() if index is None else index
+
+
+def _address(lib, name):
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+
+
+def install(count_reusable_as_free=False):
+    """Make resmem PyTorch's CUDA allocator; see the module's documentation. Call it before the
+    first CUDA allocation (PyTorch refuses to swap an allocator in use). Returns PyTorch's
+    allocator object."""
+    import torch
+
+    lib = _lib.library()
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        _lib.library_path(), "rm_torch_malloc", "rm_torch_free"
+    )
+    hooks = allocator.allocator()
+    for setter, function in HOOKS.items():
+        getattr(hooks, setter)(_address(lib, function))
+    torch.cuda.memory.change_current_allocator(allocator)
+
+    def memory_stats(device=None):
+        return torch_stats(_lib.stats(_device_index(torch, device)))
+
+    def memory_allocated(device=None):
+        return memory_stats(device)["allocated_bytes.all.current"]
+
+    def memory_reserved(device=None):
+        return memory_stats(device)["reserved_bytes.all.current"]
+
+    def max_memory_allocated(device=None):
+        return memory_stats(device)["allocated_bytes.all.peak"]
+
+    def max_memory_reserved(device=None):
+        return memory_stats(device)["reserved_bytes.all.peak"]
+
+    def reset_peak_memory_stats(device=None):
+        _lib.reset_peak_stats(_device_index(torch, device))
+
+    replacements = {name: value for name, value in locals().items() if name in PATCHED}
+    if count_reusable_as_free:
+
+        def mem_get_info(device=None):
+            return _lib.mem_get_info(_device_index(torch, device))
+
+        replacements["mem_get_info"] = mem_get_info
+    for name, function in replacements.items():
+        function.__doc__ = f"torch.cuda.{name}, answered by resmem (see resmem.torch)."
+        for module in (torch.cuda, torch.cuda.memory):
+            setattr(module, name, function)
+    return allocator

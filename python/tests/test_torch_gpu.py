@@ -1,0 +1,139 @@
+"""The seed scenario in real PyTorch, with and without resmem: a Qwen3-style model (Qwen3-4B's
+shapes unless RESMEM_TORCH_LAYERS says fewer layers) built from a config written here with
+random weights, saved to a temporary folder, then loaded four times in a row with
+transformers' device_map="auto", each mode in its own process. Per load it prints reserved and
+allocated memory, the driver's free memory and whether anything was offloaded from the GPU.
+
+By default the GPU is made to look like the 24 GiB card of transformers PR #37920: a ballast
+tensor takes the rest (RESMEM_TORCH_DEVICE_GIB=0 uses the whole device).
+
+    python3 python/tests/test_torch_gpu.py     (or through pytest)
+
+Without torch, transformers or a CUDA device it skips, saying why. Nothing is downloaded.
+"""
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+GIB = 1 << 30
+
+
+def missing():
+    """Why this cannot run here, or None."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    try:
+        import transformers  # noqa: F401
+        import accelerate  # noqa: F401
+    except ImportError as e:
+        return f"{e.name} is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def make_model(folder):
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=int(os.environ.get("RESMEM_TORCH_LAYERS", "36")),
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"model: {params} parameters, {params * 2 / GIB:.2f} GiB in bf16")
+
+
+def load_four_times(folder, mode):
+    if mode == "resmem":
+        import resmem.torch
+
+        resmem.torch.install()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device_gib = float(os.environ.get("RESMEM_TORCH_DEVICE_GIB", "24"))
+    free, total = torch.cuda.mem_get_info()
+    ballast = None
+    if device_gib and total > device_gib * GIB:
+        ballast = torch.empty(int(free - device_gib * GIB), dtype=torch.uint8, device="cuda")
+    rows = []
+    print(f"== {mode}: device {total / GIB:.1f} GiB, made to look like {device_gib:g} GiB")
+    print(f"{'load':<6}{'reserved':>12}{'allocated':>12}{'driver free':>14}  offloaded")
+    for load in range(1, 5):
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", dtype=torch.bfloat16)
+        placed = set(str(d) for d in getattr(model, "hf_device_map", {"": 0}).values())
+        offloaded = sorted(placed - {"0", "cuda", "cuda:0"})
+        ballast_bytes = ballast.numel() if ballast is not None else 0
+        row = {
+            "reserved": torch.cuda.memory_reserved() - ballast_bytes,
+            "allocated": torch.cuda.memory_allocated() - ballast_bytes,
+            "driver_free": torch.cuda.mem_get_info()[0],
+            "offloaded": offloaded,
+        }
+        rows.append(row)
+        print(
+            f"{load:<6}{row['reserved'] / GIB:>9.2f} GiB{row['allocated'] / GIB:>9.2f} GiB"
+            f"{row['driver_free'] / GIB:>11.2f} GiB  {', '.join(offloaded) or 'no'}"
+        )
+        del model
+        gc.collect()
+    print("RESULT " + json.dumps(rows))
+
+
+def scenario():
+    """Run both modes; return {mode: rows}."""
+    here = os.path.abspath(__file__)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="resmem-qwen3-") as folder:
+        subprocess.run([sys.executable, here, "make", folder], check=True)
+        for mode in ("pytorch", "resmem"):
+            out = subprocess.run(
+                [sys.executable, here, mode, folder], check=True, stdout=subprocess.PIPE, text=True
+            ).stdout
+            print(out, end="")
+            line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+            results[mode] = json.loads(line[len("RESULT "):])
+    return results
+
+
+def test_seed_scenario_in_pytorch():
+    import pytest
+
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    rows = scenario()["resmem"]
+    # With resmem, reserved memory does not grow from one load to the next, and nothing offloads.
+    assert all(r["reserved"] <= rows[0]["reserved"] for r in rows), rows
+    assert not any(r["offloaded"] for r in rows), rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "make":
+        make_model(sys.argv[2])
+    elif len(sys.argv) == 3:
+        load_four_times(sys.argv[2], sys.argv[1])
+    else:
+        reason = missing()
+        if reason:
+            print(f"test_torch_gpu: skipped: {reason}")
+            sys.exit(0)
+        scenario()

@@ -1,0 +1,155 @@
+"""resmem.torch.install() against a minimal stand-in for torch (torch is not needed): which
+functions it replaces, which hooks it wires, and the figures they report. The stand-in calls
+the allocation functions and hooks through the addresses it was given, as PyTorch does."""
+
+import ctypes
+import sys
+import types
+
+import pytest
+
+import resmem
+import resmem.torch as rtorch
+
+GIB = 1 << 30
+MIB = 1 << 20
+DEVICE = 1  # the stand-in's current device; the ctypes tests use device 0
+
+MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+HOOK_TYPES = {
+    "set_init_fn": ctypes.CFUNCTYPE(None, ctypes.c_int),
+    "set_reset_fn": ctypes.CFUNCTYPE(None),
+    "set_memory_fraction_fn": ctypes.CFUNCTYPE(None, ctypes.c_double, ctypes.c_int),
+    "set_record_stream_fn": ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p),
+}
+
+
+def fake_torch():
+    """torch, torch.cuda and torch.cuda.memory with what install() touches."""
+    torch = types.ModuleType("torch")
+    cuda = types.ModuleType("torch.cuda")
+    memory = types.ModuleType("torch.cuda.memory")
+    torch.cuda, cuda.memory = cuda, memory
+    state = {"current": None}
+
+    class Hooks:
+        def __init__(self):
+            self.fns = {}
+
+        def __getattr__(self, name):
+            if name in HOOK_TYPES:
+                return lambda address: self.fns.__setitem__(name, HOOK_TYPES[name](address))
+            raise AttributeError(name)
+
+    class CUDAPluggableAllocator:
+        def __init__(self, path, alloc_fn_name, free_fn_name):
+            lib = ctypes.CDLL(path)
+            address = lambda n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+            self.path = path
+            self.malloc = MALLOC(address(alloc_fn_name))
+            self.free = FREE(address(free_fn_name))
+            self._allocator = Hooks()
+
+        def allocator(self):
+            return self._allocator
+
+    def change_current_allocator(allocator):
+        state["current"] = allocator
+
+    def driver_view(device=None):
+        return ("driver view", device)
+
+    def unsupported(device=None):
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+    memory.CUDAPluggableAllocator = CUDAPluggableAllocator
+    memory.change_current_allocator = change_current_allocator
+    cuda.current_device = lambda: DEVICE
+    for module in (cuda, memory):
+        module.mem_get_info = driver_view
+        for name in rtorch.PATCHED:
+            setattr(module, name, unsupported)
+    return torch, state
+
+
+@pytest.fixture
+def torch(monkeypatch):
+    fake, state = fake_torch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setitem(sys.modules, "torch.cuda", fake.cuda)
+    monkeypatch.setitem(sys.modules, "torch.cuda.memory", fake.cuda.memory)
+    fake.state = state
+    yield fake
+    resmem.set_memory_limit(0, device=DEVICE)
+    resmem.free_reusable(DEVICE)
+    resmem.reset_peak_stats(DEVICE)
+
+
+def test_install_makes_resmem_the_allocator_and_wires_every_hook(torch):
+    allocator = rtorch.install()
+    assert torch.state["current"] is allocator
+    assert allocator.path == resmem.library_path()
+    assert sorted(allocator.allocator().fns) == sorted(rtorch.HOOKS)
+    for name in rtorch.PATCHED:
+        assert getattr(torch.cuda, name) is getattr(torch.cuda.memory, name)
+        assert getattr(torch.cuda, name).__module__ == "resmem.torch"
+    # mem_get_info keeps the driver's view unless asked.
+    assert torch.cuda.mem_get_info(0) == ("driver view", 0)
+
+
+def test_stats_report_resmem_figures_under_pytorch_names(torch):
+    allocator = rtorch.install()
+    cuda = torch.cuda
+    assert allocator.malloc(0, DEVICE, None) is None
+    ptr = allocator.malloc(1000, DEVICE, None)
+    assert ptr
+    assert cuda.memory_allocated() == 1024
+    assert cuda.memory_allocated(DEVICE) == 1024
+    assert cuda.memory_allocated(f"cuda:{DEVICE}") == 1024
+    assert cuda.memory_allocated(types.SimpleNamespace(index=DEVICE)) == 1024
+    assert cuda.memory_reserved() == 2 * MIB
+    stats = cuda.memory_stats()
+    assert stats["requested_bytes.all.current"] == 1000
+    assert stats["allocation.all.current"] == 1
+    assert stats["segment.all.current"] == 1
+    assert stats["resmem.reusable_bytes"] == 2 * MIB - 1024
+    assert list(stats) == sorted(stats)
+    allocator.free(ptr, 1000, DEVICE, None)
+    assert cuda.memory_allocated() == 0
+    assert cuda.max_memory_allocated() == 1024
+    cuda.reset_peak_memory_stats()
+    assert cuda.max_memory_allocated() == 0
+    assert cuda.max_memory_reserved() == 2 * MIB
+
+
+def test_hooks_empty_cache_fraction_and_record_stream(torch):
+    allocator = rtorch.install()
+    hooks = allocator.allocator().fns
+    hooks["set_init_fn"](2)
+    ptr = allocator.malloc(64 * MIB, DEVICE, None)
+    hooks["set_record_stream_fn"](ptr, None)
+    allocator.free(ptr, 64 * MIB, DEVICE, None)
+    assert torch.cuda.memory_reserved() == 64 * MIB
+    hooks["set_reset_fn"]()  # torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == 0
+    assert torch.cuda.memory_stats()["num_device_free"] >= 1
+
+    hooks["set_memory_fraction_fn"](0.25, DEVICE)  # set_per_process_memory_fraction(0.25)
+    assert resmem.memory_limit(DEVICE) == 6 * GIB
+    ooms = torch.cuda.memory_stats()["num_ooms"]
+    assert allocator.malloc(7 * GIB, DEVICE, None) is None
+    assert "memory limit of 6.00 GiB" in resmem.last_error()
+    assert torch.cuda.memory_stats()["num_ooms"] == ooms + 1
+
+    hooks["set_record_stream_fn"](0x40, None)
+    assert resmem.last_error().startswith("rm_torch_record_stream: ")
+
+
+def test_count_reusable_as_free_switches_mem_get_info(torch):
+    allocator = rtorch.install(count_reusable_as_free=True)
+    ptr = allocator.malloc(64 * MIB, DEVICE, None)
+    assert torch.cuda.mem_get_info() == (24 * GIB - 64 * MIB, 24 * GIB)
+    allocator.free(ptr, 64 * MIB, DEVICE, None)
+    assert torch.cuda.mem_get_info(DEVICE) == (24 * GIB, 24 * GIB)
+    assert torch.cuda.memory.mem_get_info is torch.cuda.mem_get_info

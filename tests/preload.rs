@@ -1,0 +1,204 @@
+//! `libresmem_preload.so` under `LD_PRELOAD`, against the simulated driver (`libcuda_sim.so`) and
+//! a stand-in `libcudart.so.12` that reaches the driver through its own handle, as the real
+//! runtime does. The program (`tests/preload/check.c`) links both and knows nothing of resmem.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::artifacts;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn gcc(args: &[&str]) {
+    let output = Command::new("gcc")
+        .args(args)
+        .output()
+        .expect("gcc is installed");
+    assert!(
+        output.status.success(),
+        "gcc {args:?} failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The check program, linked against `libcuda_sim.so` and the stand-in `libcudart.so.12`.
+fn program() -> &'static PathBuf {
+    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        let a = artifacts();
+        let dir = a.work.join("preload");
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = |p: &Path| p.to_str().unwrap().to_string();
+        let cudart = dir.join("libcudart.so.12");
+        let src = root().join("tests/preload");
+        let flags = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror"];
+        let mut args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+        args.extend([
+            "-shared".into(),
+            "-fPIC".into(),
+            s(&src.join("fake_cudart.c")),
+            "-ldl".into(),
+            "-o".into(),
+            s(&cudart),
+        ]);
+        gcc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        let exe = dir.join("check");
+        let mut args: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+        args.extend([
+            s(&src.join("check.c")),
+            s(&cudart),
+            s(&a.lib_dir.join("libcuda_sim.so")),
+            format!("-Wl,-rpath,{}:{}", s(&dir), s(&a.lib_dir)),
+            "-ldl".into(),
+            "-o".into(),
+            s(&exe),
+        ]);
+        gcc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        exe
+    })
+}
+
+/// Run `exe` with `args`, with the preload object or not, and `RESMEM_CONF`; return stdout.
+fn run(exe: &Path, args: &[&str], preload: bool, conf: &str) -> String {
+    let a = artifacts();
+    let sim = a.lib_dir.join("libcuda_sim.so");
+    let mut cmd = Command::new(exe);
+    cmd.args(args);
+    for (key, _) in std::env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        if key.starts_with("RESMEM_") || key.starts_with("CUDA_SIM_") || key == "LD_PRELOAD" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("CUDA_SIM_DEVICES", "24GiB")
+        .env("RESMEM_CUDA_LIBRARY", &sim)
+        .env("FAKE_CUDART_DRIVER", &sim)
+        .env("RESMEM_CONF", conf);
+    if preload {
+        cmd.env("LD_PRELOAD", a.lib_dir.join("libresmem_preload.so"));
+    }
+    let output = cmd.output().expect("run the program");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+        exe.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// The figures of the line starting with `when`: (cuMemGetInfo_v2 free, cudaMemGetInfo free,
+/// driver used), in MiB.
+fn figures(out: &str, when: &str) -> (u64, u64, u64) {
+    let line = out
+        .lines()
+        .find(|l| l.starts_with(when))
+        .unwrap_or_else(|| panic!("no line {when:?} in:\n{out}"));
+    let numbers: Vec<u64> = line[when.len()..]
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(numbers.len(), 3, "{line}");
+    (numbers[0], numbers[1], numbers[2])
+}
+
+const DEVICE_MIB: u64 = 24 * 1024;
+
+#[test]
+fn without_the_preload_the_program_sees_the_driver() {
+    let out = run(program(), &[], false, "");
+    assert!(out.contains("resmem is not in the process"), "{out}");
+    assert_eq!(figures(&out, "start"), (DEVICE_MIB, DEVICE_MIB, 0));
+    assert_eq!(
+        figures(&out, "128 MiB cuMemAlloc_v2 live"),
+        (DEVICE_MIB - 128, DEVICE_MIB - 128, 128)
+    );
+    assert_eq!(figures(&out, "after cudaFree"), (DEVICE_MIB, DEVICE_MIB, 0));
+    assert!(out.contains("passed: 0 failure(s)"), "{out}");
+}
+
+#[test]
+fn memory_info_counts_reusable_memory_as_free() {
+    let out = run(program(), &[], true, "");
+    assert_eq!(figures(&out, "start"), (DEVICE_MIB, DEVICE_MIB, 0));
+    // 64 MiB held by the pool and unused: the driver has 64 MiB out, both APIs report all free.
+    assert_eq!(
+        figures(&out, "after rm_reserve+rm_release"),
+        (DEVICE_MIB, DEVICE_MIB, 64)
+    );
+    // Allocations are not routed unless asked: cuMemAlloc_v2 goes to the driver.
+    assert_eq!(
+        figures(&out, "128 MiB cuMemAlloc_v2 live"),
+        (DEVICE_MIB - 128, DEVICE_MIB - 128, 192)
+    );
+    assert_eq!(
+        figures(&out, "after cudaFree"),
+        (DEVICE_MIB, DEVICE_MIB, 64)
+    );
+    // The 32-bit form caps both figures at UINT_MAX.
+    assert!(
+        out.contains("cuMemGetInfo (32-bit) free 4294967295 total 4294967295"),
+        "{out}"
+    );
+    assert!(out.contains("passed: 0 failure(s)"), "{out}");
+}
+
+#[test]
+fn preload_allocations_routes_malloc_and_free_through_the_pool() {
+    let out = run(program(), &[], true, "preload_allocations:true");
+    assert_eq!(
+        figures(&out, "after rm_reserve+rm_release"),
+        (DEVICE_MIB, DEVICE_MIB, 64)
+    );
+    // cuMemAlloc_v2 of 128 MiB: the cached 64 MiB segment is too small, the pool grows.
+    assert_eq!(
+        figures(&out, "128 MiB cuMemAlloc_v2 live"),
+        (DEVICE_MIB - 128, DEVICE_MIB - 128, 192)
+    );
+    // cuMemFree_v2 gives it back to the pool, not to the driver: still all free.
+    assert_eq!(
+        figures(&out, "after cuMemFree_v2"),
+        (DEVICE_MIB, DEVICE_MIB, 192)
+    );
+    // cudaMalloc of 32 MiB is served from the cache: the driver hands out nothing more.
+    assert_eq!(
+        figures(&out, "32 MiB cudaMalloc live"),
+        (DEVICE_MIB - 32, DEVICE_MIB - 32, 192)
+    );
+    assert_eq!(
+        figures(&out, "after cudaFree"),
+        (DEVICE_MIB, DEVICE_MIB, 192)
+    );
+    assert!(out.contains("passed: 0 failure(s)"), "{out}");
+}
+
+#[test]
+fn a_program_that_never_touches_cuda_loads_nothing() {
+    // /proc/self/maps of `cat` itself: the preload object is mapped, no CUDA library is, and a
+    // driver path that does not exist changes nothing.
+    let a = artifacts();
+    for driver in [
+        a.lib_dir.join("libcuda_sim.so"),
+        PathBuf::from("/nonexistent/libcuda.so.1"),
+    ] {
+        let output = Command::new("cat")
+            .arg("/proc/self/maps")
+            .env("LD_PRELOAD", a.lib_dir.join("libresmem_preload.so"))
+            .env("RESMEM_CUDA_LIBRARY", &driver)
+            .env("RESMEM_CONF", "preload_allocations:true")
+            .output()
+            .expect("run cat");
+        assert!(output.status.success());
+        assert!(output.stderr.is_empty(), "{:?}", output.stderr);
+        let maps = String::from_utf8_lossy(&output.stdout);
+        assert!(maps.contains("libresmem_preload.so"), "{maps}");
+        assert!(!maps.contains("libcuda"), "{maps}");
+    }
+}
