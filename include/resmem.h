@@ -11,8 +11,8 @@
  * Environment (read once, at the first call):
  *   RESMEM_DRIVER        cuda (default: load the real driver) or sim (simulated devices)
  *   RESMEM_CUDA_LIBRARY  the driver library to load (default libcuda.so.1)
- *   RESMEM_CONF          settings, key:value,key:value (release_before_grow, logging,
- *                        preload_allocations)
+ *   RESMEM_CONF          settings, key:value,key:value: release_before_grow, logging, vmm,
+ *                        preload_allocations
  *   CUDA_SIM_DEVICES     simulated devices' capacities, e.g. 24GiB or 80GiB,80GiB
  */
 
