@@ -8,8 +8,10 @@
 #
 # What it runs, each against libcuda.so.1:
 #   1. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
-#      reuse ordered by events, record_stream, free_reusable, and a cache-hit pair timing;
-#   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors;
+#      reuse ordered by events, record_stream, free_reusable, a cache-hit pair timing, and a
+#      1 GiB segment stitched from 512 cached 2 MiB chunks with the virtual-memory API (timed);
+#   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,
+#      with classic segments and with RESMEM_CONF=vmm:true;
 #   3. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
 #      with transformers' device_map="auto", with and without resmem as the allocator.
 set -euo pipefail
@@ -30,9 +32,11 @@ unset RESMEM_DRIVER RESMEM_CUDA_LIBRARY RESMEM_CONF CUDA_SIM_DEVICES
 status=0
 echo "== the pool through the real driver"
 RESMEM_TEST_CUDA_LIBRARY=libcuda.so.1 "$bundle/cuda_driver" --nocapture --test-threads=1 || status=1
-for program in quickstart loader errors; do
-  echo "== c_examples/$program"
-  "$bundle/$program" || status=1
+for conf in "" "vmm:true"; do
+  for program in quickstart loader errors; do
+    echo "== c_examples/$program${conf:+ with RESMEM_CONF=$conf}"
+    RESMEM_CONF=$conf "$bundle/$program" || status=1
+  done
 done
 echo "== python/tests/test_torch_gpu.py"
 if python3 -c "import torch" 2>/dev/null; then
