@@ -163,7 +163,9 @@ fn run_demo(device_memory: u64, shape: &model::Shape, loads: u32) -> Result<(), 
         alloc.free_reusable(None).map_err(|e| e.message)?;
     }
     println!(
-        "\nresmem's peak reserved is {:.3} x PyTorch policy's",
+        "\npeak reserved: resmem {}, PyTorch's policy {} (resmem / torch = {:.3})",
+        gib_or_mib(peaks[0]),
+        gib_or_mib(peaks[1]),
         peaks[0] as f64 / peaks[1].max(1) as f64
     );
     Ok(())
