@@ -12,6 +12,7 @@
 //!
 //! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
 //! - [`allocator`]: the [`Allocator`] trait every allocation policy implements;
+//! - [`baseline`]: reference policies (PyTorch's caching allocator) for comparisons;
 //! - [`capi`]: every exported `rm_*` function and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
@@ -21,6 +22,7 @@
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`).
 
 pub mod allocator;
+pub mod baseline;
 pub mod capi;
 pub mod config;
 pub mod driver;

@@ -8,9 +8,12 @@
 //! used on other streams (`record_stream`) wait, *pending*, until events recorded on those
 //! streams at release complete.
 //!
-//! A block released on its own stream is first *parked* in a short per-stream list without
-//! being merged with its neighbours, so that the common reserve-release-reserve of one size is
-//! served from that list without touching the bins or the address map. Parked blocks are
+//! A small block (at most 1 MiB) released on its own stream is first *parked* in a short
+//! per-stream list without being merged with its neighbours, so that the common
+//! reserve-release-reserve of one size is served from that list without touching the bins or
+//! the address map. Large blocks merge at once: handing a parked large block to the next request
+//! of its size would reorder placement across, say, repeated model loads, and fragment the
+//! segment they share. Parked blocks are
 //! reusable memory in every figure; they are merged (flushed) before any step that needs the
 //! whole picture: a miss in the bins, idle-segment search, statistics, and returning memory.
 
@@ -211,8 +214,11 @@ impl DevicePool {
         }
         let block = &self.blocks[id];
         self.stats.remove_live(block.size, block.requested);
-        if events.is_empty() {
+        if events.is_empty() && self.blocks[id].size <= SMALL_MAX {
             self.park(id);
+        } else if events.is_empty() {
+            self.by_ptr.remove(&ptr);
+            self.free_block(id);
         } else {
             self.by_ptr.remove(&ptr);
             self.blocks[id].state = State::Pending;
@@ -240,6 +246,8 @@ impl DevicePool {
     /// Make at least `bytes` reusable, counting what already is: allocate only the shortfall,
     /// as one segment. Returns the bytes allocated.
     pub fn warmup(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
+        // A load follows: merged free space places it best.
+        self.flush_parked();
         let reusable = self.stats.reusable();
         if bytes <= reusable {
             return Ok(0);

@@ -1,0 +1,235 @@
+//! The pool's speed through the C ABI, against references measured in the same run:
+//! - a cache-hit `rm_reserve` + `rm_release` pair by size class, with 0, 1k, 10k and 100k other
+//!   blocks cached (the cost must not grow with the cache), next to glibc's `malloc` + `free`
+//!   of the same size and the PyTorch-policy baseline's pair;
+//! - the same pairs from 2 threads on 2 streams at once;
+//! - `rm_mem_get_info` against the bare simulated driver call it adds to.
+//!
+//! Everything runs on simulated devices (`RESMEM_DRIVER=sim`, 80 GiB), set before the first
+//! call. Run: `cargo bench --bench pool` (or `scripts/benchmarks.sh` for BENCHMARKS.md).
+
+use std::ffi::c_void;
+use std::hint::black_box;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use cuda_sim::Sim;
+use resmem::baseline::{TorchAllocator, TorchConfig};
+use resmem::capi::{rm_mem_get_info, rm_release, rm_reserve};
+use resmem::driver::sim::SimDriver;
+use resmem::error::rm_status;
+use resmem::Allocator;
+
+const SIZES: [(usize, &str); 4] = [
+    (512, "512B"),
+    (64 << 10, "64KiB"),
+    (4 << 20, "4MiB"),
+    (64 << 20, "64MiB"),
+];
+const CACHED: [usize; 4] = [0, 1_000, 10_000, 100_000];
+
+fn setup_env() {
+    // Called at the start of main's benchmark functions, before any thread
+    // is spawned and before the pool reads the environment on its first call.
+    std::env::set_var("RESMEM_DRIVER", "sim");
+    std::env::set_var("CUDA_SIM_DEVICES", "80GiB");
+}
+
+fn capi_reserve(size: usize, stream: u64) -> u64 {
+    let mut p: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `p` is a valid out-pointer for the call.
+    let status = unsafe { rm_reserve(0, size, stream as *mut c_void, &mut p) };
+    assert_eq!(status, rm_status::RM_SUCCESS);
+    p as u64
+}
+
+fn capi_release(p: u64) {
+    // SAFETY: `p` came from rm_reserve and is released once.
+    let status = unsafe { rm_release(p as *mut c_void) };
+    assert_eq!(status, rm_status::RM_SUCCESS);
+}
+
+/// The size of the `i`-th other cached block: 90% small (up to 128 KiB), 10% large.
+fn other_size(i: usize) -> usize {
+    if i % 10 == 9 {
+        (1 << 20) + 512 * (1 + i % 1024)
+    } else {
+        512 * (1 + i % 256)
+    }
+}
+
+/// Add cached blocks `from..to`: reserve each with a live 512-byte fence after it (so that
+/// released neighbours do not merge), then release them all.
+fn add_cached(
+    reserve: &mut dyn FnMut(usize) -> u64,
+    release: &mut dyn FnMut(u64),
+    from: usize,
+    to: usize,
+) {
+    let mut others = Vec::with_capacity(to - from);
+    for i in from..to {
+        others.push(reserve(other_size(i)));
+        let _fence = reserve(512);
+    }
+    for p in others {
+        release(p);
+    }
+}
+
+fn torch_baseline() -> &'static TorchAllocator {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[80 << 30])));
+    let driver = SimDriver::new(sim).expect("the simulated device starts");
+    Box::leak(Box::new(
+        TorchAllocator::new(Arc::new(driver), TorchConfig::default()).expect("valid config"),
+    ))
+}
+
+fn glibc_pair(size: usize) {
+    // SAFETY: malloc of a non-zero size; the result is freed once (free(NULL) is allowed).
+    unsafe {
+        let p = libc::malloc(size);
+        black_box(p);
+        libc::free(p);
+    }
+}
+
+fn pairs(c: &mut Criterion) {
+    setup_env();
+    let torch = torch_baseline();
+    let mut have = 0;
+    for cached in CACHED {
+        add_cached(&mut |s| capi_reserve(s, 0), &mut capi_release, have, cached);
+        add_cached(
+            &mut |s| torch.reserve(0, s as u64, 0).unwrap(),
+            &mut |p| torch.release(p).unwrap(),
+            have,
+            cached,
+        );
+        have = cached;
+        let mut group = c.benchmark_group(format!("pair/{cached}-cached"));
+        for (size, name) in SIZES {
+            capi_release(capi_reserve(size, 0)); // now cached
+            torch
+                .release(torch.reserve(0, size as u64, 0).unwrap())
+                .unwrap();
+            group.bench_function(BenchmarkId::new("resmem", name), |b| {
+                b.iter(|| capi_release(capi_reserve(black_box(size), 0)))
+            });
+            group.bench_function(BenchmarkId::new("torch", name), |b| {
+                b.iter(|| {
+                    torch
+                        .release(torch.reserve(0, black_box(size) as u64, 0).unwrap())
+                        .unwrap()
+                })
+            });
+            group.bench_function(BenchmarkId::new("glibc", name), |b| {
+                b.iter(|| glibc_pair(black_box(size)))
+            });
+        }
+        group.finish();
+    }
+}
+
+/// `iters` pairs on each of 2 threads at once; the wall time per pair.
+fn two_threads(iters: u64, pair: Arc<dyn Fn(usize) + Send + Sync>) -> Duration {
+    let barrier = Arc::new(Barrier::new(3));
+    let threads: Vec<_> = (0..2)
+        .map(|t| {
+            let (barrier, pair) = (barrier.clone(), pair.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                for _ in 0..iters {
+                    pair(t);
+                }
+            })
+        })
+        .collect();
+    barrier.wait();
+    let start = Instant::now();
+    for t in threads {
+        t.join().expect("bench thread");
+    }
+    start.elapsed()
+}
+
+fn pairs_two_threads(c: &mut Criterion) {
+    setup_env();
+    let sim = Sim::global();
+    let streams = [sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap()];
+    let torch = torch_baseline();
+    let mut group = c.benchmark_group("pair-2-threads");
+    for (size, name) in SIZES {
+        for &s in &streams {
+            capi_release(capi_reserve(size, s));
+            torch
+                .release(torch.reserve(0, size as u64, s).unwrap())
+                .unwrap();
+        }
+        group.bench_function(BenchmarkId::new("resmem", name), |b| {
+            b.iter_custom(|iters| {
+                two_threads(
+                    iters,
+                    Arc::new(move |t| capi_release(capi_reserve(black_box(size), streams[t]))),
+                )
+            })
+        });
+        group.bench_function(BenchmarkId::new("torch", name), |b| {
+            b.iter_custom(|iters| {
+                two_threads(
+                    iters,
+                    Arc::new(move |t| {
+                        torch
+                            .release(
+                                torch
+                                    .reserve(0, black_box(size) as u64, streams[t])
+                                    .unwrap(),
+                            )
+                            .unwrap()
+                    }),
+                )
+            })
+        });
+        group.bench_function(BenchmarkId::new("glibc", name), |b| {
+            b.iter_custom(|iters| {
+                two_threads(iters, Arc::new(move |_| glibc_pair(black_box(size))))
+            })
+        });
+    }
+    group.finish();
+}
+
+fn mem_get_info(c: &mut Criterion) {
+    setup_env();
+    let torch = torch_baseline();
+    let (mut free, mut total) = (0usize, 0usize);
+    let mut group = c.benchmark_group("mem_get_info");
+    group.bench_function("resmem", |b| {
+        b.iter(|| {
+            // SAFETY: both out-pointers are valid.
+            let status = unsafe { rm_mem_get_info(black_box(0), &mut free, &mut total) };
+            assert_eq!(status, rm_status::RM_SUCCESS);
+        })
+    });
+    group.bench_function("sim-driver", |b| {
+        b.iter(|| Sim::global().mem_get_info(black_box(0)).unwrap())
+    });
+    group.bench_function("torch", |b| {
+        b.iter(|| torch.mem_get_info(black_box(0)).unwrap())
+    });
+    group.finish();
+}
+
+fn config() -> Criterion {
+    Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_millis(1500))
+        .sample_size(30)
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = pairs, pairs_two_threads, mem_get_info
+}
+criterion_main!(benches);

@@ -1,0 +1,334 @@
+//! Allocation traces: what a program asked of its allocator, in order, independent of policy.
+//!
+//! Two sources (the format is documented in `traces/README.md`):
+//! - JSON lines, one operation per line (`alloc`, `free`, `warmup`, `empty_cache`, `mark`, and
+//!   a `meta` line naming the trace and its device);
+//! - PyTorch memory snapshots (`torch.cuda.memory._snapshot()` pickled, as
+//!   `torch.cuda.memory._dump_snapshot` writes them): their `device_traces` events `alloc` and
+//!   `free_completed` become allocations and frees; `segment_alloc` / `segment_free` give the
+//!   reserved memory PyTorch itself had, for comparison.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufRead, Write};
+
+use serde::Deserialize;
+use serde_pickle::{HashableValue, Value};
+
+/// One operation of a trace.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Event {
+    /// Name and device of the trace (first line).
+    Meta {
+        /// A short name.
+        name: String,
+        /// The device memory the trace was made for, in bytes.
+        #[serde(default)]
+        device_memory: Option<u64>,
+        /// What the trace does.
+        #[serde(default)]
+        description: String,
+    },
+    /// Allocate `size` bytes on `stream`; `id` names the block until its `free`.
+    Alloc {
+        /// The block's name, unique among live blocks.
+        id: u64,
+        /// Bytes requested.
+        size: u64,
+        /// A stream number: `0` is the default stream, others are created as needed.
+        #[serde(default)]
+        stream: u64,
+    },
+    /// Free the block `id`.
+    Free {
+        /// The block's name.
+        id: u64,
+    },
+    /// transformers' `caching_allocator_warmup` before a load of `bytes`.
+    Warmup {
+        /// The bytes about to be loaded.
+        bytes: u64,
+    },
+    /// `torch.cuda.empty_cache()`: return idle cache to the driver.
+    EmptyCache,
+    /// A label for what follows (a phase of the workload).
+    Mark {
+        /// The label.
+        label: String,
+    },
+}
+
+/// A trace: its operations, and what is known about where it came from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Trace {
+    /// The trace's name.
+    pub name: String,
+    /// What it does.
+    pub description: String,
+    /// The device memory it was made for.
+    pub device_memory: Option<u64>,
+    /// The operations, without `meta`.
+    pub events: Vec<Event>,
+    /// For PyTorch snapshots: the reserved-memory peak PyTorch recorded over the trace.
+    pub torch_peak_reserved: Option<u64>,
+    /// For PyTorch snapshots: frees of blocks allocated before the trace began (skipped).
+    pub unmatched_frees: u64,
+}
+
+impl Trace {
+    /// Read a trace file, as JSON lines or, if it starts with a pickle's protocol marker, as a
+    /// PyTorch memory snapshot (device `device`'s events).
+    pub fn read(path: &std::path::Path, device: usize) -> Result<Trace, String> {
+        let bytes =
+            std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let trace = if bytes.first() == Some(&0x80) {
+            Trace::from_snapshot(&bytes, device)
+        } else {
+            Trace::from_json_lines(&bytes[..])
+        };
+        trace
+            .map(|mut t| {
+                if t.name.is_empty() {
+                    t.name = name;
+                }
+                t
+            })
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// Parse JSON lines; blank lines and lines starting with `#` are skipped. Checks that every
+    /// `free` names a live block and no `alloc` reuses a live id.
+    pub fn from_json_lines(reader: impl BufRead) -> Result<Trace, String> {
+        let mut trace = Trace::default();
+        let mut live = std::collections::HashSet::new();
+        for (n, line) in reader.lines().enumerate() {
+            let line = line.map_err(|e| format!("line {}: {e}", n + 1))?;
+            let text = line.trim();
+            if text.is_empty() || text.starts_with('#') {
+                continue;
+            }
+            let event: Event =
+                serde_json::from_str(text).map_err(|e| format!("line {}: {e}", n + 1))?;
+            match &event {
+                Event::Meta {
+                    name,
+                    device_memory,
+                    description,
+                } => {
+                    trace.name = name.clone();
+                    trace.device_memory = *device_memory;
+                    trace.description = description.clone();
+                    continue;
+                }
+                Event::Alloc { id, .. } if !live.insert(*id) => {
+                    return Err(format!("line {}: alloc of id {id}, which is live", n + 1));
+                }
+                Event::Free { id } if !live.remove(id) => {
+                    return Err(format!(
+                        "line {}: free of id {id}, which is not live",
+                        n + 1
+                    ));
+                }
+                _ => {}
+            }
+            trace.events.push(event);
+        }
+        Ok(trace)
+    }
+
+    /// Write the trace as JSON lines, `meta` first.
+    pub fn write_json_lines(&self, mut out: impl Write) -> std::io::Result<()> {
+        let meta = serde_json::json!({
+            "op": "meta",
+            "name": self.name,
+            "device_memory": self.device_memory,
+            "description": self.description,
+        });
+        writeln!(out, "{meta}")?;
+        for event in &self.events {
+            match event {
+                Event::Alloc { id, size, stream } => writeln!(
+                    out,
+                    r#"{{"op":"alloc","id":{id},"size":{size},"stream":{stream}}}"#
+                )?,
+                Event::Free { id } => writeln!(out, r#"{{"op":"free","id":{id}}}"#)?,
+                Event::Warmup { bytes } => writeln!(out, r#"{{"op":"warmup","bytes":{bytes}}}"#)?,
+                Event::EmptyCache => writeln!(out, r#"{{"op":"empty_cache"}}"#)?,
+                Event::Mark { label } => {
+                    writeln!(out, "{}", serde_json::json!({"op": "mark", "label": label}))?
+                }
+                Event::Meta { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Read a pickled `torch.cuda.memory._snapshot()`, taking device `device`'s trace.
+    pub fn from_snapshot(bytes: &[u8], device: usize) -> Result<Trace, String> {
+        let options = serde_pickle::DeOptions::new()
+            .replace_unresolved_globals()
+            .replace_recursive_structures();
+        let root = serde_pickle::value_from_slice(bytes, options)
+            .map_err(|e| format!("not a readable pickle: {e}"))?;
+        let root = dict(&root).ok_or("the pickle is not a memory snapshot (a dict)")?;
+        let traces = get(root, "device_traces")
+            .and_then(list)
+            .ok_or("the snapshot has no device_traces: record it with torch.cuda.memory._record_memory_history() first")?;
+        let events = traces.get(device).and_then(list).ok_or_else(|| {
+            format!(
+                "the snapshot has traces for {} device(s); device {device} is not among them",
+                traces.len()
+            )
+        })?;
+        // Reserved memory at the end of the trace: the snapshot's segments.
+        let end_reserved: i128 = get(root, "segments")
+            .and_then(list)
+            .map(|segs| {
+                segs.iter()
+                    .filter_map(dict)
+                    .filter(|s| get(s, "device").and_then(int) == Some(device as i128))
+                    .filter_map(|s| get(s, "total_size").and_then(int))
+                    .sum()
+            })
+            .unwrap_or(0);
+        let mut trace = Trace {
+            name: String::new(),
+            description: format!("PyTorch memory snapshot, device {device}"),
+            ..Trace::default()
+        };
+        let (mut ids, mut next_id) = (HashMap::new(), 0u64);
+        let (mut reserved, mut peak, mut net) = (0i128, 0i128, 0i128);
+        let mut streams: BTreeMap<i128, u64> = BTreeMap::new();
+        for event in events.iter().filter_map(dict) {
+            let action = get(event, "action").and_then(text).unwrap_or("");
+            let addr = get(event, "addr").and_then(int).unwrap_or(0);
+            let size = get(event, "size").and_then(int).unwrap_or(0);
+            match action {
+                "alloc" => {
+                    let raw = get(event, "stream").and_then(int).unwrap_or(0);
+                    let next = streams.len() as u64;
+                    let stream = if raw == 0 {
+                        0
+                    } else {
+                        *streams.entry(raw).or_insert(next + 1)
+                    };
+                    next_id += 1;
+                    ids.insert(addr, next_id);
+                    trace.events.push(Event::Alloc {
+                        id: next_id,
+                        size: u64::try_from(size).map_err(|_| "negative size")?,
+                        stream,
+                    });
+                }
+                "free_completed" => match ids.remove(&addr) {
+                    Some(id) => trace.events.push(Event::Free { id }),
+                    None => trace.unmatched_frees += 1,
+                },
+                "segment_alloc" | "segment_map" => {
+                    reserved += size;
+                    net += size;
+                    peak = peak.max(reserved);
+                }
+                "segment_free" | "segment_unmap" => {
+                    reserved -= size;
+                    net -= size;
+                }
+                _ => {}
+            }
+        }
+        // What was reserved before the trace began shifts every point by the same amount.
+        let start = (end_reserved - net).max(0);
+        trace.torch_peak_reserved = Some(u64::try_from(start + peak.max(0)).unwrap_or(0));
+        Ok(trace)
+    }
+
+    /// Allocations in the trace.
+    pub fn allocs(&self) -> usize {
+        self.events
+            .iter()
+            .filter(|e| matches!(e, Event::Alloc { .. }))
+            .count()
+    }
+}
+
+fn dict(v: &Value) -> Option<&BTreeMap<HashableValue, Value>> {
+    match v {
+        Value::Dict(d) => Some(d),
+        _ => None,
+    }
+}
+
+fn list(v: &Value) -> Option<&Vec<Value>> {
+    match v {
+        Value::List(l) | Value::Tuple(l) => Some(l),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> Option<i128> {
+    match v {
+        Value::I64(i) => Some(i128::from(*i)),
+        Value::Int(big) => big.to_string().parse().ok(),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> Option<&str> {
+    match v {
+        Value::String(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
+    d.get(&HashableValue::String(key.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_round_trip_and_are_checked() {
+        let text = "# a comment\n\
+            {\"op\":\"meta\",\"name\":\"t\",\"device_memory\":1024}\n\
+            {\"op\":\"alloc\",\"id\":1,\"size\":512}\n\
+            {\"op\":\"warmup\",\"bytes\":4096}\n\
+            {\"op\":\"free\",\"id\":1}\n\
+            {\"op\":\"empty_cache\"}\n";
+        let trace = Trace::from_json_lines(text.as_bytes()).unwrap();
+        assert_eq!(
+            (trace.name.as_str(), trace.device_memory),
+            ("t", Some(1024))
+        );
+        assert_eq!(
+            trace.events,
+            vec![
+                Event::Alloc {
+                    id: 1,
+                    size: 512,
+                    stream: 0
+                },
+                Event::Warmup { bytes: 4096 },
+                Event::Free { id: 1 },
+                Event::EmptyCache,
+            ]
+        );
+        let mut out = Vec::new();
+        trace.write_json_lines(&mut out).unwrap();
+        assert_eq!(Trace::from_json_lines(&out[..]).unwrap(), trace);
+
+        let err = Trace::from_json_lines(&b"{\"op\":\"free\",\"id\":3}\n"[..]).unwrap_err();
+        assert_eq!(err, "line 1: free of id 3, which is not live");
+        let twice =
+            b"{\"op\":\"alloc\",\"id\":3,\"size\":1}\n{\"op\":\"alloc\",\"id\":3,\"size\":1}";
+        let err = Trace::from_json_lines(&twice[..]).unwrap_err();
+        assert_eq!(err, "line 2: alloc of id 3, which is live");
+        let err = Trace::from_json_lines(&b"{\"op\":\"grow\"}"[..]).unwrap_err();
+        assert!(err.starts_with("line 1: unknown variant `grow`"), "{err}");
+    }
+}

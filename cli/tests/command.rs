@@ -1,0 +1,70 @@
+//! The `resmem` binary itself: help on every subcommand, replay with a plot, info, errors.
+
+use std::process::Command;
+
+fn resmem(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_resmem"))
+        .args(args)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .env("RESMEM_DRIVER", "sim")
+        .env("CUDA_SIM_DEVICES", "24GiB")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    for sub in ["demo", "replay", "info", "gen-trace"] {
+        let (ok, out, _) = resmem(&[sub, "--help"]);
+        assert!(ok, "{sub} --help failed");
+        assert!(out.contains("Usage: resmem"), "{out}");
+    }
+}
+
+#[test]
+fn replay_prints_the_table_and_draws_the_plot() {
+    let svg = std::env::temp_dir().join(format!("resmem-plot-{}.svg", std::process::id()));
+    let (ok, out, err) = resmem(&[
+        "replay",
+        "traces/transformers-37436.jsonl",
+        "--plot",
+        svg.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("out-of-memory events                     0             1"),
+        "{out}"
+    );
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    std::fs::remove_file(&svg).unwrap();
+    assert!(drawn.starts_with("<svg"));
+    assert!(drawn.contains("torch reserved") && drawn.contains("resmem allocated"));
+}
+
+#[test]
+fn info_reports_the_configured_devices() {
+    let (ok, out, err) = resmem(&["info"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("device 0: total 24.00 GiB, driver free 24.00 GiB, resmem reusable 0 B"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_input_says_what_is_wrong() {
+    let (ok, _, err) = resmem(&["demo", "--model", "gpt-5"]);
+    assert!(!ok);
+    assert!(
+        err.contains("the presets are qwen3-4b, llama-3-8b, mistral-7b"),
+        "{err}"
+    );
+    let (ok, _, err) = resmem(&["replay", "no-such-trace.jsonl"]);
+    assert!(!ok);
+    assert!(err.contains("cannot read no-such-trace.jsonl"), "{err}");
+}

@@ -1,0 +1,184 @@
+//! The shipped traces, replayed under both policies: exact memory figures (they are
+//! deterministic), and the PyTorch snapshot reader on a fixture made by
+//! `traces/fixtures/make_snapshot.py`.
+
+use std::path::PathBuf;
+
+use resmem_cli::demo;
+use resmem_cli::generate;
+use resmem_cli::model::{LLAMA_3_8B, QWEN3_4B};
+use resmem_cli::replay::{replay, Outcome, Policy};
+use resmem_cli::trace::{Event, Trace};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn traces_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces")
+}
+
+fn both(trace: &Trace) -> (Outcome, Outcome) {
+    let memory = trace.device_memory.unwrap();
+    (
+        replay(trace, Policy::Resmem, memory, |_| {}).unwrap(),
+        replay(trace, Policy::Torch, memory, |_| {}).unwrap(),
+    )
+}
+
+/// (peak allocated, peak reserved, driver allocations, driver frees, out-of-memory events)
+fn figures(o: &Outcome) -> (u64, u64, u64, u64, u64) {
+    let s = &o.stats;
+    (
+        s.peak_allocated_bytes,
+        s.peak_reserved_bytes,
+        s.driver_allocs,
+        s.driver_frees,
+        o.ooms,
+    )
+}
+
+#[test]
+fn shipped_traces_are_what_the_generator_writes() {
+    for kind in generate::KINDS {
+        let mut expected = Vec::new();
+        generate::by_name(kind)
+            .unwrap()
+            .write_json_lines(&mut expected)
+            .unwrap();
+        let path = traces_dir().join(format!("{kind}.jsonl"));
+        let shipped = std::fs::read(&path).unwrap();
+        assert!(
+            shipped == expected,
+            "{} is stale: run `cargo run -p resmem-cli -- gen-trace --all traces`",
+            path.display()
+        );
+        let read = Trace::read(&path, 0).unwrap();
+        assert_eq!(read.name, kind);
+        assert_eq!(read.events, generate::by_name(kind).unwrap().events);
+    }
+}
+
+#[test]
+fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
+    let trace = Trace::read(&traces_dir().join("transformers-37436.jsonl"), 0).unwrap();
+    assert_eq!(trace.device_memory, Some(1676 * MIB));
+    let (resmem, torch) = both(&trace);
+    // PyTorch: 940 MiB reserved in 47 segments of 20 MiB, 748 MiB of it cached but in split
+    // segments it cannot return; 736 MiB free on the driver; the 784 MiB request fails.
+    assert_eq!(figures(&torch), (940 * MIB, 940 * MIB, 47, 0, 1));
+    let message = torch.first_oom.unwrap();
+    assert!(message.contains("784.00 MiB"), "{message}");
+    assert!(
+        message.contains("of which 736.00 MiB (771751936 bytes) is free"),
+        "{message}"
+    );
+    assert!(
+        message.contains("748.00 MiB (784334848 bytes) is reserved but unallocated"),
+        "{message}"
+    );
+    // resmem: every 4 MiB block has its own segment; 12 idle ones (48 MiB) go back to the driver
+    // and the request is met.
+    assert_eq!(
+        figures(&resmem),
+        ((192 + 784) * MIB, 1676 * MIB, 236, 12, 0)
+    );
+    assert_eq!(resmem.first_oom, None);
+}
+
+#[test]
+fn the_seed_loads_keep_reserved_at_the_model_size_under_both() {
+    let trace = Trace::read(&traces_dir().join("qwen3-4b-loads.jsonl"), 0).unwrap();
+    let (resmem, torch) = both(&trace);
+    let model = QWEN3_4B.parameter_count() * 2;
+    for o in [&resmem, &torch] {
+        assert_eq!(figures(o), (8_044_954_624, 8_048_869_376, 2, 0, 0));
+        assert!(o.stats.peak_reserved_bytes as f64 <= 1.02 * model as f64);
+    }
+}
+
+#[test]
+fn decoding_and_training_figures() {
+    let (resmem, torch) = both(&generate::by_name("llama-3-8b-decode").unwrap());
+    assert_eq!(figures(&resmem), (17_016_823_808, 17_293_115_392, 74, 0, 0));
+    assert_eq!(figures(&torch), (17_016_823_808, 17_263_755_264, 54, 0, 0));
+    let (resmem, torch) = both(&generate::by_name("qwen3-0.6b-training").unwrap());
+    assert_eq!(
+        figures(&resmem),
+        (15_426_009_600, 15_638_462_464, 515, 0, 0)
+    );
+    assert_eq!(figures(&torch), (15_426_009_600, 16_015_949_824, 277, 0, 0));
+    assert!(resmem.fragmentation() < torch.fragmentation());
+}
+
+#[test]
+fn pytorch_snapshots_are_read_with_the_reserved_peak_pytorch_recorded() {
+    let path = traces_dir().join("fixtures/snapshot_small.pickle");
+    let trace = Trace::read(&path, 0).unwrap();
+    assert_eq!(trace.name, "snapshot_small");
+    assert_eq!(trace.torch_peak_reserved, Some(86 * MIB));
+    assert_eq!(trace.unmatched_frees, 1);
+    assert_eq!(
+        trace.events,
+        vec![
+            Event::Alloc {
+                id: 1,
+                size: 8 * MIB,
+                stream: 0
+            },
+            Event::Alloc {
+                id: 2,
+                size: 8 * MIB,
+                stream: 0
+            },
+            Event::Free { id: 1 },
+            Event::Alloc {
+                id: 3,
+                size: 64 * MIB,
+                stream: 0
+            },
+            Event::Free { id: 2 },
+            Event::Free { id: 3 },
+        ]
+    );
+    let torch = replay(&trace, Policy::Torch, GIB, |_| {}).unwrap();
+    // The replayed policy's 84 MiB is PyTorch's 86 MiB less the 2 MiB segment that predates
+    // the recording.
+    assert_eq!(figures(&torch), (72 * MIB, 84 * MIB, 2, 0, 0));
+    let err = Trace::read(&path, 1).unwrap_err();
+    assert!(err.contains("device 1 is not among them"), "{err}");
+}
+
+#[test]
+fn demo_loads_under_both_policies() {
+    let sim = |memory| -> std::sync::Arc<dyn resmem::Driver> {
+        let sim = Box::leak(Box::new(cuda_sim::Sim::new(&[memory])));
+        std::sync::Arc::new(resmem::driver::sim::SimDriver::new(sim).unwrap())
+    };
+    let model = QWEN3_4B.parameter_count() * 2;
+    let resmem = Policy::Resmem.build(sim(24 * GIB));
+    let rows = demo::run(&*resmem, &QWEN3_4B, 4).unwrap();
+    for r in &rows {
+        assert_eq!((r.reported_free, r.offloaded), (24 * GIB, 0));
+        assert_eq!((r.reserved, r.allocated), (8_048_869_376, 8_044_954_624));
+    }
+    assert!(rows[3].reserved as f64 <= 1.02 * model as f64);
+    let torch = Policy::Torch.build(sim(24 * GIB));
+    let rows = demo::run(&*torch, &QWEN3_4B, 4).unwrap();
+    assert_eq!(rows[0].reported_free, 24 * GIB);
+    for r in &rows[1..] {
+        assert_eq!(
+            (r.reported_free, r.offloaded),
+            (24 * GIB - 8_048_869_376, 0)
+        );
+    }
+    // Llama-3-8B (14.96 GiB) on 24 GiB: PyTorch's view leaves 9.04 GiB free after the first
+    // load, so the loader offloads at every later load; resmem's view never does.
+    let torch = Policy::Torch.build(sim(24 * GIB));
+    let rows = demo::run(&*torch, &LLAMA_3_8B, 3).unwrap();
+    assert_eq!(rows.iter().filter(|r| r.offloaded > 0).count(), 2);
+    let resmem = Policy::Resmem.build(sim(24 * GIB));
+    let rows = demo::run(&*resmem, &LLAMA_3_8B, 3).unwrap();
+    assert!(rows
+        .iter()
+        .all(|r| r.offloaded == 0 && r.reported_free == 24 * GIB));
+}

@@ -1,0 +1,348 @@
+//! The PyTorch policy against simulated devices: each rule with exact figures.
+
+use std::sync::Arc;
+
+use cuda_sim::Sim;
+
+use super::torch::*;
+use crate::allocator::Allocator;
+use crate::driver::sim::SimDriver;
+use crate::error::rm_status;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn torch_with(capacity: u64, config: TorchConfig) -> (TorchAllocator, &'static Sim) {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[capacity])));
+    let driver = SimDriver::new(sim).expect("sim initialises");
+    (TorchAllocator::new(Arc::new(driver), config).unwrap(), sim)
+}
+
+fn torch(capacity: u64) -> (TorchAllocator, &'static Sim) {
+    torch_with(capacity, TorchConfig::default())
+}
+
+/// The books are consistent, and reserved equals what the driver holds.
+fn assert_books(t: &TorchAllocator, sim: &Sim) {
+    t.check().unwrap();
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, sim.used_bytes(0));
+}
+
+#[test]
+fn requests_round_to_512_bytes() {
+    assert_eq!(round_size(1), 512);
+    assert_eq!(round_size(511), 512);
+    assert_eq!(round_size(512), 512);
+    assert_eq!(round_size(513), 1024);
+    assert_eq!(round_size(MIB + 1), MIB + 512);
+}
+
+#[test]
+fn segment_sizes_follow_the_pools() {
+    assert_eq!(allocation_size(512), 2 * MIB);
+    assert_eq!(allocation_size(MIB), 2 * MIB);
+    assert_eq!(allocation_size(MIB + 512), 20 * MIB);
+    assert_eq!(allocation_size(10 * MIB - 512), 20 * MIB);
+    assert_eq!(allocation_size(10 * MIB), 10 * MIB);
+    assert_eq!(allocation_size(10 * MIB + 512), 12 * MIB);
+    assert_eq!(allocation_size(784 * MIB), 784 * MIB);
+}
+
+#[test]
+fn small_requests_share_a_2_mib_segment_split_down_to_512_bytes() {
+    let (t, sim) = torch(GIB);
+    let a = t.reserve(0, MIB, 0).unwrap();
+    let b = t.reserve(0, MIB - 1024, 0).unwrap();
+    let c = t.reserve(0, 1, 0).unwrap();
+    let d = t.reserve(0, 300, 0).unwrap();
+    assert_eq!((b, c, d), (a + MIB, a + 2 * MIB - 1024, a + 2 * MIB - 512));
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (s.segments, s.reserved_bytes, s.allocated_bytes),
+        (1, 2 * MIB, 2 * MIB)
+    );
+    assert_eq!((s.reserve_calls, s.cache_hits, s.driver_allocs), (4, 3, 1));
+    assert_eq!(s.requested_bytes, MIB + (MIB - 1024) + 1 + 300);
+    // The next small request needs a second segment.
+    t.reserve(0, 512, 0).unwrap();
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 4 * MIB);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn large_requests_under_10_mib_share_20_mib_segments() {
+    let (t, sim) = torch(GIB);
+    let a = t.reserve(0, 8 * MIB, 0).unwrap();
+    let b = t.reserve(0, 8 * MIB, 0).unwrap();
+    assert_eq!(
+        b,
+        a + 8 * MIB,
+        "the 12 MiB remainder was split off and reused"
+    );
+    // 4 MiB remain in the first segment: a third 8 MiB request needs a new one.
+    let c = t.reserve(0, 8 * MIB, 0).unwrap();
+    assert_ne!(c, b + 8 * MIB);
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.allocated_bytes), (40 * MIB, 24 * MIB));
+    assert_eq!(s.largest_reusable_block, 12 * MIB);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn large_remainders_of_at_most_1_mib_are_not_split() {
+    let (t, sim) = torch(GIB);
+    // 19.5 MiB is a segment of its own, rounded to 20 MiB: the 0.5 MiB stays in the block.
+    let p = t.reserve(0, 19 * MIB + MIB / 2, 0).unwrap();
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.allocated_bytes), (20 * MIB, 20 * MIB));
+    t.release(p).unwrap();
+    // A remainder of exactly 1 MiB is not split either (the rule is "more than 1 MiB").
+    let q = t.reserve(0, 19 * MIB, 0).unwrap();
+    assert_eq!(q, p);
+    assert_eq!(t.stats(0).unwrap().allocated_bytes, 20 * MIB);
+    t.release(q).unwrap();
+    // A remainder of 1 MiB + 512 is.
+    t.reserve(0, 19 * MIB - 512, 0).unwrap();
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (s.allocated_bytes, s.largest_reusable_block),
+        (19 * MIB - 512, MIB + 512)
+    );
+    assert_books(&t, sim);
+}
+
+#[test]
+fn best_fit_takes_the_smallest_cached_block_that_fits() {
+    let (t, sim) = torch(GIB);
+    let ptrs: Vec<u64> = [12, 16, 14]
+        .iter()
+        .map(|&m| t.reserve(0, m * MIB, 0).unwrap())
+        .collect();
+    for &p in &ptrs {
+        t.release(p).unwrap();
+    }
+    assert_eq!(
+        t.reserve(0, 13 * MIB, 0).unwrap(),
+        ptrs[2],
+        "the 14 MiB block"
+    );
+    assert_eq!(
+        t.reserve(0, 11 * MIB, 0).unwrap(),
+        ptrs[0],
+        "the 12 MiB block"
+    );
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.driver_allocs, s.allocated_bytes), (3, 26 * MIB));
+    assert_books(&t, sim);
+}
+
+#[test]
+fn cached_blocks_serve_only_their_own_stream() {
+    let (t, sim) = torch(GIB);
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let p = t.reserve(0, 64 * MIB, s1).unwrap();
+    t.release(p).unwrap();
+    let q = t.reserve(0, 64 * MIB, s2).unwrap();
+    assert_ne!(q, p);
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.cache_hits),
+        (128 * MIB, 2, 0)
+    );
+    assert_eq!(t.reserve(0, 64 * MIB, s1).unwrap(), p);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn freed_neighbours_merge_back_into_one_block() {
+    let (t, sim) = torch(GIB);
+    t.warmup(0, 64 * MIB).unwrap();
+    let ptrs: Vec<u64> = (0..4).map(|_| t.reserve(0, 16 * MIB, 0).unwrap()).collect();
+    assert_eq!(t.stats(0).unwrap().driver_allocs, 1);
+    for &i in &[1, 3, 0, 2] {
+        t.release(ptrs[i]).unwrap();
+    }
+    let s = t.stats(0).unwrap();
+    assert_eq!(s.largest_reusable_block, 64 * MIB);
+    assert_eq!(t.reserve(0, 64 * MIB, 0).unwrap(), ptrs[0]);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn max_split_size_keeps_oversize_blocks_whole_and_for_large_requests() {
+    let config = TorchConfig {
+        max_split_size: Some(40 * MIB),
+    };
+    let (t, sim) = torch_with(GIB, config);
+    let big = t.reserve(0, 64 * MIB, 0).unwrap();
+    t.release(big).unwrap();
+    // Under max_split_size: never an oversize block.
+    let small = t.reserve(0, 30 * MIB, 0).unwrap();
+    assert_ne!(small, big);
+    // At or above it: only if the block is less than 20 MiB larger (64 >= 40 + 20).
+    let forty = t.reserve(0, 40 * MIB, 0).unwrap();
+    assert_ne!(forty, big);
+    // 64 < 50 + 20: taken whole, not split.
+    assert_eq!(t.reserve(0, 50 * MIB, 0).unwrap(), big);
+    let s = t.stats(0).unwrap();
+    assert_eq!(s.allocated_bytes, (30 + 40 + 64) * MIB);
+    assert_eq!(s.driver_allocs, 3);
+    assert_books(&t, sim);
+    let too_small = TorchConfig {
+        max_split_size: Some(20 * MIB),
+    };
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
+    let err = TorchAllocator::new(Arc::new(SimDriver::new(sim).unwrap()), too_small)
+        .err()
+        .unwrap();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_VALUE);
+}
+
+#[test]
+fn after_a_failed_allocation_oversize_blocks_go_back_first_largest_first() {
+    let config = TorchConfig {
+        max_split_size: Some(40 * MIB),
+    };
+    let (t, sim) = torch_with(200 * MIB, config);
+    let ptrs: Vec<u64> = [30, 60, 50]
+        .iter()
+        .map(|&m| t.reserve(0, m * MIB, 0).unwrap())
+        .collect();
+    for &p in &ptrs {
+        t.release(p).unwrap();
+    }
+    // 60 MiB free on the driver; 100 MiB needed; no single oversize block covers it: 60 + 50
+    // go back, the 30 MiB block (under max_split_size) stays cached.
+    t.reserve(0, 100 * MIB, 0).unwrap();
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_frees, s.oom_retries),
+        (130 * MIB, 2, 0)
+    );
+    assert_books(&t, sim);
+}
+
+#[test]
+fn after_a_failed_allocation_every_whole_cached_segment_goes_back_and_it_retries() {
+    // transformers #37436 with the cache in one whole segment: PyTorch frees it and retries.
+    let (t, sim) = torch((748 + 736) * MIB);
+    let cached = t.reserve(0, 748 * MIB, 0).unwrap();
+    t.release(cached).unwrap();
+    assert_eq!(t.mem_get_info(0).unwrap().0, 736 * MIB);
+    t.reserve(0, 784 * MIB, 0).unwrap();
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (
+            s.reserved_bytes,
+            s.driver_allocs,
+            s.driver_frees,
+            s.oom_retries,
+            s.ooms
+        ),
+        (784 * MIB, 2, 1, 1, 0)
+    );
+    assert_books(&t, sim);
+}
+
+#[test]
+fn cache_in_split_segments_is_not_returned_and_the_request_fails() {
+    // transformers #37436 as PyTorch reports it: 748 MiB reserved but unallocated, spread over
+    // segments that each still hold a live block, 736 MiB free on the driver, 784 MiB asked.
+    let (t, sim) = torch(1676 * MIB);
+    let ptrs: Vec<u64> = (0..235)
+        .map(|_| t.reserve(0, 4 * MIB, 0).unwrap())
+        .collect();
+    for (i, &p) in ptrs.iter().enumerate() {
+        let (segment, slot) = (i / 5, i % 5);
+        if slot != 0 && !(segment == 46 && slot == 1) {
+            t.release(p).unwrap();
+        }
+    }
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.reusable_bytes), (940 * MIB, 748 * MIB));
+    assert_eq!(t.mem_get_info(0).unwrap().0, 736 * MIB);
+    let err = t.reserve(0, 784 * MIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(err.message.contains("748.00 MiB"), "{}", err.message);
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_frees, s.oom_retries, s.ooms),
+        (940 * MIB, 0, 1, 1)
+    );
+    assert_books(&t, sim);
+}
+
+#[test]
+fn mem_get_info_is_the_drivers_view() {
+    let (t, _) = torch(24 * GIB);
+    let p = t.reserve(0, 100 * MIB, 0).unwrap();
+    t.release(p).unwrap();
+    assert_eq!(t.mem_get_info(0).unwrap(), (24 * GIB - 100 * MIB, 24 * GIB));
+}
+
+#[test]
+fn warmup_allocates_the_whole_size_and_leaves_it_cached() {
+    let (t, sim) = torch(24 * GIB);
+    assert_eq!(t.warmup(0, GIB).unwrap(), GIB);
+    let s = t.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.allocated_bytes, s.peak_allocated_bytes),
+        (GIB, 0, GIB)
+    );
+    assert_eq!(t.warmup(0, GIB).unwrap(), 0, "served from the cache");
+    // While that block is in use, a warm-up allocates a whole second one.
+    let p = t.reserve(0, GIB, 0).unwrap();
+    assert_eq!(t.warmup(0, GIB).unwrap(), GIB);
+    t.release(p).unwrap();
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 2 * GIB);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn empty_cache_returns_only_whole_segments() {
+    let (t, sim) = torch(GIB);
+    let a = t.reserve(0, 8 * MIB, 0).unwrap();
+    let b = t.reserve(0, 8 * MIB, 0).unwrap();
+    t.release(a).unwrap();
+    assert_eq!(t.free_reusable(None).unwrap(), 0);
+    t.release(b).unwrap();
+    assert_eq!(t.free_reusable(Some(0)).unwrap(), 20 * MIB);
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_frees), (0, 1));
+    assert_books(&t, sim);
+}
+
+#[test]
+fn record_stream_holds_a_block_until_that_streams_work_is_done() {
+    let (t, sim) = torch(GIB);
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let p = t.reserve(0, 4096, s1).unwrap();
+    t.record_stream(p, s2).unwrap();
+    sim.enqueue_work(0, s2).unwrap();
+    t.release(p).unwrap();
+    assert_eq!(t.stats(0).unwrap().allocated_bytes, 0);
+    let q = t.reserve(0, 4096, s1).unwrap();
+    assert_ne!(q, p, "s2 may still be using it");
+    sim.complete_work(0, s2).unwrap();
+    assert_eq!(t.reserve(0, 4096, s1).unwrap(), p);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn bad_pointers_are_refused_and_change_nothing() {
+    let (t, sim) = torch(GIB);
+    let p = t.reserve(0, 4096, 0).unwrap();
+    t.release(p).unwrap();
+    let err = t.release(p).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    assert_eq!(
+        t.release(p + 512).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_POINTER
+    );
+    assert_eq!(t.reserve(0, 0, 0).unwrap(), 0);
+    assert_eq!(
+        t.reserve(3, 512, 0).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_DEVICE
+    );
+    assert_books(&t, sim);
+}
