@@ -81,9 +81,16 @@ enum Command {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {
+    /// resmem's pool with classic segments.
     Resmem,
+    /// resmem's pool stitching segments with the virtual-memory API (vmm:true).
+    ResmemVmm,
+    /// PyTorch's caching-allocator policy.
     Torch,
+    /// resmem and torch side by side.
     Both,
+    /// resmem, resmem-vmm and torch side by side.
+    All,
 }
 
 fn main() -> ExitCode {
@@ -146,7 +153,7 @@ fn run_demo(device_memory: u64, shape: &model::Shape, loads: u32) -> Result<(), 
         let alloc = policy.build(driver);
         let rows = demo::run(&*alloc, shape, loads)?;
         let view = match policy {
-            Policy::Resmem => "reported free = driver free + reusable",
+            Policy::Resmem | Policy::ResmemVmm => "reported free = driver free + reusable",
             Policy::Torch => "reported free = the driver's (cudaMemGetInfo)",
         };
         println!("\n{} ({view})", policy.name());
@@ -189,8 +196,10 @@ fn run_replay(
     );
     let policies: &[Policy] = match which {
         Which::Resmem => &[Policy::Resmem],
+        Which::ResmemVmm => &[Policy::ResmemVmm],
         Which::Torch => &[Policy::Torch],
         Which::Both => &[Policy::Resmem, Policy::Torch],
+        Which::All => &[Policy::Resmem, Policy::ResmemVmm, Policy::Torch],
     };
     let mut outcomes: Vec<Outcome> = Vec::new();
     for &policy in policies {

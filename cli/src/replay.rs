@@ -18,6 +18,8 @@ use crate::units::gib_or_mib;
 pub enum Policy {
     /// resmem's pool.
     Resmem,
+    /// resmem's pool stitching segments with the virtual-memory API (`vmm:true`).
+    ResmemVmm,
     /// PyTorch's caching allocator.
     Torch,
 }
@@ -27,6 +29,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Resmem => "resmem",
+            Policy::ResmemVmm => "resmem-vmm",
             Policy::Torch => "torch",
         }
     }
@@ -35,6 +38,13 @@ impl Policy {
     pub fn build(self, driver: Arc<dyn resmem::Driver>) -> Box<dyn Allocator> {
         match self {
             Policy::Resmem => Box::new(Pool::new(driver, PoolConfig::default())),
+            Policy::ResmemVmm => Box::new(Pool::new(
+                driver,
+                PoolConfig {
+                    vmm: true,
+                    ..PoolConfig::default()
+                },
+            )),
             Policy::Torch => Box::new(
                 TorchAllocator::new(driver, TorchConfig::default())
                     .expect("the default configuration is valid"),

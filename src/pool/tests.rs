@@ -805,3 +805,32 @@ fn vmm_covers_a_large_request_with_a_larger_spare_chunk() {
     assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
     assert_books(&pool, sim);
 }
+
+#[test]
+fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    // An idle 8 MiB segment of four 2 MiB chunks.
+    let a = pool.reserve(0, 8 * MIB, 0).unwrap();
+    pool.release(a).unwrap();
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // A small request needs a 2 MiB small segment: one chunk of the idle segment is remapped
+    // (its place becomes a hole, and the segment is no longer idle).
+    let small = pool.reserve(0, 4096, 0).unwrap();
+    pool.check().unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().driver_allocs,
+        allocs,
+        "nothing created"
+    );
+    assert_eq!(sim.is_accessible(a), None, "the first chunk moved");
+    // The other 6 MiB still serve a large request in place.
+    let b = pool.reserve(0, 6 * MIB, 0).unwrap();
+    assert_eq!(b, a + 2 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (8 * MIB, allocs));
+    pool.release(b).unwrap();
+    pool.release(small).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 8 * MIB);
+    assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
+    assert_books(&pool, sim);
+}

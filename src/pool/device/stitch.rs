@@ -274,6 +274,10 @@ impl DevicePool {
             (s.base, s.slot, s.class)
         };
         let (start, end) = (base + offset, base + offset + chunk.size);
+        if self.segments[seg as usize].idle_at != NIL {
+            // With a hole it is no longer one free block: not idle any more.
+            self.unmark_idle(seg);
+        }
         let mut id = self.segments[seg as usize].first;
         while self.blocks[id].ptr + self.blocks[id].size <= start {
             id = self.blocks[id].next;
