@@ -11,11 +11,12 @@ const BF16: u64 = 2;
 const F32: u64 = 4;
 
 /// The kinds of trace, by file name (without `.jsonl`).
-pub const KINDS: [&str; 4] = [
+pub const KINDS: [&str; 5] = [
     "qwen3-4b-loads",
     "llama-3-8b-decode",
     "qwen3-0.6b-training",
     "transformers-37436",
+    "interleaved-lifetimes",
 ];
 
 /// The trace called `kind`.
@@ -25,6 +26,7 @@ pub fn by_name(kind: &str) -> Result<Trace, String> {
         "llama-3-8b-decode" => Ok(decode()),
         "qwen3-0.6b-training" => Ok(training()),
         "transformers-37436" => Ok(transformers_37436()),
+        "interleaved-lifetimes" => Ok(interleaved_lifetimes()),
         _ => Err(format!(
             "unknown trace `{kind}`; the kinds are {}",
             KINDS.join(", ")
@@ -296,5 +298,56 @@ pub fn transformers_37436() -> Trace {
     }
     g.mark("the 784 MiB request".into());
     g.alloc(784 * MIB);
+    g.trace
+}
+
+/// Mixed sizes with long-lived blocks interleaved among short-lived ones, the fragmentation
+/// GMLake measured in LLM training: a serving process keeps per-request state (1 to 16 MiB)
+/// while the activations around it come and go (4 to 64 MiB), then a long prompt needs large
+/// buffers. Free memory ends up in pieces between live blocks.
+pub fn interleaved_lifetimes() -> Trace {
+    let mut g = Gen::new(
+        "interleaved-lifetimes",
+        4 * GIB,
+        "300 rounds on a 4 GiB device: per round one long-lived block of 1 to 16 MiB and three \
+         short-lived activations of 4 to 64 MiB (two freed in the round, one in the next), every \
+         third long-lived block freed later; then eight 256 MiB buffers for a long prompt",
+    );
+    // A fixed linear congruential sequence: the same trace every time.
+    let mut state: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut next = move |below: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % below
+    };
+    g.mark("rounds".into());
+    let mut long_lived = Vec::new();
+    let mut carried: Option<u64> = None;
+    for round in 0..300u64 {
+        long_lived.push(g.alloc((1 + next(16)) * MIB + next(4) * 4096));
+        let acts: Vec<u64> = (0..3)
+            .map(|_| g.alloc((4 + next(61)) * MIB + next(8) * 512))
+            .collect();
+        if let Some(id) = carried.take() {
+            g.free(id);
+        }
+        g.free(acts[0]);
+        g.free(acts[2]);
+        carried = Some(acts[1]);
+        if round % 3 == 2 {
+            let i = next(long_lived.len() as u64) as usize;
+            let id = long_lived.swap_remove(i);
+            g.free(id);
+        }
+    }
+    if let Some(id) = carried {
+        g.free(id);
+    }
+    g.mark("long prompt".into());
+    let buffers: Vec<u64> = (0..8).map(|_| g.alloc(256 * MIB)).collect();
+    for id in buffers {
+        g.free(id);
+    }
     g.trace
 }

@@ -83,6 +83,31 @@ fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
         ((192 + 784) * MIB, 1676 * MIB, 236, 12, 0)
     );
     assert_eq!(resmem.first_oom, None);
+    // resmem with stitching: the 748 MiB of idle chunks are remapped and 36 MiB created, so
+    // reserved never exceeds what is live; nothing goes back to the driver.
+    let vmm = replay(&trace, Policy::ResmemVmm, 1676 * MIB, |_| {}).unwrap();
+    assert_eq!(figures(&vmm), (976 * MIB, 976 * MIB, 475, 0, 0));
+}
+
+#[test]
+fn stitching_keeps_interleaved_lifetimes_below_both_other_policies() {
+    let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), 0).unwrap();
+    let memory = trace.device_memory.unwrap();
+    assert_eq!(memory, 4 * GIB);
+    let peak = |policy| {
+        let o = replay(&trace, policy, memory, |_| {}).unwrap();
+        assert_eq!(o.ooms, 0, "{}", policy.name());
+        o.stats.peak_reserved_bytes
+    };
+    let (resmem, vmm, torch) = (
+        peak(Policy::Resmem),
+        peak(Policy::ResmemVmm),
+        peak(Policy::Torch),
+    );
+    assert!(
+        vmm < resmem && vmm < torch,
+        "vmm {vmm}, resmem {resmem}, torch {torch}"
+    );
 }
 
 #[test]
