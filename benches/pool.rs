@@ -3,7 +3,9 @@
 //!   blocks cached (the cost must not grow with the cache), next to glibc's `malloc` + `free`
 //!   of the same size and the PyTorch-policy baseline's pair;
 //! - the same pairs from 2 threads on 2 streams at once;
-//! - `rm_mem_get_info` against the bare simulated driver call it adds to.
+//! - `rm_mem_get_info` against the bare simulated driver call it adds to;
+//! - stitching (`vmm:true`): a 1 GiB segment from 512 cached 2 MiB chunks, against creating it
+//!   afresh with classic segments (one `cuMemAlloc`), both on a simulated driver.
 //!
 //! Everything runs on simulated devices (`RESMEM_DRIVER=sim`, 80 GiB), set before the first
 //! call. Run: `cargo bench --bench pool` (or `scripts/benchmarks.sh` for BENCHMARKS.md).
@@ -220,6 +222,43 @@ fn mem_get_info(c: &mut Criterion) {
     group.finish();
 }
 
+/// A pool over a fresh 8 GiB simulated device with 512 idle 2 MiB segments cached.
+fn cached_chunks(vmm: bool) -> resmem::Pool {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[8 << 30])));
+    let driver = Arc::new(SimDriver::new(sim).expect("the simulator starts"));
+    let config = resmem::PoolConfig {
+        vmm,
+        ..resmem::PoolConfig::default()
+    };
+    let pool = resmem::Pool::new(driver, config);
+    let ptrs: Vec<u64> = (0..512)
+        .map(|_| pool.reserve(0, (1 << 20) + 512, 0).unwrap())
+        .collect();
+    for p in ptrs {
+        pool.release(p).unwrap();
+    }
+    pool
+}
+
+fn stitch(c: &mut Criterion) {
+    let mut group = c.benchmark_group("stitch-1GiB");
+    group.sample_size(10);
+    for (name, vmm) in [("resmem-vmm", true), ("resmem-classic", false)] {
+        group.bench_function(name, |b| {
+            b.iter_batched(
+                || cached_chunks(vmm),
+                |pool| {
+                    let p = pool.reserve(0, 1 << 30, 0).unwrap();
+                    black_box(p);
+                    pool
+                },
+                criterion::BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -230,6 +269,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = pairs, pairs_two_threads, mem_get_info
+    targets = pairs, pairs_two_threads, mem_get_info, stitch
 }
 criterion_main!(benches);
