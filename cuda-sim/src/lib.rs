@@ -37,6 +37,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+mod faults;
+use faults::Faults;
+pub use faults::{Call, Fault};
+
 /// The result of a simulated driver call.
 pub type CuResult<T> = Result<T, CuError>;
 
@@ -178,6 +182,8 @@ const FIRST_EVENT: u64 = 0xE000_0001;
 const DRIVER_VERSION: i32 = 12040;
 /// The environment variable that configures [`Sim::from_env`].
 const ENV_VAR: &str = "CUDA_SIM_DEVICES";
+/// The environment variable that scripts faults for [`Sim::from_env`] (see [`Fault`]).
+const FAULTS_VAR: &str = "CUDA_SIM_FAULTS";
 /// The configuration used when `CUDA_SIM_DEVICES` is unset.
 const DEFAULT_DEVICES: &str = "24GiB";
 
@@ -343,6 +349,7 @@ struct State {
     next_event: u64,
     alloc_calls: u64,
     free_calls: u64,
+    faults: Faults,
 }
 
 /// Adds `req` to `reqs`, keeping one entry per stream with the larger count.
@@ -354,6 +361,14 @@ fn merge_requirement(reqs: &mut Vec<Requirement>, req: Requirement) {
 }
 
 impl State {
+    /// Count a call of `call` and fail it if a fault says so.
+    fn fault(&mut self, call: Call) -> CuResult<()> {
+        match self.faults.hit(call) {
+            Some(code) => Err(CuError(code)),
+            None => Ok(()),
+        }
+    }
+
     fn check_init(&self) -> CuResult<()> {
         if self.initialized {
             Ok(())
@@ -521,13 +536,16 @@ impl Sim {
                 next_event: FIRST_EVENT,
                 alloc_calls: 0,
                 free_calls: 0,
+                faults: Faults::new(),
             }),
             config_error: None,
         }
     }
 
     /// Creates the devices that the `CUDA_SIM_DEVICES` environment variable
-    /// lists (see [`parse_devices`]); one 24 GiB device when it is unset.
+    /// lists (see [`parse_devices`]); one 24 GiB device when it is unset. The
+    /// faults that `CUDA_SIM_FAULTS` lists (see [`Fault::parse_list`]) are
+    /// injected, counting calls from creation.
     pub fn from_env() -> Result<Sim, String> {
         let spec = match std::env::var(ENV_VAR) {
             Ok(v) => v,
@@ -536,9 +554,60 @@ impl Sim {
                 return Err(format!("{ENV_VAR} is not valid UTF-8"))
             }
         };
-        parse_devices(&spec)
+        let sim = parse_devices(&spec)
             .map(|caps| Sim::new(&caps))
-            .map_err(|e| format!("{ENV_VAR}={spec:?}: {e}"))
+            .map_err(|e| format!("{ENV_VAR}={spec:?}: {e}"))?;
+        match std::env::var(FAULTS_VAR) {
+            Ok(faults) => sim
+                .inject_faults(&faults)
+                .map_err(|e| format!("{FAULTS_VAR}={faults:?}: {e}"))?,
+            Err(std::env::VarError::NotPresent) => {}
+            Err(std::env::VarError::NotUnicode(_)) => {
+                return Err(format!("{FAULTS_VAR} is not valid UTF-8"))
+            }
+        }
+        Ok(sim)
+    }
+
+    /// Makes a driver call fail as `fault` says, counting its calls from now
+    /// on. Several faults may be armed at once, on the same call too: each
+    /// counts on its own, and the first that fires decides the code.
+    pub fn inject_fault(&self, fault: Fault) {
+        self.lock().faults.arm(fault);
+    }
+
+    /// Injects every fault of a list in the `CUDA_SIM_FAULTS` syntax, e.g.
+    /// `"cuMemAlloc_v2@3=2,cuEventRecord@5+=719"`; injects none if an entry is
+    /// malformed, and says which.
+    pub fn inject_faults(&self, spec: &str) -> Result<(), String> {
+        let faults = Fault::parse_list(spec)?;
+        let mut st = self.lock();
+        for fault in faults {
+            st.faults.arm(fault);
+        }
+        Ok(())
+    }
+
+    /// Disarms every fault; the call counters keep counting.
+    pub fn clear_faults(&self) {
+        self.lock().faults.clear();
+    }
+
+    /// How many times `call` reached the simulator since it was created,
+    /// failed ones included.
+    pub fn call_count(&self, call: Call) -> u64 {
+        self.lock().faults.calls(call)
+    }
+
+    /// How many calls failed because of an injected fault since creation.
+    pub fn injected_failures(&self) -> u64 {
+        self.lock().faults.injected()
+    }
+
+    /// Counts a call of `call` that has no method of its own here (context
+    /// functions of `libcuda_sim.so`) and fails it if a fault says so.
+    pub fn fault_point(&self, call: Call) -> CuResult<()> {
+        self.lock().fault(call)
     }
 
     /// The process-wide instance, created from the environment on first use
@@ -571,10 +640,11 @@ impl Sim {
     /// Fails with `CUDA_ERROR_INVALID_VALUE` for a malformed configuration and
     /// `CUDA_ERROR_NO_DEVICE` when there are no devices.
     pub fn init(&self) -> CuResult<()> {
+        let mut st = self.lock();
+        st.fault(Call::Init)?;
         if self.config_error.is_some() {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
         }
-        let mut st = self.lock();
         if st.devices.is_empty() {
             return Err(CuError(CUDA_ERROR_NO_DEVICE));
         }
@@ -589,27 +659,32 @@ impl Sim {
 
     /// `cuDeviceGetCount`: the number of devices.
     pub fn device_count(&self) -> CuResult<i32> {
-        let st = self.lock();
+        let mut st = self.lock();
+        st.fault(Call::DeviceGetCount)?;
         st.check_init()?;
         Ok(i32::try_from(st.devices.len()).unwrap_or(i32::MAX))
     }
 
     /// `cuDeviceGetName`: e.g. `"cuda-sim device 0 (24 GiB)"`.
     pub fn device_name(&self, dev: i32) -> CuResult<String> {
-        let st = self.lock();
+        let mut st = self.lock();
+        st.fault(Call::DeviceGetName)?;
         let capacity = st.device(dev)?.capacity;
         Ok(format!("cuda-sim device {dev} ({})", human_size(capacity)))
     }
 
     /// `cuDeviceTotalMem`: the device's capacity in bytes.
     pub fn total_mem(&self, dev: i32) -> CuResult<u64> {
-        Ok(self.lock().device(dev)?.capacity)
+        let mut st = self.lock();
+        st.fault(Call::DeviceTotalMem)?;
+        Ok(st.device(dev)?.capacity)
     }
 
     /// `cuMemGetInfo`: `(free, total)` bytes, where free is the capacity less
     /// the pages in use.
     pub fn mem_get_info(&self, dev: i32) -> CuResult<(u64, u64)> {
-        let st = self.lock();
+        let mut st = self.lock();
+        st.fault(Call::MemGetInfo)?;
         let d = st.device(dev)?;
         Ok((d.capacity - d.used_pages * PAGE, d.capacity))
     }
@@ -623,6 +698,7 @@ impl Sim {
     /// that fits, so addresses are reused after a free as on the driver.
     pub fn mem_alloc(&self, dev: i32, bytes: u64) -> CuResult<u64> {
         let mut st = self.lock();
+        st.fault(Call::MemAlloc)?;
         let d = st.device_mut(dev)?;
         if bytes == 0 {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
@@ -658,6 +734,7 @@ impl Sim {
     /// `CUDA_ERROR_INVALID_VALUE`.
     pub fn mem_free(&self, ptr: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::MemFree)?;
         st.check_init()?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         let dev = window_device(ptr).ok_or(invalid)?;
@@ -685,6 +762,7 @@ impl Sim {
     /// (they behave as `CU_STREAM_NON_BLOCKING` streams).
     pub fn stream_create(&self, dev: i32) -> CuResult<u64> {
         let mut st = self.lock();
+        st.fault(Call::StreamCreate)?;
         st.device(dev)?;
         let handle = st.next_stream;
         st.next_stream += 1;
@@ -707,6 +785,7 @@ impl Sim {
     /// (0) fail with `CUDA_ERROR_INVALID_HANDLE`.
     pub fn stream_destroy(&self, stream: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::StreamDestroy)?;
         st.check_init()?;
         match st.streams.get_mut(&StreamKey::Created(stream)) {
             Some(s) if !s.destroyed => s.destroyed = true,
@@ -720,6 +799,7 @@ impl Sim {
     /// unique among all devices' streams and events.
     pub fn event_create(&self, dev: i32) -> CuResult<u64> {
         let mut st = self.lock();
+        st.fault(Call::EventCreate)?;
         st.device(dev)?;
         let handle = st.next_event;
         st.next_event += 1;
@@ -737,6 +817,7 @@ impl Sim {
     /// their meaning).
     pub fn event_destroy(&self, event: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::EventDestroy)?;
         st.event(event)?;
         st.events.remove(&event);
         Ok(())
@@ -748,6 +829,7 @@ impl Sim {
     /// device fails with `CUDA_ERROR_INVALID_HANDLE`.
     pub fn event_record(&self, dev: i32, event: u64, stream: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::EventRecord)?;
         let key = st.stream_key(dev, stream)?;
         if st.event(event)?.device != dev {
             return Err(CuError(CUDA_ERROR_INVALID_HANDLE));
@@ -760,7 +842,8 @@ impl Sim {
     /// `cuEventQuery`: whether the captured work has completed (`true`);
     /// events never recorded are complete.
     pub fn event_query(&self, event: u64) -> CuResult<bool> {
-        let st = self.lock();
+        let mut st = self.lock();
+        st.fault(Call::EventQuery)?;
         let e = st.event(event)?;
         Ok(e.captured.iter().all(|r| st.met(r)))
     }
@@ -769,6 +852,7 @@ impl Sim {
     /// therefore completes (with whatever it waits on).
     pub fn event_synchronize(&self, event: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::EventSynchronize)?;
         let reqs = st.event(event)?.captured.clone();
         st.complete(&reqs);
         Ok(())
@@ -779,6 +863,7 @@ impl Sim {
     /// captured. The event may belong to another device, as on the driver.
     pub fn stream_wait_event(&self, dev: i32, stream: u64, event: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::StreamWaitEvent)?;
         let key = st.stream_key(dev, stream)?;
         let requires: Vec<Requirement> = st
             .event(event)?
@@ -807,6 +892,7 @@ impl Sim {
     /// far (0: `dev`'s default stream) and what it waits on.
     pub fn stream_synchronize(&self, dev: i32, stream: u64) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::StreamSynchronize)?;
         let key = st.stream_key(dev, stream)?;
         st.complete_stream(key);
         Ok(())
@@ -815,7 +901,8 @@ impl Sim {
     /// `cuStreamQuery`: whether everything enqueued on the stream so far,
     /// including the waits issued on it, has completed.
     pub fn stream_query(&self, dev: i32, stream: u64) -> CuResult<bool> {
-        let st = self.lock();
+        let mut st = self.lock();
+        st.fault(Call::StreamQuery)?;
         let key = st.stream_key(dev, stream)?;
         Ok(st.capture(key).is_empty())
     }
@@ -824,6 +911,7 @@ impl Sim {
     /// (destroyed ones with work left included).
     pub fn synchronize(&self, dev: i32) -> CuResult<()> {
         let mut st = self.lock();
+        st.fault(Call::CtxSynchronize)?;
         st.device(dev)?;
         let keys: Vec<StreamKey> = st
             .streams
@@ -852,7 +940,10 @@ impl Sim {
     /// first completing whatever that work waits on through
     /// [`Sim::stream_wait_event`]. Work completes in order per stream.
     pub fn complete_work(&self, dev: i32, stream: u64) -> CuResult<()> {
-        self.stream_synchronize(dev, stream)
+        let mut st = self.lock();
+        let key = st.stream_key(dev, stream)?;
+        st.complete_stream(key);
+        Ok(())
     }
 
     /// The number of incomplete work items on the stream (not a CUDA call).
@@ -888,6 +979,22 @@ impl Sim {
     /// Needs no initialization.
     pub fn live_allocations(&self, dev: i32) -> usize {
         self.with_device(dev, |d| d.allocations.len())
+    }
+
+    /// The live allocations of `dev` as `(base, bytes)`, by address; empty for
+    /// an unknown device. Not a driver call: never counted or failed.
+    pub fn allocations(&self, dev: i32) -> Vec<(u64, u64)> {
+        self.with_device(dev, |d| {
+            d.allocations.iter().map(|(&b, &l)| (b, l)).collect()
+        })
+    }
+
+    /// The number of devices once [`Sim::init`] succeeded, like
+    /// [`Sim::device_count`] but not a driver call: never counted or failed.
+    pub fn initialized_device_count(&self) -> CuResult<i32> {
+        let st = self.lock();
+        st.check_init()?;
+        Ok(i32::try_from(st.devices.len()).unwrap_or(i32::MAX))
     }
 
     /// The number of successful [`Sim::mem_alloc`] calls, all devices.

@@ -549,3 +549,96 @@ fn malformed_configuration_fails_init() {
     assert_eq!(s.config_error(), Some("bad"));
     assert_eq!(err(s.device_count()), CUDA_ERROR_NOT_INITIALIZED);
 }
+
+// ----- injected faults -----
+
+#[test]
+fn fault_syntax_parses_every_form_and_rejects_the_rest() {
+    let faults = Fault::parse_list(
+        " cuMemAlloc_v2@3=2, cuEventRecord@5+=CUDA_ERROR_LAUNCH_FAILED ,cuInit=999,",
+    )
+    .unwrap();
+    assert_eq!(
+        faults,
+        vec![
+            Fault::once(Call::MemAlloc, 3, CUDA_ERROR_OUT_OF_MEMORY),
+            Fault::from_nth(Call::EventRecord, 5, CUDA_ERROR_LAUNCH_FAILED),
+            Fault::from_nth(Call::Init, 1, CUDA_ERROR_UNKNOWN),
+        ]
+    );
+    assert_eq!(faults[1].to_string(), "cuEventRecord@5+=719");
+    for (bad, needle) in [
+        ("cuMemAlloc_v2@3", "not NAME@N=CODE"),
+        ("cuMalloc@1=2", "not a driver function"),
+        ("cuMemAlloc_v2@0=2", "not a call number"),
+        ("cuMemAlloc_v2@x=2", "not a call number"),
+        ("cuMemAlloc_v2@1=CUDA_ERROR_NOPE", "not a CUresult"),
+        ("cuMemAlloc_v2@1=0", "cannot return CUDA_SUCCESS"),
+    ] {
+        let err = Fault::parse_list(bad).unwrap_err();
+        assert!(err.contains(needle), "{bad}: {err}");
+    }
+    for call in Call::ALL {
+        assert_eq!(Call::from_name(call.name()), Some(*call));
+    }
+}
+
+#[test]
+fn a_fault_fails_exactly_the_nth_call_and_changes_nothing() {
+    let sim = Sim::new(&[8 * PAGE]);
+    sim.init().unwrap();
+    let first = sim.mem_alloc(0, PAGE).unwrap();
+    sim.inject_fault(Fault::once(Call::MemAlloc, 2, CUDA_ERROR_LAUNCH_FAILED));
+    sim.mem_alloc(0, PAGE).unwrap();
+    assert_eq!(
+        sim.mem_alloc(0, PAGE).unwrap_err(),
+        CuError(CUDA_ERROR_LAUNCH_FAILED)
+    );
+    assert_eq!(sim.used_bytes(0), 2 * PAGE);
+    let third = sim.mem_alloc(0, PAGE).unwrap();
+    assert_eq!(sim.allocations(0).len(), 3);
+    assert_eq!(sim.allocations(0)[0], (first, PAGE));
+    assert_eq!(sim.call_count(Call::MemAlloc), 4);
+    assert_eq!(sim.injected_failures(), 1);
+    sim.mem_free(third).unwrap();
+}
+
+#[test]
+fn a_repeating_fault_fails_every_call_until_cleared() {
+    let sim = Sim::new(&[8 * PAGE]);
+    sim.init().unwrap();
+    sim.inject_faults("cuEventRecord@2+=719,cuEventRecord@1=1")
+        .unwrap();
+    let event = sim.event_create(0).unwrap();
+    // The first call trips the second fault; the later ones the first.
+    assert_eq!(
+        sim.event_record(0, event, 0).unwrap_err(),
+        CuError(CUDA_ERROR_INVALID_VALUE)
+    );
+    for _ in 0..3 {
+        assert_eq!(
+            sim.event_record(0, event, 0).unwrap_err(),
+            CuError(CUDA_ERROR_LAUNCH_FAILED)
+        );
+    }
+    assert_eq!(sim.injected_failures(), 4);
+    sim.clear_faults();
+    sim.event_record(0, event, 0).unwrap();
+    assert_eq!(sim.call_count(Call::EventRecord), 5);
+    // A malformed list injects nothing.
+    assert!(sim.inject_faults("cuEventRecord@1=1,bogus").is_err());
+    sim.event_record(0, event, 0).unwrap();
+}
+
+#[test]
+fn test_helpers_are_not_driver_calls() {
+    let sim = Sim::new(&[8 * PAGE]);
+    sim.init().unwrap();
+    sim.inject_faults("cuStreamSynchronize=1,cuDeviceGetCount=1")
+        .unwrap();
+    sim.enqueue_work(0, 0).unwrap();
+    sim.complete_work(0, 0).unwrap();
+    assert_eq!(sim.initialized_device_count(), Ok(1));
+    assert_eq!(sim.device_count(), Err(CuError(CUDA_ERROR_INVALID_VALUE)));
+    assert_eq!(sim.call_count(Call::StreamSynchronize), 0);
+}

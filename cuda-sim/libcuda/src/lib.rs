@@ -31,7 +31,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
 
 use sim::codes::*;
-use sim::{CuResult, Sim};
+use sim::{Call, CuResult, Sim};
 
 /// `CUresult`: 0 for success, otherwise an error code.
 pub type CUresult = c_int;
@@ -93,7 +93,13 @@ fn guard(body: impl FnOnce() -> Status) -> CUresult {
 /// Fails with `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`; otherwise the
 /// number of devices.
 fn initialized() -> Result<c_int, CUresult> {
-    cu(sim().device_count())
+    cu(sim().initialized_device_count())
+}
+
+/// Counts a call of a function the simulator has no method for, failing it
+/// when an injected fault says so.
+fn fault_point(call: Call) -> Status {
+    cu(sim().fault_point(call))
 }
 
 /// Fails with `CUDA_ERROR_INVALID_DEVICE` for an ordinal out of range.
@@ -228,8 +234,11 @@ pub unsafe extern "C" fn cuInit(flags: c_uint) -> CUresult {
 /// `driver_version` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(driver_version: *mut c_int) -> CUresult {
-    // SAFETY: the caller's contract on `driver_version`.
-    guard(|| unsafe { write_out(driver_version, sim().driver_version()) })
+    guard(|| {
+        fault_point(Call::DriverGetVersion)?;
+        // SAFETY: the caller's contract on `driver_version`.
+        unsafe { write_out(driver_version, sim().driver_version()) }
+    })
 }
 
 /// `cuDeviceGetCount`: writes the number of devices.
@@ -239,7 +248,7 @@ pub unsafe extern "C" fn cuDriverGetVersion(driver_version: *mut c_int) -> CUres
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
     guard(|| {
-        let n = initialized()?;
+        let n = cu(sim().device_count())?;
         // SAFETY: the caller's contract on `count`.
         unsafe { write_out(count, n) }
     })
@@ -252,6 +261,7 @@ pub unsafe extern "C" fn cuDeviceGetCount(count: *mut c_int) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(device: *mut CUdevice, ordinal: c_int) -> CUresult {
     guard(|| {
+        fault_point(Call::DeviceGet)?;
         initialized()?;
         non_null(device)?;
         check_device(ordinal)?;
@@ -310,6 +320,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
     guard(|| {
+        fault_point(Call::DevicePrimaryCtxRetain)?;
         initialized()?;
         non_null(pctx)?;
         check_device(dev)?;
@@ -333,6 +344,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
     guard(|| {
+        fault_point(Call::DevicePrimaryCtxRelease)?;
         check_device(dev)?;
         let mut map = retained().lock().unwrap_or_else(|e| e.into_inner());
         match map.get_mut(&dev) {
@@ -352,6 +364,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
     guard(|| {
+        fault_point(Call::CtxPushCurrent)?;
         let dev = ctx_device(ctx)?;
         CONTEXT_STACK.with(|s| s.borrow_mut().push(dev));
         Ok(())
@@ -367,6 +380,7 @@ pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
     guard(|| {
+        fault_point(Call::CtxPopCurrent)?;
         initialized()?;
         let dev = CONTEXT_STACK
             .with(|s| s.borrow_mut().pop())
@@ -387,6 +401,7 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
     guard(|| {
+        fault_point(Call::CtxGetCurrent)?;
         initialized()?;
         let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
         let ctx = top.map_or(std::ptr::null_mut(), ctx_handle);
@@ -403,6 +418,7 @@ pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
     guard(|| {
+        fault_point(Call::CtxSetCurrent)?;
         initialized()?;
         if ctx.is_null() {
             CONTEXT_STACK.with(|s| s.borrow_mut().pop());
@@ -425,6 +441,7 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetDevice(device: *mut CUdevice) -> CUresult {
     guard(|| {
+        fault_point(Call::CtxGetDevice)?;
         initialized()?;
         non_null(device)?;
         let dev = current_device()?;
@@ -657,8 +674,11 @@ pub unsafe extern "C" fn cuEventDestroy_v2(event: CUevent) -> CUresult {
 /// `p_str` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(error: CUresult, p_str: *mut *const c_char) -> CUresult {
-    // SAFETY: the caller's contract on `p_str`.
-    guard(|| unsafe { error_string(error, p_str, true) })
+    guard(|| {
+        fault_point(Call::GetErrorName)?;
+        // SAFETY: the caller's contract on `p_str`.
+        unsafe { error_string(error, p_str, true) }
+    })
 }
 
 /// `cuGetErrorString`: writes a static NUL-terminated description such as
@@ -669,8 +689,11 @@ pub unsafe extern "C" fn cuGetErrorName(error: CUresult, p_str: *mut *const c_ch
 /// `p_str` must be NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(error: CUresult, p_str: *mut *const c_char) -> CUresult {
-    // SAFETY: the caller's contract on `p_str`.
-    guard(|| unsafe { error_string(error, p_str, false) })
+    guard(|| {
+        fault_point(Call::GetErrorString)?;
+        // SAFETY: the caller's contract on `p_str`.
+        unsafe { error_string(error, p_str, false) }
+    })
 }
 
 /// Test-only (not CUDA): enqueues one incomplete simulated work item on the
@@ -717,4 +740,47 @@ pub unsafe extern "C" fn cudasim_used_bytes(dev: c_int) -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn cudasim_live_allocations(dev: c_int) -> u64 {
     catch_unwind(|| sim().live_allocations(dev) as u64).unwrap_or(0)
+}
+
+/// Test-only (not CUDA): injects the faults of a list in the
+/// `CUDA_SIM_FAULTS` syntax (e.g. `"cuMemAlloc_v2@3=2"`), counting calls from
+/// now on. `CUDA_ERROR_INVALID_VALUE` for NULL, non-UTF-8 or a malformed list
+/// (then none is injected).
+///
+/// # Safety
+/// `spec` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_inject_faults(spec: *const c_char) -> CUresult {
+    guard(|| {
+        if spec.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null and NUL-terminated by the caller's contract.
+        let text = unsafe { std::ffi::CStr::from_ptr(spec) };
+        let text = text.to_str().map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        sim()
+            .inject_faults(text)
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)
+    })
+}
+
+/// Test-only (not CUDA): disarms every injected fault.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_clear_faults() -> CUresult {
+    guard(|| {
+        sim().clear_faults();
+        Ok(())
+    })
+}
+
+/// Test-only (not CUDA): how many calls failed because of an injected fault.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_injected_failures() -> u64 {
+    catch_unwind(|| sim().injected_failures()).unwrap_or(0)
 }
