@@ -101,7 +101,7 @@ fn eight_threads_exchanging_blocks_keep_the_books_exact() {
             finished_tx.clone(),
         );
         handles.push(std::thread::spawn(move || {
-            let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ (t as u64 + 1) * 0x1234_5678_9ABC_DEF1);
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9ABC_DEF1));
             let mut mine: Vec<(u64, i32, u64)> = Vec::new();
             for _ in 0..per_thread {
                 let device = rng.below(DEVICES as u64) as i32;

@@ -237,9 +237,10 @@ impl Pool {
         device: Option<i32>,
         mut f: impl FnMut(&mut DevicePool, &Context<'_>) -> Result<u64>,
     ) -> Result<u64> {
+        // One ordinal is checked by `lock`, INT_MAX included (`d..d + 1` would overflow).
         let devices = match device {
-            Some(d) => d..d + 1,
-            None => 0..self.device_count(),
+            Some(d) => vec![d],
+            None => (0..self.device_count()).collect(),
         };
         let mut total = 0;
         for device in devices {
