@@ -5,7 +5,7 @@
 use std::ffi::{c_void, CStr};
 use std::ptr::null_mut;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use cuda_sim::Sim;
 use resmem::capi::*;
@@ -21,10 +21,14 @@ fn leaked_sim(capacities: &[u64]) -> &'static Sim {
 }
 
 /// The process-wide pool on two simulated 4 GiB devices (every test sets the same variables).
-fn setup() {
+/// The guard keeps the tests that use the C API (and `RESMEM_TEST_PANIC`) one at a time.
+fn setup() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     std::env::set_var("RESMEM_DRIVER", "sim");
     std::env::set_var("CUDA_SIM_DEVICES", "4GiB,4GiB");
     std::env::remove_var("RESMEM_CONF");
+    guard
 }
 
 fn last_error() -> String {
@@ -53,7 +57,7 @@ fn stats(device: i32) -> rm_stats {
 
 #[test]
 fn every_export_refuses_bad_pointers_sizes_and_devices() {
-    setup();
+    let _one = setup();
     let (status, p) = reserve(0, 4096);
     assert_eq!(status, rm_status::RM_SUCCESS, "{}", last_error());
     let (status, q) = reserve(1, 3 * MIB as usize);
@@ -191,7 +195,7 @@ fn every_export_refuses_bad_pointers_sizes_and_devices() {
 
 #[test]
 fn a_forced_panic_is_internal_and_the_library_stays_usable() {
-    setup();
+    let _one = setup();
     std::env::set_var("RESMEM_TEST_PANIC", "rm_warmup");
     // SAFETY: values only.
     let status = unsafe { rm_warmup(0, 1) };
