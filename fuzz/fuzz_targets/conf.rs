@@ -17,7 +17,11 @@ fuzz_target!(|data: &[u8]| {
         }
         Err(e) => {
             assert_eq!(e.status, rm_status::RM_ERROR_INVALID_VALUE);
-            assert!(e.message.len() < 400, "{} bytes for {text:?}", e.message.len());
+            assert!(
+                e.message.len() < 400,
+                "{} bytes for {text:?}",
+                e.message.len()
+            );
         }
     }
     if let Err(e) = Settings::from_vars(Some(&text), Some(&text), Some(&text)) {

@@ -30,15 +30,24 @@ fuzz_target!(|data: &[u8]| {
         let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[4 * GIB, GIB])));
         sim.init().unwrap();
         let streams = (0..2)
-            .map(|d| vec![0, sim.stream_create(d).unwrap(), sim.stream_create(d).unwrap()])
+            .map(|d| {
+                vec![
+                    0,
+                    sim.stream_create(d).unwrap(),
+                    sim.stream_create(d).unwrap(),
+                ]
+            })
             .collect();
         (sim, streams)
     });
     let sim: &'static Sim = sim;
-    let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), PoolConfig {
-        release_before_grow: data.first().is_some_and(|b| b & 1 == 0),
-        logging: false,
-    });
+    let pool = Pool::new(
+        Arc::new(SimDriver::new(sim).unwrap()),
+        PoolConfig {
+            release_before_grow: data.first().is_some_and(|b| b & 1 == 0),
+            logging: false,
+        },
+    );
     let mut live: BTreeMap<u64, (i32, u64)> = BTreeMap::new();
     for pair in data.chunks_exact(2) {
         let (op, arg) = (pair[0], pair[1]);
@@ -66,7 +75,8 @@ fuzz_target!(|data: &[u8]| {
             20..=22 => {
                 if let Some(ptr) = pick(&live) {
                     let (d, _) = live[&ptr];
-                    pool.record_stream(ptr, streams[d as usize][usize::from(arg % 3)]).unwrap();
+                    pool.record_stream(ptr, streams[d as usize][usize::from(arg % 3)])
+                        .unwrap();
                 }
             }
             23 => {
@@ -81,7 +91,10 @@ fuzz_target!(|data: &[u8]| {
             }
             24 | 25 => drop(sim.enqueue_work(device, stream)),
             26 | 27 => drop(sim.complete_work(device, stream)),
-            28 => drop(pool.free_reusable((arg & 1 == 0).then_some(device)).unwrap()),
+            28 => drop(
+                pool.free_reusable((arg & 1 == 0).then_some(device))
+                    .unwrap(),
+            ),
             29 => {
                 if let Err(e) = pool.warmup(device, size(arg)) {
                     assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY, "{e}");
