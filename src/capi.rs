@@ -96,7 +96,10 @@ fn install_quiet_panic_hook() {
 pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
     install_quiet_panic_hook();
     let outer = IN_BOUNDARY.with(|b| b.replace(true));
-    let outcome = panic::catch_unwind(AssertUnwindSafe(body));
+    let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
+        test_panic(function);
+        body()
+    }));
     IN_BOUNDARY.with(|b| b.set(outer));
     let error = match outcome {
         Ok(Ok(())) => return rm_status::RM_SUCCESS,
@@ -114,6 +117,17 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_
     };
     set_last_error(&format!("{function}: {}", error.message));
     error.status
+}
+
+/// In debug builds only: panic inside the export named by `RESMEM_TEST_PANIC`, so that tests
+/// can check that a panic becomes `RM_ERROR_INTERNAL` and the library stays usable.
+fn test_panic(function: &str) {
+    #[cfg(debug_assertions)]
+    if std::env::var_os("RESMEM_TEST_PANIC").is_some_and(|f| f == function) {
+        panic!("RESMEM_TEST_PANIC={function}");
+    }
+    #[cfg(not(debug_assertions))]
+    let _ = function;
 }
 
 fn null_argument(name: &str) -> Error {

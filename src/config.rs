@@ -38,6 +38,20 @@ pub struct Conf {
 /// The driver library loaded when `RESMEM_CUDA_LIBRARY` is unset.
 pub const DEFAULT_CUDA_LIBRARY: &str = "libcuda.so.1";
 
+/// At most this many characters of a variable's text are quoted in a message.
+const QUOTE_MAX: usize = 40;
+
+/// `text` quoted for a message: in full when short, else its start and its length, so that a
+/// hostile value cannot make `rm_last_error()` arbitrarily long.
+fn quote(text: &str) -> String {
+    if text.chars().count() <= QUOTE_MAX {
+        format!("{text:?}")
+    } else {
+        let start: String = text.chars().take(QUOTE_MAX).collect();
+        format!("{start:?}... ({} bytes)", text.len())
+    }
+}
+
 /// The keys `RESMEM_CONF` accepts, with what they take, for messages.
 const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false, \
                     preload_allocations:true|false";
@@ -59,7 +73,8 @@ impl Settings {
             Some("sim") => DriverChoice::Sim,
             Some(other) => {
                 return Err(Error::invalid_value(format!(
-                    "RESMEM_DRIVER={other:?} is not a driver: use cuda (the default) or sim"
+                    "RESMEM_DRIVER={} is not a driver: use cuda (the default) or sim",
+                    quote(other)
                 )))
             }
         };
@@ -80,13 +95,15 @@ pub fn parse_conf(text: &str) -> Result<Conf, Error> {
     for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
         let Some((key, value)) = item.split_once(':') else {
             return Err(Error::invalid_value(format!(
-                "RESMEM_CONF: {item:?} is not key:value; the keys are {KEYS}"
+                "RESMEM_CONF: {} is not key:value; the keys are {KEYS}",
+                quote(item)
             )));
         };
         let (key, value) = (key.trim(), value.trim());
         if seen.contains(&key) {
             return Err(Error::invalid_value(format!(
-                "RESMEM_CONF: {key} is given twice"
+                "RESMEM_CONF: {} is given twice",
+                quote(key)
             )));
         }
         seen.push(key);
@@ -97,7 +114,8 @@ pub fn parse_conf(text: &str) -> Result<Conf, Error> {
             "preload_allocations" => &mut config.preload_allocations,
             _ => {
                 return Err(Error::invalid_value(format!(
-                    "RESMEM_CONF: unknown key {key:?}; the keys are {KEYS}"
+                    "RESMEM_CONF: unknown key {}; the keys are {KEYS}",
+                    quote(key)
                 )))
             }
         };
@@ -111,7 +129,8 @@ fn parse_bool(key: &str, value: &str) -> Result<bool, Error> {
         "true" | "1" | "yes" | "on" => Ok(true),
         "false" | "0" | "no" | "off" => Ok(false),
         _ => Err(Error::invalid_value(format!(
-            "RESMEM_CONF: {key}:{value} is not a boolean; use true or false"
+            "RESMEM_CONF: {key}:{} is not a boolean; use true or false",
+            quote(value)
         ))),
     }
 }
@@ -170,7 +189,24 @@ mod tests {
         assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
         assert!(e
             .message
-            .contains("preload_allocations:sometimes is not a boolean"));
+            .contains("preload_allocations:\"sometimes\" is not a boolean"));
+    }
+
+    #[test]
+    fn messages_quote_at_most_a_clip_of_hostile_text() {
+        let long = "x".repeat(100_000);
+        for text in [
+            long.clone(),
+            format!("{long}:true"),
+            format!("logging:{long}"),
+        ] {
+            let e = parse_conf(&text).unwrap_err();
+            assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+            assert!(e.message.len() < 400, "{} bytes", e.message.len());
+            assert!(e.message.contains("(100000 bytes)"), "{}", e.message);
+        }
+        let e = Settings::from_vars(Some(&long), None, None).unwrap_err();
+        assert!(e.message.len() < 400, "{} bytes", e.message.len());
     }
 
     #[test]

@@ -3,6 +3,13 @@
 //! Nothing is loaded before the first call: a program that links resmem but never calls it
 //! never opens the driver. A failure to start (no driver, a malformed variable) is remembered
 //! and returned, with its message, by every later call.
+//!
+//! Two guards protect the process:
+//! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY` and
+//!   `RESMEM_CONF` are ignored, as `secure_getenv` would, so that whoever runs the program cannot
+//!   make it load a library of their choosing;
+//! - CUDA driver state does not survive `fork()`: a child of the process that started the pool
+//!   gets `RM_ERROR_NO_DRIVER` with advice, instead of the parent's contexts and pointers.
 
 use std::sync::{Arc, OnceLock};
 
@@ -10,13 +17,30 @@ use crate::config::{DriverChoice, Settings};
 use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
 use crate::driver::Driver;
-use crate::error::Error;
+use crate::error::{rm_status, Error};
 use crate::pool::Pool;
 
-static SETTINGS: OnceLock<Result<Settings, Error>> = OnceLock::new();
-static POOL: OnceLock<Result<Pool, Error>> = OnceLock::new();
+/// The pool, or why it could not start, and the process that built it.
+struct Started {
+    pid: u32,
+    pool: Result<Pool, Error>,
+}
 
-fn var(name: &str) -> Option<String> {
+static SETTINGS: OnceLock<Result<Settings, Error>> = OnceLock::new();
+static POOL: OnceLock<Started> = OnceLock::new();
+
+/// Whether the process runs with elevated privileges (setuid, setgid or file capabilities).
+pub fn is_secure() -> bool {
+    // SAFETY: getauxval only reads the auxiliary vector; AT_SECURE is always present on Linux.
+    unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
+}
+
+/// The variable's value; `None` when it is unset, or when `secure` and it names a variable
+/// that could make a privileged program load or behave as its caller chooses.
+pub fn var(name: &str, secure: bool) -> Option<String> {
+    if secure && matches!(name, "RESMEM_CUDA_LIBRARY" | "RESMEM_CONF") {
+        return None;
+    }
     std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
 }
 
@@ -30,14 +54,15 @@ pub fn build(settings: &Settings) -> Result<Pool, Error> {
 }
 
 /// The process's settings, read once from `RESMEM_DRIVER`, `RESMEM_CUDA_LIBRARY` and
-/// `RESMEM_CONF`. Reading them loads nothing.
+/// `RESMEM_CONF` (the last two ignored in a privileged process). Reading them loads nothing.
 pub fn settings() -> Result<&'static Settings, Error> {
     SETTINGS
         .get_or_init(|| {
+            let secure = is_secure();
             let (driver, library, conf) = (
-                var("RESMEM_DRIVER"),
-                var("RESMEM_CUDA_LIBRARY"),
-                var("RESMEM_CONF"),
+                var("RESMEM_DRIVER", secure),
+                var("RESMEM_CUDA_LIBRARY", secure),
+                var("RESMEM_CONF", secure),
             );
             Settings::from_vars(driver.as_deref(), library.as_deref(), conf.as_deref())
         })
@@ -45,14 +70,66 @@ pub fn settings() -> Result<&'static Settings, Error> {
         .map_err(Clone::clone)
 }
 
-/// The process-wide pool, created on first use from [`settings`].
-pub fn pool() -> Result<&'static Pool, Error> {
-    POOL.get_or_init(|| settings().and_then(build))
-        .as_ref()
-        .map_err(Clone::clone)
+/// The error a forked child gets: the pool (and the driver state under it) belongs to `parent`.
+pub fn forked_error(parent: u32, child: u32) -> Error {
+    Error::new(
+        rm_status::RM_ERROR_NO_DRIVER,
+        format!(
+            "this process (pid {child}) was forked from pid {parent}, which started resmem; CUDA \
+             driver state does not survive fork(), so the child cannot use it. Use resmem only in \
+             the parent, or start workers with fork+exec (Python multiprocessing's \"spawn\" \
+             start method) so that each starts its own"
+        ),
+    )
 }
 
-/// The process-wide pool if a call has already started it; `None` otherwise (nothing is loaded).
+/// The process-wide pool, created on first use from [`settings`]. In a child forked after it
+/// started, an error that says what to do instead.
+pub fn pool() -> Result<&'static Pool, Error> {
+    let started = POOL.get_or_init(|| Started {
+        pid: std::process::id(),
+        pool: settings().and_then(build),
+    });
+    let pid = std::process::id();
+    if started.pid != pid {
+        return Err(forked_error(started.pid, pid));
+    }
+    started.pool.as_ref().map_err(Clone::clone)
+}
+
+/// The process-wide pool if a call has already started it in this process; `None` otherwise
+/// (nothing is loaded).
 pub fn started() -> Option<&'static Pool> {
-    POOL.get().and_then(|pool| pool.as_ref().ok())
+    POOL.get()
+        .filter(|started| started.pid == std::process::id())
+        .and_then(|started| started.pool.as_ref().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_privileged_process_ignores_the_library_and_conf_variables() {
+        // PATH is set in any test run; it stands for a variable a privileged process may read.
+        assert!(var("PATH", true).is_some());
+        assert_eq!(var("PATH", true), var("PATH", false));
+        for name in ["RESMEM_CONF", "RESMEM_CUDA_LIBRARY"] {
+            assert_eq!(var(name, true), None, "{name}");
+        }
+        // A test binary is not setuid; the C harness checks a setuid program.
+        assert!(!is_secure());
+    }
+
+    #[test]
+    fn a_forked_child_is_told_what_to_do() {
+        let e = forked_error(100, 200);
+        assert_eq!(e.status, rm_status::RM_ERROR_NO_DRIVER);
+        assert!(
+            e.message.contains("pid 200) was forked from pid 100"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("spawn"), "{}", e.message);
+    }
 }

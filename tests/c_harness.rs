@@ -5,11 +5,15 @@
 
 mod common;
 
+use std::collections::BTreeMap;
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
-use common::{artifacts, run, Driver};
+use common::{artifacts, run, spawn, Driver};
 
 const C_FLAGS: &[&str] = &["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror"];
 const CXX_FLAGS: &[&str] = &["-std=c++17", "-Wall", "-Wextra", "-Werror"];
@@ -19,20 +23,15 @@ fn root() -> &'static Path {
 }
 
 /// Compile `c_examples/<name>.c` (as C, or as C++ with `cxx`), linked against the shared or the
-/// static library.
+/// static library; once per test binary, so that tests running at the same time never run a
+/// program while another writes it.
 fn compile(name: &str, cxx: bool, link_static: bool) -> PathBuf {
-    // Tests run in parallel and share programs: compile each once, so that none is rewritten
-    // while another test runs it.
-    type Compiled = Vec<((String, bool, bool), PathBuf)>;
-    static COMPILED: Mutex<Compiled> = Mutex::new(Vec::new());
-    let mut compiled = COMPILED.lock().unwrap_or_else(|e| e.into_inner());
-    let key = (name.to_string(), cxx, link_static);
-    if let Some((_, path)) = compiled.iter().find(|(k, _)| *k == key) {
-        return path.clone();
-    }
-    let path = compile_now(name, cxx, link_static);
-    compiled.push((key, path.clone()));
-    path
+    static BUILT: Mutex<BTreeMap<(String, bool, bool), PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    built
+        .entry((name.to_string(), cxx, link_static))
+        .or_insert_with(|| compile_now(name, cxx, link_static))
+        .clone()
 }
 
 fn compile_now(name: &str, cxx: bool, link_static: bool) -> PathBuf {
@@ -179,4 +178,107 @@ fn errors_without_a_usable_driver() {
         Driver::InProcess,
         &[("RESMEM_CONF", "no_such_key:1")],
     );
+}
+
+#[test]
+fn hostile_input_gets_its_documented_status_and_changes_nothing() {
+    let exe = compile("hostile", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        let two = ("CUDA_SIM_DEVICES", "4GiB,4GiB");
+        let out = run(&exe, &[], driver.clone(), &[two]);
+        assert!(
+            out.contains("hostile inputs: ") && out.contains(", 0 failure(s)"),
+            "{out}"
+        );
+        let out = run(
+            &exe,
+            &["panic"],
+            driver.clone(),
+            &[("RESMEM_TEST_PANIC", "rm_reserve")],
+        );
+        assert!(out.contains(", 0 failure(s)"), "{out}");
+        let faults = "cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,cuMemAlloc_v2@3=2";
+        let out = run(&exe, &["faults"], driver, &[("CUDA_SIM_FAULTS", faults)]);
+        assert!(out.contains(", 0 failure(s)"), "{out}");
+    }
+}
+
+#[test]
+fn hostile_resmem_conf_is_refused_with_a_short_message() {
+    let exe = compile("hostile", false, false);
+    let long = "x".repeat(100_000);
+    let long_value = format!("logging:{}", "1".repeat(100_000));
+    let cases: Vec<(&OsStr, u32)> = vec![
+        (OsStr::new(""), 0),
+        (OsStr::new(" , ,, "), 0),
+        (OsStr::new("logging:false, release_before_grow:OFF"), 0),
+        (OsStr::new(&long), 1),
+        (OsStr::new(&long_value), 1),
+        (OsStr::from_bytes(b"logging:\xff\xfe"), 1),
+        (OsStr::from_bytes(b"\xc3\x28:true"), 1),
+        (OsStr::new("max_split_size_mb:128"), 1),
+        (OsStr::new("logging:2"), 1),
+        (OsStr::new("release_before_grow:-1"), 1),
+        (OsStr::new("logging:true:false"), 1),
+        (OsStr::new("logging=true"), 1),
+        (OsStr::new("logging:true,logging:true"), 1),
+        (OsStr::new("logging:tr\u{fc}e"), 1),
+    ];
+    for (conf, status) in cases {
+        let out = spawn(
+            &exe,
+            &["expect", &status.to_string()],
+            Driver::InProcess,
+            &[("RESMEM_CONF", conf)],
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "RESMEM_CONF={conf:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if status != 0 {
+            assert!(text.contains("RESMEM_CONF"), "{text}");
+        }
+    }
+}
+
+#[test]
+fn a_setuid_program_ignores_resmem_conf() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: making a setuid program needs root");
+        return;
+    }
+    let exe = compile("hostile", false, true);
+    let setuid = exe.with_file_name("hostile-setuid");
+    std::fs::copy(&exe, &setuid).unwrap();
+    std::os::unix::fs::chown(&setuid, Some(65534), None).unwrap();
+    std::fs::set_permissions(&setuid, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let conf = [("RESMEM_CONF", OsStr::new("no_such_key:1"))];
+    // Not privileged: the malformed RESMEM_CONF is an error ...
+    let out = spawn(&exe, &["expect", "1"], Driver::InProcess, &conf);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // ... setuid (AT_SECURE): it is ignored, as secure_getenv would.
+    let out = spawn(&setuid, &["expect", "0"], Driver::InProcess, &conf);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_forked_child_gets_a_clear_error_and_the_parent_goes_on() {
+    let exe = compile("fork", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        let out = run(&exe, &[], driver, &[]);
+        assert!(out.contains("fork: 0 failure(s)"), "{out}");
+        assert!(out.contains("ok   child after start: rm_reserve"), "{out}");
+    }
 }

@@ -51,6 +51,8 @@ pub(crate) struct VmmState {
     next_handle: u64,
     handles: HashMap<u64, Physical>,
     ranges: BTreeMap<u64, Range>,
+    creates: u64,
+    releases: u64,
 }
 
 impl VmmState {
@@ -60,6 +62,8 @@ impl VmmState {
             next_handle: FIRST_HANDLE,
             handles: HashMap::new(),
             ranges: BTreeMap::new(),
+            creates: 0,
+            releases: 0,
         }
     }
 
@@ -209,6 +213,7 @@ impl Sim {
         d.used_pages += size / PAGE;
         let handle = st.vmm.next_handle;
         st.vmm.next_handle += 1;
+        st.vmm.creates += 1;
         st.vmm.handles.insert(
             handle,
             Physical {
@@ -230,6 +235,8 @@ impl Sim {
             _ => return Err(CuError(CUDA_ERROR_INVALID_VALUE)),
         };
         physical.released = true;
+        st.vmm.releases += 1;
+        let physical = st.vmm.handles.get_mut(&handle).expect("known");
         if physical.mappings == 0 {
             st.drop_physical(handle);
         }
@@ -308,6 +315,38 @@ impl Sim {
     /// Whether `ptr` is mapped, and if so whether access to it was set (for tests).
     pub fn is_accessible(&self, ptr: u64) -> Option<bool> {
         self.lock().vmm.mapping_at(ptr).map(|(_, a)| a)
+    }
+
+    /// The address ranges `dev`'s kernels could use now, in order, adjacent ones merged: its
+    /// `cuMemAlloc` allocations and the mappings of its physical memory with access set.
+    pub fn accessible_ranges(&self, dev: i32) -> Vec<(u64, u64)> {
+        let st = self.lock();
+        let mut ranges: Vec<(u64, u64)> = Vec::new();
+        if let Some(d) = usize::try_from(dev).ok().and_then(|d| st.devices.get(d)) {
+            ranges.extend(d.allocations.iter().map(|(&b, &l)| (b, l)));
+        }
+        for range in st.vmm.ranges.values() {
+            for (&addr, map) in &range.maps {
+                if map.accessible && st.vmm.handles[&map.handle].device == dev {
+                    ranges.push((addr, map.size));
+                }
+            }
+        }
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::new();
+        for (base, len) in ranges {
+            match merged.last_mut() {
+                Some(last) if last.0 + last.1 == base => last.1 += len,
+                _ => merged.push((base, len)),
+            }
+        }
+        merged
+    }
+
+    /// Successful [`Sim::mem_create`] and [`Sim::mem_release`] calls, all devices.
+    pub fn vmm_calls(&self) -> (u64, u64) {
+        let st = self.lock();
+        (st.vmm.creates, st.vmm.releases)
     }
 
     /// Physical allocations of `dev` that exist (not yet freed), for tests.

@@ -197,16 +197,22 @@ impl DevicePool {
             for &stream in &streams {
                 match self.record_event(cx, stream) {
                     Ok(event) => events.push(event),
-                    Err(err) => {
+                    Err(_) => {
+                        // The driver rejects the stream (destroyed, or of another device): wait
+                        // for all work on every device instead, and the block is free at once.
                         self.spare_events.append(&mut events);
-                        self.shared.insert(id, streams);
-                        return Err(Error::driver(
-                            &format!(
-                                "releasing {ptr:#x}: recording an event on stream {stream:#x} \
-                                 (which used the block) failed, so the block stays reserved"
-                            ),
-                            &err,
-                        ));
+                        if let Err(err) = self.synchronize_all(cx) {
+                            self.shared.insert(id, streams);
+                            return Err(Error::driver(
+                                &format!(
+                                    "releasing {ptr:#x}: stream {stream:#x}, which used the block, \
+                                     takes no event and waiting for the devices failed, so the \
+                                     block stays reserved"
+                                ),
+                                &err,
+                            ));
+                        }
+                        break;
                     }
                 }
             }
@@ -978,6 +984,11 @@ impl DevicePool {
                 Err(err)
             }
         }
+    }
+
+    /// Block the host until all work on every device has completed.
+    fn synchronize_all(&self, cx: &Context<'_>) -> crate::driver::DriverResult<()> {
+        (0..cx.driver.device_count()).try_for_each(|device| cx.driver.synchronize(device))
     }
 
     /// Order work queued on `to` from now on after the work queued so far on `from`. If the

@@ -8,6 +8,23 @@
 //! - [`stats`]: the figures `rm_get_stats` reports;
 //! - this module: the multi-device [`Pool`], one lock per device, and the address directory that
 //!   finds a pointer's device for `release`.
+//!
+//! # Locks
+//!
+//! Each device's books sit behind their own `Mutex`; the [`Directory`] behind a `RwLock`. The
+//! order is fixed, so no cycle (and no deadlock) is possible:
+//!
+//! 1. at most one device mutex at a time: [`Pool::free_reusable`] and
+//!    [`Pool::set_memory_limit`] over every device take them one after the other, releasing each
+//!    before the next;
+//! 2. then, while holding it, the directory's write lock (a segment added or returned), held for
+//!    a map update only;
+//! 3. the driver is called with the device mutex held, never the directory's lock; the driver
+//!    takes no lock of the pool and never calls back into it (the simulator's own mutex is a
+//!    leaf).
+//!
+//! `release` and `record_stream` read the directory *before* taking a device mutex and drop the
+//! read lock first. A mutex poisoned by a panic is taken over (see `Pool::lock`).
 
 pub mod bins;
 pub mod blocks;
@@ -225,9 +242,10 @@ impl Pool {
         device: Option<i32>,
         mut f: impl FnMut(&mut DevicePool, &Context<'_>) -> Result<u64>,
     ) -> Result<u64> {
+        // One ordinal is checked by `lock`, INT_MAX included (`d..d + 1` would overflow).
         let devices = match device {
-            Some(d) => d..d + 1,
-            None => 0..self.device_count(),
+            Some(d) => vec![d],
+            None => (0..self.device_count()).collect(),
         };
         let mut total = 0;
         for device in devices {

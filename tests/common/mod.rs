@@ -3,8 +3,9 @@
 
 #![allow(dead_code)]
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 /// Where the built libraries are, and a scratch folder for compiled programs.
@@ -95,6 +96,21 @@ pub enum Driver {
 /// Run `exe` with `args` against `driver` on one simulated 24 GiB device (plus `env`), and
 /// return its standard output; panics with both outputs if it fails.
 pub fn run(exe: &Path, args: &[&str], driver: Driver, env: &[(&str, &str)]) -> String {
+    let env: Vec<(&str, &OsStr)> = env.iter().map(|&(k, v)| (k, OsStr::new(v))).collect();
+    let output = spawn(exe, args, driver.clone(), &env);
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{} {args:?} against {driver:?} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
+        exe.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// Run `exe` as [`run`] does, with variables that need not be UTF-8, and return what it did.
+pub fn spawn(exe: &Path, args: &[&str], driver: Driver, env: &[(&str, &OsStr)]) -> Output {
     let mut cmd = Command::new(exe);
     cmd.args(args);
     for (key, _) in std::env::vars_os() {
@@ -119,14 +135,5 @@ pub fn run(exe: &Path, args: &[&str], driver: Driver, env: &[(&str, &str)]) -> S
         }
     }
     cmd.envs(env.iter().copied());
-    let output = cmd.output().expect("run the program");
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    assert!(
-        output.status.success(),
-        "{} {args:?} against {driver:?} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{}",
-        exe.display(),
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    stdout
+    cmd.output().expect("run the program")
 }

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The C programs of c_examples/ under valgrind memcheck, against both simulator paths: zero
+# errors and zero definitely-lost bytes, or a non-zero exit. Run after `cargo test` (which
+# compiles the programs into target/debug/c_examples/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=target/debug/c_examples
+sim_lib="$PWD/target/debug/libcuda_sim.so"
+for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$sim_lib"; do
+  [ -e "$need" ] || { echo "missing $need: run cargo test first"; exit 1; }
+done
+vg=(valgrind --tool=memcheck --error-exitcode=99 --leak-check=full
+    --errors-for-leak-kinds=definite --show-leak-kinds=definite --track-fds=no -q)
+runs=0
+check() { # driver, program, args... (extra environment in $EXTRA)
+  local driver=$1; shift
+  local env=(env -u RESMEM_CONF -u CUDA_SIM_FAULTS -u RESMEM_TEST_PANIC CUDA_SIM_DEVICES=24GiB)
+  if [ "$driver" = sim ]; then env+=(RESMEM_DRIVER=sim); else env+=(RESMEM_CUDA_LIBRARY="$sim_lib"); fi
+  # shellcheck disable=SC2206
+  env+=(${EXTRA:-})
+  if ! "${env[@]}" "${vg[@]}" "$@" >/tmp/resmem-valgrind.out 2>&1; then
+    echo "valgrind: $driver $* failed:"; cat /tmp/resmem-valgrind.out; exit 1
+  fi
+  runs=$((runs + 1))
+  echo "ok   memcheck $driver $*"
+}
+for driver in sim library; do
+  check "$driver" "$dir/quickstart"
+  check "$driver" "$dir/errors"
+  check "$driver" "$dir/loader"
+  check "$driver" "$dir/fork"
+  EXTRA="CUDA_SIM_DEVICES=4GiB,4GiB" check "$driver" "$dir/hostile"
+  EXTRA="RESMEM_TEST_PANIC=rm_reserve" check "$driver" "$dir/hostile" panic
+  EXTRA="CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,cuMemAlloc_v2@3=2" \
+    check "$driver" "$dir/hostile" faults
+done
+EXTRA="RESMEM_CONF=no_such_key:1" check sim "$dir/errors" bad-conf
+echo "valgrind: $runs programs, 0 errors, 0 definitely lost"

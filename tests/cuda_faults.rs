@@ -1,0 +1,293 @@
+//! Fault injection through the real loading path: the pool over `CudaDriver`, which opens
+//! `libcuda_sim.so` with `dlopen` and runs every call between `cuCtxPushCurrent_v2` and
+//! `cuCtxPopCurrent_v2`. Each driver function the workload reaches fails at each of its calls in
+//! turn (once, and from there on), through the library's `cudasim_inject_faults`. Every failure
+//! must come back as `RM_ERROR_DRIVER` naming the call (or `RM_ERROR_OUT_OF_MEMORY`), the books
+//! must match what the driver holds, and once the fault is cleared nothing may leak.
+
+mod common;
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CString};
+use std::sync::Arc;
+
+use resmem::driver::cuda::CudaDriver;
+use resmem::{rm_status, Pool, PoolConfig};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+}
+
+type Hook1 = unsafe extern "C" fn(*mut c_void) -> c_int;
+type Inject = unsafe extern "C" fn(*const c_char) -> c_int;
+type Clear = unsafe extern "C" fn() -> c_int;
+type Count = unsafe extern "C" fn() -> u64;
+type Used = unsafe extern "C" fn(c_int) -> u64;
+type StreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
+type Retain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
+
+/// The simulator's hooks in the loaded library.
+struct Hooks {
+    inject: Inject,
+    clear: Clear,
+    injected: Count,
+    used: Used,
+    enqueue: Hook1,
+    complete: Hook1,
+    streams: [u64; 2],
+}
+
+fn library() -> String {
+    common::artifacts()
+        .lib_dir
+        .join("libcuda_sim.so")
+        .display()
+        .to_string()
+}
+
+fn hooks(library: &str) -> Hooks {
+    let name = CString::new(library).unwrap();
+    // SAFETY: a NUL-terminated path; the library CudaDriver opened, so the same handle.
+    let handle = unsafe { dlopen(name.as_ptr(), 2) };
+    assert!(!handle.is_null());
+    let sym = |s: &str| {
+        let s = CString::new(s).unwrap();
+        // SAFETY: a live handle and a NUL-terminated name.
+        let p = unsafe { dlsym(handle, s.as_ptr()) };
+        assert!(!p.is_null(), "{s:?} missing");
+        p
+    };
+    // SAFETY: each symbol is the function of that name with the declared signature.
+    unsafe {
+        let retain = std::mem::transmute::<*mut c_void, Retain>(sym("cuDevicePrimaryCtxRetain"));
+        let push = std::mem::transmute::<*mut c_void, Hook1>(sym("cuCtxPushCurrent_v2"));
+        let pop = std::mem::transmute::<*mut c_void, Hook1>(sym("cuCtxPopCurrent_v2"));
+        let create = std::mem::transmute::<*mut c_void, StreamCreate>(sym("cuStreamCreate"));
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(retain(&mut ctx, 0), 0);
+        assert_eq!(push(ctx), 0);
+        let mut streams = [0u64; 2];
+        for s in &mut streams {
+            let mut handle = std::ptr::null_mut();
+            assert_eq!(create(&mut handle, 1), 0);
+            *s = handle as u64;
+        }
+        assert_eq!(pop(std::ptr::null_mut()), 0);
+        Hooks {
+            inject: std::mem::transmute::<*mut c_void, Inject>(sym("cudasim_inject_faults")),
+            clear: std::mem::transmute::<*mut c_void, Clear>(sym("cudasim_clear_faults")),
+            injected: std::mem::transmute::<*mut c_void, Count>(sym("cudasim_injected_failures")),
+            used: std::mem::transmute::<*mut c_void, Used>(sym("cudasim_used_bytes")),
+            enqueue: std::mem::transmute::<*mut c_void, Hook1>(sym("cudasim_enqueue_work")),
+            complete: std::mem::transmute::<*mut c_void, Hook1>(sym("cudasim_complete_work")),
+            streams,
+        }
+    }
+}
+
+impl Hooks {
+    fn injected(&self) -> u64 {
+        // SAFETY: no arguments.
+        unsafe { (self.injected)() }
+    }
+    fn used(&self) -> u64 {
+        // SAFETY: a value argument.
+        unsafe { (self.used)(0) }
+    }
+    fn inject(&self, spec: &str) {
+        let spec = CString::new(spec).unwrap();
+        // SAFETY: a NUL-terminated string.
+        assert_eq!(unsafe { (self.inject)(spec.as_ptr()) }, 0);
+    }
+    fn clear(&self) {
+        // SAFETY: no arguments.
+        assert_eq!(unsafe { (self.clear)() }, 0);
+    }
+}
+
+/// One run of the workload on a fresh pool; the number of faults that fired, and of operations
+/// that failed.
+fn run(driver: &Arc<CudaDriver>, hooks: &Hooks, fault: Option<&str>) -> (u64, u64) {
+    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    let [s1, s2] = hooks.streams;
+    assert_eq!(
+        hooks.used(),
+        0,
+        "{fault:?}: the previous run left memory behind"
+    );
+    let injected_before = hooks.injected();
+    if let Some(spec) = fault {
+        hooks.inject(spec);
+    }
+    let mut live: Vec<u64> = Vec::new();
+    let mut failed = 0;
+    let mut degraded = false;
+    let check = |what: &str,
+                 r: Result<(), resmem::Error>,
+                 fired: bool,
+                 failed: &mut u64,
+                 degraded: &mut bool| {
+        if let Err(e) = r {
+            *failed += 1;
+            if !fired {
+                assert!(
+                    *degraded && e.status == rm_status::RM_ERROR_OUT_OF_MEMORY,
+                    "{fault:?}: {what} failed with no fault: {e}"
+                );
+                return;
+            }
+            *degraded = true;
+            let call = fault.unwrap().split('@').next().unwrap();
+            if fault.unwrap().ends_with("=2") {
+                assert_eq!(
+                    e.status,
+                    rm_status::RM_ERROR_OUT_OF_MEMORY,
+                    "{fault:?}: {what}: {e}"
+                );
+            } else {
+                assert_eq!(
+                    e.status,
+                    rm_status::RM_ERROR_DRIVER,
+                    "{fault:?}: {what}: {e}"
+                );
+                assert!(e.message.contains(call), "{fault:?}: {what}: {e}");
+            }
+        }
+    };
+    macro_rules! step {
+        ($what:expr, $body:expr) => {{
+            let before = hooks.injected();
+            let r = $body;
+            let fired = hooks.injected() > before;
+            check($what, r, fired, &mut failed, &mut degraded);
+        }};
+    }
+    let reserve = |pool: &Pool, size: u64, stream: u64, live: &mut Vec<u64>| {
+        pool.reserve(0, size, stream).map(|p| live.push(p))
+    };
+    step!("reserve a", reserve(&pool, 1000, 0, &mut live));
+    step!("reserve b", reserve(&pool, 3 * MIB, s1, &mut live));
+    if let Some(&b) = live.last() {
+        step!("record_stream", pool.record_stream(b, s2));
+        // SAFETY: a live stream of the library.
+        unsafe { (hooks.enqueue)(s2 as *mut c_void) };
+        step!(
+            "release b",
+            pool.release(b).map(|()| {
+                live.pop();
+            })
+        );
+    }
+    step!("reserve c", reserve(&pool, 3 * MIB, s1, &mut live));
+    // SAFETY: as above.
+    unsafe { (hooks.complete)(s2 as *mut c_void) };
+    step!("reserve d", reserve(&pool, MIB + 1, s1, &mut live));
+    while live.len() > 1 {
+        let p = live[1];
+        step!(
+            "release",
+            pool.release(p).map(|()| {
+                live.remove(1);
+            })
+        );
+        if live.get(1) == Some(&p) {
+            break;
+        }
+    }
+    step!("reserve e", reserve(&pool, 2 * MIB, s2, &mut live));
+    // A block pending on another stream's work when the cache is returned: waited for.
+    if live.len() > 1 {
+        let e = *live.last().unwrap();
+        step!("record_stream e", pool.record_stream(e, s1));
+        // SAFETY: a live stream of the library.
+        unsafe { (hooks.enqueue)(s1 as *mut c_void) };
+        step!(
+            "release e",
+            pool.release(e).map(|()| {
+                live.pop();
+            })
+        );
+    }
+    step!("warmup", pool.warmup(0, GIB).map(drop));
+    step!("mem_get_info", pool.mem_get_info(0).map(drop));
+    step!(
+        "limit",
+        pool.set_memory_limit(Some(0), Some(64 * MIB)).map(drop)
+    );
+    step!("unlimit", pool.set_memory_limit(Some(0), None).map(drop));
+    step!("free_reusable", pool.free_reusable(None).map(drop));
+    let fired = hooks.injected() - injected_before;
+    hooks.clear();
+    // Nothing leaks: after returning the cache the driver holds what the pool reserves, and
+    // nothing once the blocks are released.
+    pool.free_reusable(None).unwrap();
+    pool.check().unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().reserved_bytes,
+        hooks.used(),
+        "{fault:?}"
+    );
+    let p = pool.reserve(0, 5 * MIB, s1).unwrap();
+    pool.release(p).unwrap();
+    for p in live {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_eq!(hooks.used(), 0, "{fault:?}: leaked");
+    (fired, failed)
+}
+
+#[test]
+fn every_call_through_the_loaded_driver_failing_at_every_position() {
+    let library = library();
+    std::env::set_var("CUDA_SIM_DEVICES", "4GiB");
+    let driver = Arc::new(CudaDriver::load(&library).expect("load libcuda_sim.so"));
+    let hooks = hooks(&library);
+    assert_eq!(run(&driver, &hooks, None), (0, 0));
+    let calls = [
+        "cuCtxPushCurrent_v2",
+        "cuCtxPopCurrent_v2",
+        "cuMemAlloc_v2",
+        "cuMemFree_v2",
+        "cuMemGetInfo_v2",
+        "cuCtxSynchronize",
+        "cuEventCreate",
+        "cuEventRecord",
+        "cuEventQuery",
+        "cuEventSynchronize",
+        "cuStreamWaitEvent",
+    ];
+    let (mut runs, mut fired_total, mut failed_total) = (0, 0, 0);
+    for call in calls {
+        let codes: &[i32] = if call == "cuMemAlloc_v2" {
+            &[2, 719]
+        } else {
+            &[719]
+        };
+        for &code in codes {
+            for plus in ["", "+"] {
+                let mut nth = 1;
+                loop {
+                    let spec = format!("{call}@{nth}{plus}={code}");
+                    let (fired, failed) = run(&driver, &hooks, Some(&spec));
+                    runs += 1;
+                    fired_total += fired;
+                    failed_total += failed;
+                    if fired == 0 {
+                        break;
+                    }
+                    nth += 1;
+                }
+                assert!(nth > 1, "{call} was never reached");
+            }
+        }
+    }
+    eprintln!(
+        "cuda faults: {runs} runs through libcuda_sim.so over {} driver functions; {fired_total} \
+         failures injected, {failed_total} operations failed with the right status",
+        calls.len()
+    );
+}

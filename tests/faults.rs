@@ -1,0 +1,295 @@
+//! Fault injection: a scripted workload over two simulated devices runs once for every driver
+//! call the pool makes, at every position that call reaches, failing there once or from there
+//! on, with out-of-memory or other `CUresult`s. Each time the failing operation returns the right
+//! status (out-of-memory as `RM_ERROR_OUT_OF_MEMORY`, any other failure as `RM_ERROR_DRIVER`
+//! naming the call and its code), the books stay exact, nothing leaks once the fault is cleared
+//! and the cache returned, and the pool keeps working.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use cuda_sim::{codes, Call, Fault, Sim};
+use resmem::driver::sim::SimDriver;
+use resmem::{rm_status, Pool, PoolConfig};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+/// One step of the workload. Blocks are named by the step that reserved them.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Reserve(&'static str, i32, u64, usize),
+    Release(&'static str),
+    RecordStream(&'static str, usize),
+    Enqueue(i32, usize),
+    Complete(i32, usize),
+    Warmup(i32, u64),
+    MemGetInfo(i32),
+    FreeReusable(Option<i32>),
+    SetLimit(Option<i32>, Option<u64>),
+}
+
+use Step::*;
+
+/// Every path that calls the driver: growth, reuse on the same stream, adoption of another
+/// stream's idle segment (event record and wait), record_stream and pending blocks (event query
+/// and synchronize), release before growing, the out-of-memory retry that waits for pending
+/// blocks, warm-up, limits, and returning cache.
+const WORKLOAD: &[Step] = &[
+    Reserve("a", 0, 1000, 0),
+    Reserve("b", 0, 3 * MIB, 1),
+    Reserve("c", 1, 512 << 10, 0),
+    RecordStream("b", 2),
+    Enqueue(0, 2),
+    Release("b"),
+    Reserve("d", 0, 3 * MIB, 1),
+    Complete(0, 2),
+    Reserve("e", 0, MIB + 1, 1),
+    Release("d"),
+    Release("e"),
+    Reserve("f", 0, 2 * MIB, 2),
+    Release("a"),
+    Warmup(1, GIB),
+    MemGetInfo(0),
+    MemGetInfo(1),
+    Reserve("g", 1, 3 * GIB, 1),
+    RecordStream("g", 2),
+    Enqueue(1, 2),
+    Release("g"),
+    Reserve("h", 1, 3 * GIB + 512 * MIB, 0),
+    SetLimit(Some(0), Some(64 * MIB)),
+    Reserve("i", 0, 8 * MIB, 0),
+    SetLimit(None, None),
+    FreeReusable(Some(1)),
+    Reserve("j", 1, 100, 2),
+    Release("h"),
+    FreeReusable(None),
+    Reserve("k", 0, 700, 1),
+];
+
+struct Run {
+    pool: Pool,
+    sim: &'static Sim,
+    streams: Vec<Vec<u64>>,
+    live: BTreeMap<&'static str, (u64, i32)>,
+}
+
+impl Run {
+    fn new() -> Run {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[4 * GIB, 4 * GIB])));
+        let driver = SimDriver::new(sim).unwrap();
+        let streams = (0..2)
+            .map(|d| {
+                vec![
+                    0,
+                    sim.stream_create(d).unwrap(),
+                    sim.stream_create(d).unwrap(),
+                ]
+            })
+            .collect();
+        Run {
+            pool: Pool::new(Arc::new(driver), PoolConfig::default()),
+            sim,
+            streams,
+            live: BTreeMap::new(),
+        }
+    }
+
+    /// Run one step; `Err` with what the pool returned when it failed.
+    fn step(&mut self, step: Step) -> Result<(), resmem::Error> {
+        match step {
+            Reserve(name, device, size, stream) => {
+                let ptr = self
+                    .pool
+                    .reserve(device, size, self.streams[device as usize][stream])?;
+                self.live.insert(name, (ptr, device));
+            }
+            Release(name) => {
+                if let Some(&(ptr, _)) = self.live.get(name) {
+                    self.pool.release(ptr)?;
+                    self.live.remove(name);
+                }
+            }
+            RecordStream(name, stream) => {
+                if let Some(&(ptr, device)) = self.live.get(name) {
+                    self.pool
+                        .record_stream(ptr, self.streams[device as usize][stream])?;
+                }
+            }
+            Enqueue(device, stream) => {
+                self.sim
+                    .enqueue_work(device, self.streams[device as usize][stream])
+                    .unwrap();
+            }
+            Complete(device, stream) => {
+                self.sim
+                    .complete_work(device, self.streams[device as usize][stream])
+                    .unwrap();
+            }
+            Warmup(device, bytes) => drop(self.pool.warmup(device, bytes)?),
+            MemGetInfo(device) => drop(self.pool.mem_get_info(device)?),
+            FreeReusable(device) => drop(self.pool.free_reusable(device)?),
+            SetLimit(device, limit) => drop(self.pool.set_memory_limit(device, limit)?),
+        }
+        Ok(())
+    }
+
+    /// The books are exact, and the driver holds what the pool says it reserves.
+    fn check_books(&self) {
+        self.pool.check().unwrap();
+        for d in 0..2 {
+            let s = self.pool.stats(d).unwrap();
+            assert_eq!(s.reserved_bytes, self.sim.used_bytes(d), "device {d}");
+            assert_eq!(s.segments, self.sim.live_allocations(d) as u64);
+            assert_eq!(
+                s.live_blocks,
+                self.live.values().filter(|l| l.1 == d).count() as u64
+            );
+        }
+    }
+
+    /// After returning the cache, the driver holds exactly the segments of live blocks.
+    fn check_nothing_leaks(&self) {
+        self.pool.free_reusable(None).unwrap();
+        self.check_books();
+        for d in 0..2 {
+            let needed: u64 = self
+                .sim
+                .allocations(d)
+                .iter()
+                .filter(|&&(base, len)| {
+                    self.live
+                        .values()
+                        .any(|&(p, dev)| dev == d && base <= p && p < base + len)
+                })
+                .map(|&(_, len)| len)
+                .sum();
+            assert_eq!(self.sim.used_bytes(d), needed, "device {d} leaks");
+        }
+    }
+}
+
+/// The workload without faults: every step succeeds. Returns the calls made per driver call.
+fn clean_counts() -> Vec<(Call, u64)> {
+    let mut run = Run::new();
+    let before: Vec<u64> = Call::ALL.iter().map(|&c| run.sim.call_count(c)).collect();
+    for &step in WORKLOAD {
+        run.step(step).unwrap_or_else(|e| panic!("{step:?}: {e}"));
+        run.check_books();
+    }
+    let s1 = run.pool.stats(1).unwrap();
+    assert_eq!(
+        s1.oom_retries, 1,
+        "the workload reaches the out-of-memory retry"
+    );
+    run.check_nothing_leaks();
+    Call::ALL
+        .iter()
+        .zip(before)
+        .map(|(&c, b)| (c, run.sim.call_count(c) - b))
+        .filter(|&(_, n)| n > 0)
+        .collect()
+}
+
+#[test]
+fn every_driver_call_failing_at_every_position() {
+    let counts = clean_counts();
+    let called: Vec<&str> = counts.iter().map(|(c, _)| c.name()).collect();
+    for needed in [
+        "cuMemAlloc_v2",
+        "cuMemFree_v2",
+        "cuMemGetInfo_v2",
+        "cuEventRecord",
+    ] {
+        assert!(called.contains(&needed), "{needed} not reached: {called:?}");
+    }
+    let (mut runs, mut injected, mut failed_ops) = (0u64, 0u64, 0u64);
+    for &(call, n) in &counts {
+        let codes: &[i32] = if call == Call::MemAlloc {
+            &[
+                codes::CUDA_ERROR_OUT_OF_MEMORY,
+                codes::CUDA_ERROR_LAUNCH_FAILED,
+            ]
+        } else {
+            &[codes::CUDA_ERROR_LAUNCH_FAILED, codes::CUDA_ERROR_UNKNOWN]
+        };
+        for nth in 1..=n {
+            for &code in codes {
+                for fault in [
+                    Fault::once(call, nth, code),
+                    Fault::from_nth(call, nth, code),
+                ] {
+                    runs += 1;
+                    let mut run = Run::new();
+                    run.sim.inject_fault(fault);
+                    let mut degraded = false;
+                    for &step in WORKLOAD {
+                        let fired = run.sim.injected_failures();
+                        let outcome = run.step(step);
+                        let fired = run.sim.injected_failures() - fired;
+                        match outcome {
+                            Ok(()) => {}
+                            Err(e) if fired == 0 => {
+                                // A block an earlier failure left live can crowd out a later
+                                // request: only out-of-memory, and only after a failure.
+                                assert!(
+                                    degraded && e.status == rm_status::RM_ERROR_OUT_OF_MEMORY,
+                                    "{fault}: {step:?} failed with no fault: {e}"
+                                );
+                            }
+                            Err(e) => {
+                                failed_ops += 1;
+                                degraded = true;
+                                if code == codes::CUDA_ERROR_OUT_OF_MEMORY {
+                                    assert_eq!(
+                                        e.status,
+                                        rm_status::RM_ERROR_OUT_OF_MEMORY,
+                                        "{fault}: {step:?}: {e}"
+                                    );
+                                } else {
+                                    assert_eq!(
+                                        e.status,
+                                        rm_status::RM_ERROR_DRIVER,
+                                        "{fault}: {step:?}: {e}"
+                                    );
+                                    let named = format!(
+                                        "{} failed with {} ({code})",
+                                        call.name(),
+                                        codes::name(code).unwrap()
+                                    );
+                                    assert!(e.message.contains(&named), "{fault}: {e}");
+                                }
+                            }
+                        }
+                        run.check_books();
+                    }
+                    injected += run.sim.injected_failures();
+                    run.sim.clear_faults();
+                    run.check_nothing_leaks();
+                    // The pool keeps working: every device and stream serves and takes back.
+                    for d in 0..2 {
+                        for s in 0..3 {
+                            let stream = run.streams[d as usize][s];
+                            let p = run.pool.reserve(d, 5 * MIB, stream).unwrap();
+                            let q = run.pool.reserve(d, 4096, stream).unwrap();
+                            run.pool.release(p).unwrap();
+                            run.pool.release(q).unwrap();
+                        }
+                    }
+                    for (_, (ptr, _)) in std::mem::take(&mut run.live) {
+                        run.pool.release(ptr).unwrap();
+                    }
+                    run.check_nothing_leaks();
+                    assert_eq!(run.sim.used_bytes(0) + run.sim.used_bytes(1), 0);
+                }
+            }
+        }
+    }
+    eprintln!(
+        "faults: {runs} runs of {} steps over {} driver calls; {injected} failures injected, \
+         {failed_ops} operations failed with the right status",
+        WORKLOAD.len(),
+        counts.len()
+    );
+    assert!(injected >= runs, "every run injected at least one failure");
+}

@@ -1,0 +1,337 @@
+//! Hostile input at the Rust level: every exported function through the rlib with NULL, garbage
+//! and interior pointers, pointers and streams of another device, extreme sizes and device
+//! ordinals; a driver that panics while the pool holds a device lock.
+
+use std::ffi::{c_void, CStr};
+use std::ptr::null_mut;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cuda_sim::Sim;
+use resmem::capi::*;
+use resmem::driver::sim::SimDriver;
+use resmem::driver::{DevicePtr, DriverResult, EventHandle, PhysHandle, StreamHandle};
+use resmem::{rm_status, Driver, Pool, PoolConfig};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn leaked_sim(capacities: &[u64]) -> &'static Sim {
+    Box::leak(Box::new(Sim::new(capacities)))
+}
+
+/// The process-wide pool on two simulated 4 GiB devices (every test sets the same variables).
+/// The guard keeps the tests that use the C API (and `RESMEM_TEST_PANIC`) one at a time.
+fn setup() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    std::env::set_var("RESMEM_DRIVER", "sim");
+    std::env::set_var("CUDA_SIM_DEVICES", "4GiB,4GiB");
+    std::env::remove_var("RESMEM_CONF");
+    guard
+}
+
+fn last_error() -> String {
+    // SAFETY: rm_last_error returns a NUL-terminated string valid until the next failing call.
+    unsafe { CStr::from_ptr(rm_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+fn reserve(device: i32, size: usize) -> (rm_status, *mut c_void) {
+    let mut p = 1 as *mut c_void;
+    // SAFETY: &mut p is valid for writing a pointer.
+    let status = unsafe { rm_reserve(device, size, null_mut(), &mut p) };
+    (status, p)
+}
+
+fn stats(device: i32) -> rm_stats {
+    let mut s = rm_stats::default();
+    // SAFETY: &mut s is valid for writing an rm_stats.
+    assert_eq!(
+        unsafe { rm_get_stats(device, &mut s) },
+        rm_status::RM_SUCCESS
+    );
+    s
+}
+
+#[test]
+fn every_export_refuses_bad_pointers_sizes_and_devices() {
+    let _one = setup();
+    let (status, p) = reserve(0, 4096);
+    assert_eq!(status, rm_status::RM_SUCCESS, "{}", last_error());
+    let (status, q) = reserve(1, 3 * MIB as usize);
+    assert_eq!(status, rm_status::RM_SUCCESS);
+    let before = (stats(0), stats(1));
+    let addr = p as usize;
+    let garbage: Vec<usize> = vec![
+        1,
+        511,
+        0x1000,
+        0xdead_beef,
+        usize::MAX,
+        usize::MAX - 511,
+        addr + 1,
+        addr + 511,
+        addr + 512,
+        addr + 4095,
+        addr + 4096,
+        addr + 2 * MIB as usize - 1,
+        q as usize + 512,
+    ];
+    for &g in &garbage {
+        // SAFETY: the pointers are looked up, never dereferenced.
+        unsafe {
+            assert_eq!(
+                rm_release(g as *mut c_void),
+                rm_status::RM_ERROR_INVALID_POINTER,
+                "{g:#x}"
+            );
+            assert!(last_error().starts_with("rm_release: "), "{}", last_error());
+            assert_eq!(
+                rm_record_stream(g as *mut c_void, null_mut()),
+                rm_status::RM_ERROR_INVALID_POINTER,
+                "{g:#x}"
+            );
+        }
+    }
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!(
+            rm_record_stream(null_mut(), null_mut()),
+            rm_status::RM_ERROR_INVALID_POINTER
+        );
+        assert_eq!(rm_release(null_mut()), rm_status::RM_SUCCESS);
+    }
+    for size in [usize::MAX, usize::MAX - 511, usize::MAX - (2 << 20) + 2] {
+        let (status, out) = reserve(0, size);
+        assert_eq!(
+            status,
+            rm_status::RM_ERROR_INVALID_VALUE,
+            "{size}: {}",
+            last_error()
+        );
+        assert!(out.is_null());
+    }
+    for size in [usize::MAX / 2, 5 * GIB as usize] {
+        let (status, out) = reserve(0, size);
+        assert_eq!(
+            status,
+            rm_status::RM_ERROR_OUT_OF_MEMORY,
+            "{size}: {}",
+            last_error()
+        );
+        assert!(out.is_null());
+    }
+    let (status, out) = reserve(0, 0);
+    assert_eq!((status, out), (rm_status::RM_SUCCESS, null_mut()));
+    for device in [-1, -2, 2, i32::MAX, i32::MIN] {
+        let (mut f, mut t) = (0usize, 0usize);
+        let mut s = rm_stats::default();
+        // SAFETY: every out-pointer is valid.
+        unsafe {
+            assert_eq!(reserve(device, 512).0, rm_status::RM_ERROR_INVALID_DEVICE);
+            assert!(last_error().contains(&format!("device {device} is out of range")));
+            assert_eq!(
+                rm_mem_get_info(device, &mut f, &mut t),
+                rm_status::RM_ERROR_INVALID_DEVICE
+            );
+            assert_eq!(rm_warmup(device, 1), rm_status::RM_ERROR_INVALID_DEVICE);
+            assert_eq!(
+                rm_get_stats(device, &mut s),
+                rm_status::RM_ERROR_INVALID_DEVICE
+            );
+            assert_eq!(
+                rm_reset_peak_stats(device),
+                rm_status::RM_ERROR_INVALID_DEVICE
+            );
+            let want = if device == -1 {
+                rm_status::RM_SUCCESS
+            } else {
+                rm_status::RM_ERROR_INVALID_DEVICE
+            };
+            assert_eq!(rm_free_reusable(device, null_mut()), want, "{device}");
+        }
+    }
+    // SAFETY: NULL out-pointers are refused, not written.
+    unsafe {
+        let mut f = 0usize;
+        assert_eq!(
+            rm_mem_get_info(0, null_mut(), &mut f),
+            rm_status::RM_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            rm_mem_get_info(0, &mut f, null_mut()),
+            rm_status::RM_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            rm_reserve(0, 512, null_mut(), null_mut()),
+            rm_status::RM_ERROR_INVALID_VALUE
+        );
+        assert_eq!(
+            rm_get_stats(0, null_mut()),
+            rm_status::RM_ERROR_INVALID_VALUE
+        );
+        assert_eq!(rm_warmup(0, usize::MAX), rm_status::RM_ERROR_INVALID_VALUE);
+        assert_eq!(rm_warmup(0, 0), rm_status::RM_SUCCESS);
+    }
+    for raw in [i32::MIN, -1, 8, 1000, i32::MAX] {
+        // SAFETY: a static NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(rm_status_string(raw)) };
+        assert_eq!(text.to_str().unwrap(), "unknown rm_status value");
+    }
+    // Nothing changed, and the blocks are still good.
+    let mut after = (stats(0), stats(1));
+    after.0.ooms = before.0.ooms;
+    after.0.reserve_calls = before.0.reserve_calls;
+    assert_eq!(after.0.allocated_bytes, before.0.allocated_bytes);
+    assert_eq!(after.1, before.1);
+    // SAFETY: both were returned by rm_reserve.
+    unsafe {
+        assert_eq!(rm_release(p), rm_status::RM_SUCCESS);
+        assert_eq!(rm_release(q), rm_status::RM_SUCCESS);
+    }
+}
+
+#[test]
+fn a_forced_panic_is_internal_and_the_library_stays_usable() {
+    let _one = setup();
+    std::env::set_var("RESMEM_TEST_PANIC", "rm_warmup");
+    // SAFETY: values only.
+    let status = unsafe { rm_warmup(0, 1) };
+    std::env::remove_var("RESMEM_TEST_PANIC");
+    assert_eq!(status, rm_status::RM_ERROR_INTERNAL);
+    assert!(
+        last_error().starts_with("rm_warmup: internal error (RESMEM_TEST_PANIC=rm_warmup)"),
+        "{}",
+        last_error()
+    );
+    let (status, p) = reserve(0, 100);
+    assert_eq!(status, rm_status::RM_SUCCESS);
+    // SAFETY: returned by rm_reserve.
+    assert_eq!(unsafe { rm_release(p) }, rm_status::RM_SUCCESS);
+}
+
+/// The simulated driver, panicking in `mem_alloc` while armed.
+struct PanickingDriver {
+    inner: SimDriver,
+    armed: AtomicBool,
+}
+
+impl Driver for PanickingDriver {
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+    fn device_count(&self) -> i32 {
+        self.inner.device_count()
+    }
+    fn mem_get_info(&self, d: i32) -> DriverResult<(u64, u64)> {
+        self.inner.mem_get_info(d)
+    }
+    fn mem_alloc(&self, d: i32, bytes: u64) -> DriverResult<DevicePtr> {
+        if self.armed.load(Ordering::SeqCst) {
+            panic!("driver exploded");
+        }
+        self.inner.mem_alloc(d, bytes)
+    }
+    fn mem_free(&self, d: i32, p: DevicePtr) -> DriverResult<()> {
+        self.inner.mem_free(d, p)
+    }
+    fn event_create(&self, d: i32) -> DriverResult<EventHandle> {
+        self.inner.event_create(d)
+    }
+    fn event_destroy(&self, d: i32, e: EventHandle) -> DriverResult<()> {
+        self.inner.event_destroy(d, e)
+    }
+    fn event_record(&self, d: i32, e: EventHandle, s: StreamHandle) -> DriverResult<()> {
+        self.inner.event_record(d, e, s)
+    }
+    fn event_query(&self, d: i32, e: EventHandle) -> DriverResult<bool> {
+        self.inner.event_query(d, e)
+    }
+    fn event_synchronize(&self, d: i32, e: EventHandle) -> DriverResult<()> {
+        self.inner.event_synchronize(d, e)
+    }
+    fn stream_wait_event(&self, d: i32, s: StreamHandle, e: EventHandle) -> DriverResult<()> {
+        self.inner.stream_wait_event(d, s, e)
+    }
+    fn synchronize(&self, d: i32) -> DriverResult<()> {
+        self.inner.synchronize(d)
+    }
+    fn vmm_granularity(&self, d: i32) -> Option<u64> {
+        self.inner.vmm_granularity(d)
+    }
+    fn vmm_reserve(&self, d: i32, size: u64) -> DriverResult<DevicePtr> {
+        self.inner.vmm_reserve(d, size)
+    }
+    fn vmm_free(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.vmm_free(d, p, size)
+    }
+    fn vmm_create(&self, d: i32, size: u64) -> DriverResult<PhysHandle> {
+        self.inner.vmm_create(d, size)
+    }
+    fn vmm_release(&self, d: i32, h: PhysHandle) -> DriverResult<()> {
+        self.inner.vmm_release(d, h)
+    }
+    fn vmm_map(&self, d: i32, p: DevicePtr, size: u64, h: PhysHandle) -> DriverResult<()> {
+        self.inner.vmm_map(d, p, size, h)
+    }
+    fn vmm_unmap(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.vmm_unmap(d, p, size)
+    }
+    fn vmm_set_access(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.inner.vmm_set_access(d, p, size)
+    }
+}
+
+#[test]
+fn a_lock_poisoned_by_a_panic_is_taken_over() {
+    let sim = leaked_sim(&[4 * GIB]);
+    let driver = Arc::new(PanickingDriver {
+        inner: SimDriver::new(sim).unwrap(),
+        armed: AtomicBool::new(false),
+    });
+    let pool = Arc::new(Pool::new(driver.clone(), PoolConfig::default()));
+    let a = pool.reserve(0, 4096, 0).unwrap();
+    driver.armed.store(true, Ordering::SeqCst);
+    // The panic unwinds out of the device's lock, poisoning it.
+    let p = pool.clone();
+    let outcome = std::thread::spawn(move || p.reserve(0, 64 * MIB, 0)).join();
+    assert!(outcome.is_err(), "the driver panicked");
+    driver.armed.store(false, Ordering::SeqCst);
+    pool.check().unwrap();
+    let b = pool.reserve(0, 64 * MIB, 0).unwrap();
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    pool.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    pool.check().unwrap();
+}
+
+#[test]
+fn a_block_recorded_on_another_devices_stream_can_still_be_released() {
+    let sim = leaked_sim(&[4 * GIB, 4 * GIB]);
+    let pool = Pool::new(
+        Arc::new(SimDriver::new(sim).unwrap()),
+        PoolConfig::default(),
+    );
+    let other_device_stream = sim.stream_create(0).unwrap();
+    let p = pool.reserve(1, 4096, 0).unwrap();
+    pool.record_stream(p, other_device_stream).unwrap();
+    pool.release(p).expect("release of a live block");
+    pool.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(1), 0);
+}
+
+#[test]
+fn the_memory_limit_message_reads_as_one_sentence() {
+    let sim = leaked_sim(&[4 * GIB]);
+    let pool = Pool::new(
+        Arc::new(SimDriver::new(sim).unwrap()),
+        PoolConfig::default(),
+    );
+    pool.set_memory_limit(Some(0), Some(64 * MIB)).unwrap();
+    let e = pool.reserve(0, 128 * MIB, 0).unwrap_err();
+    assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(!e.message.contains("  "), "{}", e.message);
+}

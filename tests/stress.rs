@@ -1,0 +1,246 @@
+//! Concurrency: 8 threads share one pool over two simulated devices with three streams each,
+//! doing mixed operations and handing blocks to each other, so that most blocks are released by
+//! another thread than the one that reserved them. Every block handed out is checked against all
+//! other live blocks (no two overlap), and at the end the books are exact and, once the cache is
+//! returned, the driver holds nothing. A watchdog fails the test if the threads stop making
+//! progress (a deadlock) instead of hanging.
+//!
+//! `RESMEM_STRESS_OPS` sets the operations per thread (default 100000: 800000 in all).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+use cuda_sim::Sim;
+use resmem::driver::sim::SimDriver;
+use resmem::{rm_status, Pool, PoolConfig};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const THREADS: usize = 8;
+const DEVICES: i32 = 2;
+
+/// A small xorshift generator: the test needs speed and reproducibility, not quality.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Every live block in the process, to catch two threads handed overlapping memory.
+#[derive(Default)]
+struct Ledger(Mutex<BTreeMap<u64, u64>>);
+
+impl Ledger {
+    fn add(&self, ptr: u64, size: u64) {
+        let mut map = self.0.lock().unwrap();
+        if let Some((&p, &s)) = map.range(..=ptr).next_back() {
+            assert!(p + s <= ptr, "{ptr:#x}+{size} overlaps live {p:#x}+{s}");
+        }
+        if let Some((&n, _)) = map.range(ptr..).next() {
+            assert!(ptr + size <= n, "{ptr:#x}+{size} overlaps live {n:#x}");
+        }
+        map.insert(ptr, size);
+    }
+    fn remove(&self, ptr: u64) {
+        assert!(self.0.lock().unwrap().remove(&ptr).is_some());
+    }
+}
+
+fn ops_per_thread() -> u64 {
+    std::env::var("RESMEM_STRESS_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000)
+}
+
+#[test]
+fn eight_threads_exchanging_blocks_keep_the_books_exact() {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[16 * GIB, 16 * GIB])));
+    let pool = Arc::new(Pool::new(
+        Arc::new(SimDriver::new(sim).unwrap()),
+        PoolConfig::default(),
+    ));
+    let streams: Arc<Vec<Vec<u64>>> = Arc::new(
+        (0..DEVICES)
+            .map(|d| {
+                vec![
+                    0,
+                    sim.stream_create(d).unwrap(),
+                    sim.stream_create(d).unwrap(),
+                ]
+            })
+            .collect(),
+    );
+    let ledger = Arc::new(Ledger::default());
+    // Blocks in flight between threads: (ptr, device).
+    let exchange: Arc<Mutex<Vec<(u64, i32)>>> = Arc::default();
+    let done = Arc::new(AtomicU64::new(0));
+    let foreign_releases = Arc::new(AtomicU64::new(0));
+    let per_thread = ops_per_thread();
+
+    let (finished_tx, finished_rx) = mpsc::channel();
+    let mut handles = Vec::new();
+    for t in 0..THREADS {
+        let (pool, streams, ledger, exchange, done, foreign, tx) = (
+            pool.clone(),
+            streams.clone(),
+            ledger.clone(),
+            exchange.clone(),
+            done.clone(),
+            foreign_releases.clone(),
+            finished_tx.clone(),
+        );
+        handles.push(std::thread::spawn(move || {
+            let mut rng = Rng(0x9E37_79B9_7F4A_7C15 ^ ((t as u64 + 1) * 0x1234_5678_9ABC_DEF1));
+            let mut mine: Vec<(u64, i32, u64)> = Vec::new();
+            for _ in 0..per_thread {
+                let device = rng.below(DEVICES as u64) as i32;
+                let stream = streams[device as usize][rng.below(3) as usize];
+                match rng.below(100) {
+                    0..=44 => {
+                        let size = match rng.below(10) {
+                            0..=5 => 1 + rng.below(64 << 10),
+                            6..=8 => 1 + rng.below(MIB),
+                            _ => MIB + rng.below(64 * MIB),
+                        };
+                        match pool.reserve(device, size, stream) {
+                            Ok(ptr) => {
+                                assert_eq!(ptr % 512, 0);
+                                ledger.add(ptr, size.div_ceil(512) * 512);
+                                mine.push((ptr, device, size));
+                            }
+                            Err(e) => {
+                                assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY, "{e}")
+                            }
+                        }
+                    }
+                    45..=64 => {
+                        if let Some((ptr, _, _)) = pop_random(&mut mine, &mut rng) {
+                            ledger.remove(ptr);
+                            pool.release(ptr).unwrap();
+                        }
+                    }
+                    65..=79 => {
+                        // Hand a block to whichever thread comes next.
+                        if let Some((ptr, device, _)) = pop_random(&mut mine, &mut rng) {
+                            exchange.lock().unwrap().push((ptr, device));
+                        }
+                    }
+                    80..=89 => {
+                        let taken = exchange.lock().unwrap().pop();
+                        if let Some((ptr, device)) = taken {
+                            if rng.below(2) == 0 {
+                                let other = streams[device as usize][rng.below(3) as usize];
+                                pool.record_stream(ptr, other).unwrap();
+                            }
+                            ledger.remove(ptr);
+                            pool.release(ptr).unwrap();
+                            foreign.fetch_add(1, Relaxed);
+                        }
+                    }
+                    90..=93 => {
+                        if let Some(&(ptr, device, _)) = mine.last() {
+                            let other = streams[device as usize][rng.below(3) as usize];
+                            pool.record_stream(ptr, other).unwrap();
+                        }
+                    }
+                    94..=96 => {
+                        let (free, total) = pool.mem_get_info(device).unwrap();
+                        assert!(free <= total);
+                        let s = pool.stats(device).unwrap();
+                        assert!(s.allocated_bytes <= s.reserved_bytes);
+                    }
+                    97 => {
+                        pool.free_reusable(Some(device)).unwrap();
+                    }
+                    98 => {
+                        pool.warmup(device, rng.below(256 * MIB) + 1).unwrap();
+                    }
+                    _ => {
+                        let _ = sim.enqueue_work(device, stream);
+                        if rng.below(2) == 0 {
+                            let _ = sim.complete_work(device, stream);
+                        }
+                    }
+                }
+                done.fetch_add(1, Relaxed);
+            }
+            for (ptr, _, _) in mine {
+                ledger.remove(ptr);
+                pool.release(ptr).unwrap();
+            }
+            tx.send(()).unwrap();
+        }));
+    }
+    drop(finished_tx);
+    // Watchdog: every thread must finish, and progress must never stall for 60 s.
+    let mut finished = 0;
+    let mut last = 0;
+    while finished < THREADS {
+        match finished_rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(()) => finished += 1,
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let now = done.load(Relaxed);
+                assert!(
+                    now > last,
+                    "no progress in 60 s at {now} operations: deadlock"
+                );
+                last = now;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    for h in handles {
+        h.join().unwrap();
+    }
+    // Blocks still in the exchange are released here, by yet another thread.
+    for (ptr, _) in exchange.lock().unwrap().drain(..) {
+        ledger.remove(ptr);
+        pool.release(ptr).unwrap();
+    }
+    assert!(ledger.0.lock().unwrap().is_empty());
+    pool.check().unwrap();
+    let (mut allocs, mut frees) = (0, 0);
+    for d in 0..DEVICES {
+        let s = pool.stats(d).unwrap();
+        assert_eq!(
+            (s.allocated_bytes, s.requested_bytes, s.live_blocks),
+            (0, 0, 0)
+        );
+        assert_eq!(s.reserved_bytes, sim.used_bytes(d));
+        assert_eq!(s.reusable_bytes, s.reserved_bytes);
+        allocs += s.driver_allocs;
+        frees += s.driver_frees;
+    }
+    assert_eq!((allocs, frees), (sim.alloc_calls(), sim.free_calls()));
+    pool.free_reusable(None).unwrap();
+    for d in 0..DEVICES {
+        assert_eq!(sim.used_bytes(d), 0, "device {d}");
+        assert_eq!(pool.stats(d).unwrap().reserved_bytes, 0);
+    }
+    eprintln!(
+        "stress: {THREADS} threads, {} operations, {} blocks released by another thread, \
+         {allocs} driver allocations",
+        done.load(Relaxed),
+        foreign_releases.load(Relaxed)
+    );
+}
+
+fn pop_random<T>(v: &mut Vec<T>, rng: &mut Rng) -> Option<T> {
+    if v.is_empty() {
+        None
+    } else {
+        let i = rng.below(v.len() as u64) as usize;
+        Some(v.swap_remove(i))
+    }
+}
