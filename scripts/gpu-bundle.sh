@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/gpu-bundle}
 mkdir -p "$out/lib"
-cargo build --release -p resmem --lib
+cargo build --release -p resmem --lib -p resmem-cli
 test_bin=$(cargo test --release --test cuda_driver --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for line in sys.stdin:
@@ -14,6 +14,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda_driver" and m.get("executable"):
         print(m["executable"])')
 cp "$test_bin" "$out/cuda_driver"
+cp target/release/resmem "$out/resmem"
 rm -f "$out/lib/libresmem.so.0"
 cp target/release/libresmem.so "$out/lib/libresmem.so.0"
 ln -sf libresmem.so.0 "$out/lib/libresmem.so"

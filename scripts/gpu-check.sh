@@ -12,7 +12,8 @@
 #      1 GiB segment stitched from 512 cached 2 MiB chunks with the virtual-memory API (timed);
 #   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,
 #      with classic segments and with RESMEM_CONF=vmm:true;
-#   3. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
+#   3. resmem info, and resmem demo on the GPU under both policies;
+#   4. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
 #      with transformers' device_map="auto", with and without resmem as the allocator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,9 @@ for conf in "" "vmm:true"; do
     RESMEM_CONF=$conf "$bundle/$program" || status=1
   done
 done
+echo "== resmem info and resmem demo (on the GPU)"
+"$bundle/resmem" info || status=1
+"$bundle/resmem" demo --loads 2 || status=1
 echo "== python/tests/test_torch_gpu.py"
 if python3 -c "import torch" 2>/dev/null; then
   RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \
