@@ -7,8 +7,9 @@
  *   hostile expect STATUS   rm_reserve(0, 512) must return STATUS (a number), twice, with a
  *                           message shorter than 512 bytes (for RESMEM_CONF and AT_SECURE checks)
  *   hostile panic           with RESMEM_TEST_PANIC=rm_reserve: RM_ERROR_INTERNAL, then usable
- *   hostile faults          with CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,
+ *   hostile faults [CALL]   with CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,
  *                           cuMemAlloc_v2@3=2: a driver error, an out-of-memory, then success
+ *                           (CALL: the function the faults are on, cuMemCreate with vmm:true)
  */
 #include <limits.h>
 #include <stdint.h>
@@ -183,11 +184,15 @@ static int panic_mode(void) {
   return finish("panic");
 }
 
-static int faults_mode(void) {
+/* `call` is the driver function the faults are on: cuMemAlloc_v2, or cuMemCreate for stitched
+   segments (RESMEM_CONF=vmm:true). */
+static int faults_mode(const char *call) {
   void *p = NULL;
   rm_stats s;
-  expect("rm_reserve (cuMemAlloc_v2 fails with 719)", rm_reserve(0, 64u << 20, NULL, &p),
-         RM_ERROR_DRIVER, "cuMemAlloc_v2 failed with CUDA_ERROR_LAUNCH_FAILED (719)");
+  char needle[96];
+  snprintf(needle, sizeof needle, "%s failed with CUDA_ERROR_LAUNCH_FAILED (719)", call);
+  expect("rm_reserve (the driver call fails with 719)", rm_reserve(0, 64u << 20, NULL, &p),
+         RM_ERROR_DRIVER, needle);
   expect("rm_reserve (out of memory twice)", rm_reserve(0, 64u << 20, NULL, &p),
          RM_ERROR_OUT_OF_MEMORY, "out of memory");
   s = stats(0);
@@ -206,7 +211,8 @@ int main(int argc, char **argv) {
   if (argc == 1) return everything();
   if (argc == 3 && strcmp(argv[1], "expect") == 0) return expect_status(argv[2]);
   if (argc == 2 && strcmp(argv[1], "panic") == 0) return panic_mode();
-  if (argc == 2 && strcmp(argv[1], "faults") == 0) return faults_mode();
-  fprintf(stderr, "usage: hostile [expect STATUS | panic | faults]\n");
+  if (argc == 2 && strcmp(argv[1], "faults") == 0) return faults_mode("cuMemAlloc_v2");
+  if (argc == 3 && strcmp(argv[1], "faults") == 0) return faults_mode(argv[2]);
+  fprintf(stderr, "usage: hostile [expect STATUS | panic | faults [CALL]]\n");
   return 2;
 }

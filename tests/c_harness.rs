@@ -204,6 +204,27 @@ fn hostile_input_gets_its_documented_status_and_changes_nothing() {
 }
 
 #[test]
+fn hostile_input_with_stitched_segments_too() {
+    let exe = compile("hostile", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        let env = [
+            ("CUDA_SIM_DEVICES", "4GiB,4GiB"),
+            ("RESMEM_CONF", "vmm:true"),
+        ];
+        let out = run(&exe, &[], driver.clone(), &env);
+        assert!(
+            out.contains("hostile inputs: ") && out.contains(", 0 failure(s)"),
+            "{out}"
+        );
+        // The first chunk creation fails with a launch failure, the next two run out of memory.
+        let faults = "cuMemCreate@1=719,cuMemCreate@2=2,cuMemCreate@3=2";
+        let env = [("CUDA_SIM_FAULTS", faults), ("RESMEM_CONF", "vmm:true")];
+        let out = run(&exe, &["faults", "cuMemCreate"], driver, &env);
+        assert!(out.contains(", 0 failure(s)"), "{out}");
+    }
+}
+
+#[test]
 fn hostile_resmem_conf_is_refused_with_a_short_message() {
     let exe = compile("hostile", false, false);
     let long = "x".repeat(100_000);

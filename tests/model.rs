@@ -283,8 +283,28 @@ impl Model {
                     returned == before - after,
                     "returned {returned}, reserved {before} -> {after}"
                 );
-                // Only segments holding a live block remain (with stitching, only the chunks
-                // under live blocks: checked through reserved == driver-held below).
+                // With stitching, the bound: only the chunks a live block touches remain.
+                for d in devices.iter().copied().filter(|_| self.stitched) {
+                    let kept: u64 = self
+                        .sim
+                        .mappings(d)
+                        .iter()
+                        .filter(|&&(addr, len)| {
+                            self.live
+                                .range(..addr + len)
+                                .next_back()
+                                .is_some_and(|(&p, b)| p + b.size > addr)
+                        })
+                        .map(|&(_, len)| len)
+                        .sum();
+                    ensure!(
+                        self.sim.used_bytes(d) == kept,
+                        "device {d}: {} bytes held after free_reusable, the chunks under live \
+                         blocks are {kept}",
+                        self.sim.used_bytes(d)
+                    );
+                }
+                // Only segments holding a live block remain.
                 for d in devices.iter().copied().filter(|_| !self.stitched) {
                     let kept: u64 = self
                         .sim

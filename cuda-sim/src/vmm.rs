@@ -343,6 +343,21 @@ impl Sim {
         merged
     }
 
+    /// Every mapping of `dev`'s physical memory, as (address, size), in address order.
+    pub fn mappings(&self, dev: i32) -> Vec<(u64, u64)> {
+        let st = self.lock();
+        let mut maps: Vec<(u64, u64)> = st
+            .vmm
+            .ranges
+            .values()
+            .flat_map(|range| range.maps.iter())
+            .filter(|(_, map)| st.vmm.handles[&map.handle].device == dev)
+            .map(|(&addr, map)| (addr, map.size))
+            .collect();
+        maps.sort_unstable();
+        maps
+    }
+
     /// Successful [`Sim::mem_create`] and [`Sim::mem_release`] calls, all devices.
     pub fn vmm_calls(&self) -> (u64, u64) {
         let st = self.lock();

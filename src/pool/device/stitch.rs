@@ -13,6 +13,16 @@
 //! a chunk lying wholly inside a free block is unmapped and the block becomes a *hole* (address
 //! space without memory, never handed out), so fragmentation inside a segment does not strand
 //! physical memory.
+//!
+//! The bound this keeps, checked after every operation of the property tests: after
+//! `free_reusable`, the physical memory held is exactly the chunks that live blocks touch; in
+//! between, new physical memory is created only for the part of a request that the spare chunks,
+//! the idle segments and the chunks lying wholly inside free blocks could not cover. What is held
+//! beyond live bytes is therefore the partly used chunks under live blocks, plus reusable chunks
+//! not yet needed (all returned by `free_reusable`).
+//!
+//! Not atomic: a driver failure in the middle of taking a segment apart (an unmap that fails
+//! after others succeeded) is reported, but can leave that segment partly unmapped.
 
 use super::{Context, DevicePool, Grow, State, NIL};
 use crate::driver::{DevicePtr, PhysHandle};
