@@ -46,6 +46,8 @@ struct Segment {
     /// offset from `base`, in address order; the rest of it is holes. Empty for a segment from
     /// `cuMemAlloc`.
     chunks: Vec<(u64, Chunk)>,
+    /// Built from physical chunks (its `chunks` can become empty as they are taken).
+    stitched: bool,
 }
 
 /// A stream's free blocks, small and large class. Slots are reused once no segment is theirs.
@@ -498,6 +500,7 @@ impl DevicePool {
                     in_use: false,
                     idle_at: NIL,
                     chunks: Vec::new(),
+                    stitched: false,
                 });
                 u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
             }
@@ -515,6 +518,7 @@ impl DevicePool {
             shared: false,
         });
         let slot = self.join_slot(stream);
+        let stitched = !chunks.is_empty();
         let mut offset = 0;
         let chunks = chunks
             .into_iter()
@@ -532,6 +536,7 @@ impl DevicePool {
             in_use: true,
             idle_at: NIL,
             chunks,
+            stitched,
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);
@@ -626,7 +631,7 @@ impl DevicePool {
             self.segments[seg as usize].base,
             self.segments[seg as usize].size,
         );
-        if self.segments[seg as usize].chunks.is_empty() {
+        if !self.segments[seg as usize].stitched {
             cx.driver.mem_free(self.device, base).map_err(|e| {
                 Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
             })?;
@@ -1129,7 +1134,7 @@ impl DevicePool {
                     State::Hole => {
                         holes += b.size;
                         let (start, end) = (b.ptr - seg.base, b.ptr - seg.base + b.size);
-                        if seg.chunks.is_empty()
+                        if !seg.stitched
                             || seg
                                 .chunks
                                 .iter()
@@ -1149,7 +1154,7 @@ impl DevicePool {
                 return Err(format!("segment {:#x}: blocks do not cover it", seg.base));
             }
             let mapped: u64 = seg.chunks.iter().map(|(_, c)| c.size).sum();
-            if !seg.chunks.is_empty() && mapped + holes != seg.size {
+            if seg.stitched && mapped + holes != seg.size {
                 return Err(format!(
                     "segment {:#x}: chunks and holes do not cover it",
                     seg.base

@@ -21,8 +21,9 @@
 //! beyond live bytes is therefore the partly used chunks under live blocks, plus reusable chunks
 //! not yet needed (all returned by `free_reusable`).
 //!
-//! Not atomic: a driver failure in the middle of taking a segment apart (an unmap that fails
-//! after others succeeded) is reported, but can leave that segment partly unmapped.
+//! Every step that unmaps memory records it as it goes (an unmapped chunk becomes a hole and goes
+//! to the spare chunks), so a driver failure midway is reported with the books still exact; the
+//! fault sweep in `tests/faults.rs` fails every driver call at every position to hold that.
 
 use super::{Context, DevicePool, Grow, State, NIL};
 use crate::driver::{DevicePtr, PhysHandle};
@@ -104,16 +105,10 @@ impl DevicePool {
         let size = size.next_multiple_of(granularity);
         let mut picked = Vec::new();
         if mode == Grow::MayRelease {
-            self.pick_spare(&mut picked, size, class);
-            if picked.iter().map(|c| c.size).sum::<u64>() < size && !self.idle.is_empty() {
-                self.take_apart_idle(cx, size, class)?;
-                self.pick_spare(&mut picked, size, class);
-            }
-            let have: u64 = picked.iter().map(|c| c.size).sum();
-            if have < size {
-                let harvested = self.harvest(cx, size - have)?;
-                self.spare.extend(harvested);
-                self.pick_spare(&mut picked, size, class);
+            if let Err(err) = self.gather(cx, &mut picked, size, class) {
+                // What was picked stays held, as spare.
+                self.spare.append(&mut picked);
+                return Err(err);
             }
         }
         let have: u64 = picked.iter().map(|c| c.size).sum();
@@ -141,6 +136,29 @@ impl DevicePool {
                 Err(err)
             }
         }
+    }
+
+    /// Pick reusable chunks for `size` bytes into `picked`: spare ones, then those of idle
+    /// segments taken apart, then those under free blocks of segments in use.
+    fn gather(
+        &mut self,
+        cx: &Context<'_>,
+        picked: &mut Vec<Chunk>,
+        size: u64,
+        class: Class,
+    ) -> Result<()> {
+        self.pick_spare(picked, size, class);
+        if picked.iter().map(|c| c.size).sum::<u64>() < size && !self.idle.is_empty() {
+            self.take_apart_idle(cx, size, class)?;
+            self.pick_spare(picked, size, class);
+        }
+        let have: u64 = picked.iter().map(|c| c.size).sum();
+        if have < size {
+            let harvested = self.harvest(cx, size - have)?;
+            self.spare.extend(harvested);
+            self.pick_spare(picked, size, class);
+        }
+        Ok(())
     }
 
     /// Move spare chunks into `picked`: largest first while each fits what is still needed,
@@ -198,25 +216,34 @@ impl DevicePool {
     }
 
     /// Unmap a stitched segment with no block in use and free its address range; its chunks
-    /// stay held and are returned.
+    /// stay held and are returned. Chunk by chunk, each unmapped one becoming a hole, so that a
+    /// driver failure midway leaves exact books: the chunks unmapped so far go to the spare
+    /// chunks, and the rest stay mapped in the segment.
     pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: u32) -> Result<Vec<Chunk>> {
+        let chunks = self.segments[seg as usize].chunks.clone();
+        let mut taken = Vec::new();
+        for (offset, chunk) in chunks {
+            if let Err(err) = self.carve_hole(cx, seg, offset, chunk) {
+                self.spare.append(&mut taken);
+                return Err(err);
+            }
+            taken.push(chunk);
+        }
         let (base, size) = (
             self.segments[seg as usize].base,
             self.segments[seg as usize].size,
         );
-        let device = self.device;
-        for &(offset, chunk) in &self.segments[seg as usize].chunks {
-            cx.driver
-                .vmm_unmap(device, base + offset, chunk.size)
-                .map_err(|e| Error::driver(&format!("unmapping segment {base:#x}"), &e))?;
-        }
-        cx.driver.vmm_free(device, base, size).map_err(|e| {
-            Error::driver(
+        if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
+            // The segment stays, all holes, until a later attempt frees its range.
+            self.spare.append(&mut taken);
+            return Err(Error::driver(
                 &format!("freeing the address range of segment {base:#x}"),
                 &e,
-            )
-        })?;
-        Ok(self.forget_segment(cx, seg))
+            ));
+        }
+        let left = self.forget_segment(cx, seg);
+        debug_assert!(left.is_empty());
+        Ok(taken)
     }
 
     /// Unmap chunks that lie wholly inside free blocks of stitched segments, turning their
@@ -225,7 +252,7 @@ impl DevicePool {
     pub(super) fn harvest(&mut self, cx: &Context<'_>, need: u64) -> Result<Vec<Chunk>> {
         let mut found: Vec<(u32, u64, Chunk)> = Vec::new();
         for (seg, s) in self.segments.iter().enumerate() {
-            if !s.in_use || s.chunks.is_empty() {
+            if !s.in_use || !s.stitched {
                 continue;
             }
             // Walk blocks and chunks together, both in address order.
@@ -269,10 +296,17 @@ impl DevicePool {
         })?;
         let mut taken = Vec::new();
         for (seg, offset, chunk) in chosen {
-            self.carve_hole(cx, seg, offset, chunk)?;
+            if let Err(err) = self.carve_hole(cx, seg, offset, chunk) {
+                // The chunks already unmapped stay held, as spare.
+                self.spare.append(&mut taken);
+                return Err(err);
+            }
             taken.push(chunk);
         }
-        self.free_hollow_segments(cx)?;
+        if let Err(err) = self.free_hollow_segments(cx) {
+            self.spare.append(&mut taken);
+            return Err(err);
+        }
         Ok(taken)
     }
 
@@ -284,10 +318,6 @@ impl DevicePool {
             (s.base, s.slot, s.class)
         };
         let (start, end) = (base + offset, base + offset + chunk.size);
-        if self.segments[seg as usize].idle_at != NIL {
-            // With a hole it is no longer one free block: not idle any more.
-            self.unmark_idle(seg);
-        }
         let mut id = self.segments[seg as usize].first;
         while self.blocks[id].ptr + self.blocks[id].size <= start {
             id = self.blocks[id].next;
@@ -300,6 +330,10 @@ impl DevicePool {
                     &e,
                 )
             })?;
+        if self.segments[seg as usize].idle_at != NIL {
+            // With a hole it is no longer one free block: not idle any more.
+            self.unmark_idle(seg);
+        }
         let at = self.segments[seg as usize]
             .chunks
             .iter()
@@ -357,7 +391,7 @@ impl DevicePool {
         let hollow: Vec<u32> = (0..self.segments.len() as u32)
             .filter(|&seg| {
                 let s = &self.segments[seg as usize];
-                s.in_use && s.chunks.is_empty() && self.is_hollow(seg)
+                s.in_use && s.stitched && s.chunks.is_empty() && self.is_hollow(seg)
             })
             .collect();
         for seg in hollow {
@@ -417,8 +451,14 @@ impl DevicePool {
                 Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease && !retried => {
                     retried = true;
                     self.stats.oom_retries += 1;
-                    self.collect_pending(cx, true)?;
-                    self.release_idle(cx, u64::MAX)?;
+                    let returned = self
+                        .collect_pending(cx, true)
+                        .and_then(|()| self.release_idle(cx, u64::MAX));
+                    if let Err(err) = returned {
+                        // The chunks created so far stay held, as spare.
+                        self.spare.append(&mut created);
+                        return Err(err);
+                    }
                 }
                 Err(err) => {
                     self.release_chunks(cx, created)?;
