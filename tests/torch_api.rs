@@ -14,13 +14,19 @@ const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
 
 /// Four simulated 24 GiB devices in process, set before the pool's first use.
-fn setup() {
+/// Set the environment once; the returned guard runs the tests one at a time, since they share
+/// the process-wide pool (one test's empty_cache would otherwise change another's figures).
+#[must_use]
+fn setup() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         std::env::set_var("RESMEM_DRIVER", "sim");
         std::env::set_var("CUDA_SIM_DEVICES", "24GiB,24GiB,24GiB,24GiB");
         std::env::remove_var("RESMEM_CONF");
     });
+    guard
 }
 
 fn last_error() -> String {
@@ -49,7 +55,7 @@ fn limit(device: i32) -> u64 {
 
 #[test]
 fn malloc_and_free_as_pytorch_calls_them() {
-    setup();
+    let _serial = setup();
     // SAFETY (all calls below): arguments are values; pointers come from rm_torch_malloc.
     unsafe {
         rm_torch_init(4);
@@ -93,7 +99,7 @@ fn malloc_and_free_as_pytorch_calls_them() {
 
 #[test]
 fn empty_cache_returns_idle_memory_to_the_driver() {
-    setup();
+    let _serial = setup();
     // SAFETY: as above.
     unsafe {
         let p = rm_torch_malloc((64 * MIB) as isize, 1, null_mut());
@@ -108,7 +114,7 @@ fn empty_cache_returns_idle_memory_to_the_driver() {
 
 #[test]
 fn memory_fraction_caps_the_pool() {
-    setup();
+    let _serial = setup();
     // SAFETY: as above.
     unsafe {
         rm_torch_set_memory_fraction(0.5, 2);
@@ -135,7 +141,7 @@ fn memory_fraction_caps_the_pool() {
 
 #[test]
 fn memory_limit_c_api() {
-    setup();
+    let _serial = setup();
     // SAFETY: as above.
     unsafe {
         let p = rm_torch_malloc((100 * MIB) as isize, 3, null_mut());
@@ -158,7 +164,7 @@ fn memory_limit_c_api() {
 
 #[test]
 fn record_stream_reaches_the_pool() {
-    setup();
+    let _serial = setup();
     // SAFETY: as above.
     unsafe {
         rm_torch_record_stream(null_mut(), null_mut());
