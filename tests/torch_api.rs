@@ -16,7 +16,6 @@ const MIB: u64 = 1 << 20;
 /// Four simulated 24 GiB devices in process, set before the pool's first use.
 /// Set the environment once; the returned guard runs the tests one at a time, since they share
 /// the process-wide pool (one test's empty_cache would otherwise change another's figures).
-#[must_use]
 fn setup() -> std::sync::MutexGuard<'static, ()> {
     static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
