@@ -11,6 +11,7 @@
 //! - CUDA driver state does not survive `fork()`: a child of the process that started the pool
 //!   gets `RM_ERROR_NO_DRIVER` with advice, instead of the parent's contexts and pointers.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::config::{DriverChoice, Settings};
@@ -86,22 +87,35 @@ pub fn forked_error(parent: u32, child: u32) -> Error {
 /// The process-wide pool, created on first use from [`settings`]. In a child forked after it
 /// started, an error that says what to do instead.
 pub fn pool() -> Result<&'static Pool, Error> {
-    let started = POOL.get_or_init(|| Started {
-        pid: std::process::id(),
-        pool: settings().and_then(build),
+    let started = POOL.get_or_init(|| {
+        // SAFETY: the handler only stores to an atomic, which is safe in a forked child; it is
+        // registered once, here, for the life of the process.
+        unsafe { libc::pthread_atfork(None, None, Some(note_fork)) };
+        Started {
+            pid: std::process::id(),
+            pool: settings().and_then(build),
+        }
     });
-    let pid = std::process::id();
-    if started.pid != pid {
-        return Err(forked_error(started.pid, pid));
+    // One atomic load on every call: the child learns of the fork from `note_fork`, not from a
+    // getpid system call.
+    if FORKED.load(Ordering::Relaxed) {
+        return Err(forked_error(started.pid, std::process::id()));
     }
     started.pool.as_ref().map_err(Clone::clone)
+}
+
+/// Set in a child forked after the pool started (its state belongs to the parent).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn note_fork() {
+    FORKED.store(true, Ordering::Relaxed);
 }
 
 /// The process-wide pool if a call has already started it in this process; `None` otherwise
 /// (nothing is loaded).
 pub fn started() -> Option<&'static Pool> {
     POOL.get()
-        .filter(|started| started.pid == std::process::id())
+        .filter(|_| !FORKED.load(Ordering::Relaxed))
         .and_then(|started| started.pool.as_ref().ok())
 }
 

@@ -8,12 +8,12 @@
 //! used on other streams (`record_stream`) wait, *pending*, until events recorded on those
 //! streams at release complete.
 //!
-//! A small block (at most 1 MiB) released on its own stream is first *parked* in a short
-//! per-stream list without being merged with its neighbours, so that the common
-//! reserve-release-reserve of one size is served from that list without touching the bins or
-//! the address map. Large blocks merge at once: handing a parked large block to the next request
-//! of its size would reorder placement across, say, repeated model loads, and fragment the
-//! segment they share. Parked blocks are
+//! A small block (at most 1 MiB), or a large one that fills its whole segment, released on its
+//! own stream is first *parked* in a short per-stream list without being merged with its
+//! neighbours, so that the common reserve-release-reserve of one size is served from that list
+//! without touching the bins or the address map. Other large blocks merge at once: handing a
+//! parked large block to the next request of its size would reorder placement across, say,
+//! repeated model loads, and fragment the segment they share. Parked blocks are
 //! reusable memory in every figure; they are merged (flushed) before any step that needs the
 //! whole picture: a miss in the bins, idle-segment search, statistics, and returning memory.
 
@@ -222,7 +222,11 @@ impl DevicePool {
         }
         let block = &self.blocks[id];
         self.stats.remove_live(block.size, block.requested);
-        if events.is_empty() && self.blocks[id].size <= SMALL_MAX {
+        let b = &self.blocks[id];
+        // Park small blocks, and large ones that fill their segment: those have no neighbour
+        // to merge with, so parking defers nothing.
+        let parkable = b.size <= SMALL_MAX || (b.prev == NIL && b.next == NIL);
+        if events.is_empty() && parkable {
             self.park(id);
         } else if events.is_empty() {
             self.by_ptr.remove(&ptr);
