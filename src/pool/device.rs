@@ -220,9 +220,8 @@ impl DevicePool {
             }
             self.blocks[id].shared = false;
         }
-        let block = &self.blocks[id];
-        self.stats.remove_live(block.size, block.requested);
         let b = &self.blocks[id];
+        self.stats.remove_live(b.size, b.requested);
         // Park small blocks, and large ones that fill their segment: those have no neighbour
         // to merge with, so parking defers nothing.
         let parkable = b.size <= SMALL_MAX || (b.prev == NIL && b.next == NIL);
