@@ -591,6 +591,18 @@ fn a_full_parking_list_merges_its_oldest_block() {
     assert_books(&pool, sim);
 }
 
+/// Device 0 holds no memory, no physical allocation and no address range.
+fn assert_nothing_held(sim: &Sim) {
+    assert_eq!(
+        (
+            sim.used_bytes(0),
+            sim.physical_allocations(0),
+            sim.reserved_ranges()
+        ),
+        (0, 0, 0)
+    );
+}
+
 fn vmm() -> PoolConfig {
     PoolConfig {
         vmm: true,
@@ -624,14 +636,7 @@ fn vmm_serves_the_37436_request_by_remapping_the_cache() {
     assert_eq!(sim.is_accessible(p + 784 * MIB - 1), Some(true));
     pool.release(p).unwrap();
     assert_eq!(pool.free_reusable(Some(0)).unwrap(), 784 * MIB);
-    assert_eq!(
-        (
-            sim.used_bytes(0),
-            sim.physical_allocations(0),
-            sim.reserved_ranges()
-        ),
-        (0, 0, 0)
-    );
+    assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
 
@@ -690,14 +695,7 @@ fn vmm_stitches_free_memory_between_live_blocks_into_a_new_segment() {
     }
     pool.release(big).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), 92 * MIB);
-    assert_eq!(
-        (
-            sim.used_bytes(0),
-            sim.physical_allocations(0),
-            sim.reserved_ranges()
-        ),
-        (0, 0, 0)
-    );
+    assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
 
@@ -713,7 +711,7 @@ fn vmm_free_reusable_returns_chunks_under_free_blocks_of_used_segments() {
         pool.release(ptrs[i]).unwrap();
     }
     assert_eq!(pool.free_reusable(Some(0)).unwrap(), 32 * MIB);
-    assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
+    assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
 
@@ -802,7 +800,7 @@ fn vmm_covers_a_large_request_with_a_larger_spare_chunk() {
     assert_eq!(pool.mem_get_info(0).unwrap().0, GIB - 600 * MIB);
     pool.release(c).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), 768 * MIB);
-    assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
+    assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
 
@@ -831,6 +829,6 @@ fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
     pool.release(b).unwrap();
     pool.release(small).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), 8 * MIB);
-    assert_eq!((sim.used_bytes(0), sim.reserved_ranges()), (0, 0));
+    assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
