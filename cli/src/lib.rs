@@ -3,6 +3,8 @@
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
 //! - [`demo`]: the seed scenario, four loads of a model under each policy;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
+//! - [`snapshot`]: PyTorch memory snapshots read as traces, with the blocks live before
+//!   recording began;
 //! - [`replay`]: a trace driven through a policy on a simulated device, and its figures;
 //! - [`generate`]: the realistic traces shipped in `traces/`;
 //! - [`plot`]: reserved and allocated memory over a trace, as SVG;
@@ -16,5 +18,6 @@ pub mod generate;
 pub mod model;
 pub mod plot;
 pub mod replay;
+pub mod snapshot;
 pub mod trace;
 pub mod units;
