@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Measure and print BENCHMARKS.md.
 
-    scripts/benchmarks.py > BENCHMARKS.md               # runs `cargo bench --bench pool` first
+    scripts/benchmarks.py > BENCHMARKS.md               # runs `cargo bench -p resmem-cli --bench pool` first
     scripts/benchmarks.py --skip-run > BENCHMARKS.md    # reuses target/criterion
 
 Figures are criterion's median time per operation (ns); every ratio is to the reference in the
@@ -45,14 +45,14 @@ def cpu_model():
 
 def main():
     if "--skip-run" not in sys.argv:
-        subprocess.run(["cargo", "bench", "--bench", "pool"], cwd=ROOT, check=True,
+        subprocess.run(["cargo", "bench", "-p", "resmem-cli", "--bench", "pool"], cwd=ROOT, check=True,
                        stdout=sys.stderr)
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT,
                    check=True, stdout=sys.stderr)
     out = []
     w = out.append
     w("# Benchmarks\n")
-    w("Measured with `scripts/benchmarks.py > BENCHMARKS.md` (which runs `cargo bench --bench pool`")
+    w("Measured with `scripts/benchmarks.py > BENCHMARKS.md` (which runs `cargo bench -p resmem-cli --bench pool`")
     w("and `resmem replay` on every trace); `--skip-run` re-prints from `target/criterion`.\n")
     w(f"- date: {datetime.date.today().isoformat()}")
     w(f"- machine: {cpu_model()}, {sh('nproc').strip()} CPUs (`nproc`), {platform.system()} "
@@ -63,7 +63,7 @@ def main():
 
     w("## Cache-hit `rm_reserve` + `rm_release` pair through the C ABI\n")
     w("With N other blocks cached (90% small up to 128 KiB, 10% large, each kept apart by a live")
-    w("512-byte block). `torch` is the PyTorch-policy baseline's pair (`src/baseline/torch.rs`),")
+    w("512-byte block). `torch` is the PyTorch-policy baseline's pair (`cli/src/baseline/torch.rs`),")
     w("`glibc` is `malloc` + `free` of the same size.\n")
     w("| cached | size | resmem (ns) | torch (ns) | glibc (ns) | resmem / glibc | resmem / torch |")
     w("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -3,7 +3,7 @@
 //! up like transformers' `caching_allocator_warmup`, reserves every parameter, and drops the
 //! model before the next load.
 
-use resmem::Allocator;
+use crate::allocator::Allocator;
 
 use crate::model::Shape;
 use crate::units::gib_or_mib;

@@ -13,7 +13,7 @@ use resmem::Driver;
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
 use resmem_cli::units::{gib_or_mib, parse_size};
-use resmem_cli::{demo, generate, model, plot};
+use resmem_cli::{demo, generate, model, plot, report};
 
 #[derive(Parser)]
 #[command(
@@ -60,6 +60,13 @@ enum Command {
         /// Draw reserved and allocated memory over the trace to this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// Also find the smallest device on which each policy runs the trace with no
+        /// out-of-memory (bisection to 32 MiB below the device memory).
+        #[arg(long)]
+        min_device: bool,
+        /// Print the figures as one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
     },
     /// Each device's total, driver-free and resmem-reusable memory and the pool's figures, from
     /// the environment's settings (RESMEM_DRIVER, RESMEM_CUDA_LIBRARY, RESMEM_CONF).
@@ -81,15 +88,17 @@ enum Command {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {
-    /// resmem's pool with classic segments.
+    /// resmem's pool with its default settings.
     Resmem,
-    /// resmem's pool stitching segments with the virtual-memory API (vmm:true).
+    /// resmem's pool with classic segments (vmm:false).
+    ResmemClassic,
+    /// resmem's pool on the virtual-memory API (vmm:true).
     ResmemVmm,
     /// PyTorch's caching-allocator policy.
     Torch,
-    /// resmem and torch side by side.
+    /// resmem's default and torch side by side.
     Both,
-    /// resmem, resmem-vmm and torch side by side.
+    /// torch, resmem-classic and resmem-vmm side by side, the default marked.
     All,
 }
 
@@ -107,7 +116,16 @@ fn main() -> ExitCode {
             device_memory,
             device,
             plot,
-        } => run_replay(&trace, policy, device_memory, device, plot.as_deref()),
+            min_device,
+            json,
+        } => run_replay(
+            &trace,
+            policy,
+            device_memory,
+            device,
+            plot.as_deref(),
+            (min_device, json),
+        ),
         Command::Info => run_info(),
         Command::GenTrace { kind, all, output } => run_gen(kind, all, output),
     };
@@ -153,7 +171,9 @@ fn run_demo(device_memory: u64, shape: &model::Shape, loads: u32) -> Result<(), 
         let alloc = policy.build(driver);
         let rows = demo::run(&*alloc, shape, loads)?;
         let view = match policy {
-            Policy::Resmem | Policy::ResmemVmm => "reported free = driver free + reusable",
+            Policy::Resmem | Policy::ResmemClassic | Policy::ResmemVmm => {
+                "reported free = driver free + reusable"
+            }
             Policy::Torch => "reported free = the driver's (cudaMemGetInfo)",
         };
         println!("\n{} ({view})", policy.name());
@@ -184,22 +204,26 @@ fn run_replay(
     device_memory: Option<u64>,
     device: usize,
     plot_to: Option<&Path>,
+    (min_device, json): (bool, bool),
 ) -> Result<(), String> {
     let trace = Trace::read(path, device)?;
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
-    println!(
+    if !json {
+        println!(
         "{}: {} operations ({} allocations) on a simulated {} device",
         trace.name,
         trace.events.len(),
         trace.allocs(),
         gib_or_mib(memory)
     );
+    }
     let policies: &[Policy] = match which {
         Which::Resmem => &[Policy::Resmem],
+        Which::ResmemClassic => &[Policy::ResmemClassic],
         Which::ResmemVmm => &[Policy::ResmemVmm],
         Which::Torch => &[Policy::Torch],
-        Which::Both => &[Policy::Resmem, Policy::Torch],
-        Which::All => &[Policy::Resmem, Policy::ResmemVmm, Policy::Torch],
+        Which::Both => &[Policy::Torch, Policy::Resmem],
+        Which::All => &[Policy::Torch, Policy::ResmemClassic, Policy::ResmemVmm],
     };
     let mut outcomes: Vec<Outcome> = Vec::new();
     for &policy in policies {
@@ -218,7 +242,17 @@ fn run_replay(
         })?);
         bar.finish_and_clear();
     }
-    print!("{}", replay::table(&trace, &outcomes));
+    let mut smallest = Vec::new();
+    if min_device {
+        for o in &outcomes {
+            smallest.push(replay::min_device(&trace, o.policy, memory)?);
+        }
+    }
+    if json {
+        println!("{}", report::json(&trace, &outcomes, &smallest));
+        return Ok(());
+    }
+    print!("{}", report::table(&trace, &outcomes, &smallest));
     for o in &outcomes {
         if let Some(message) = &o.first_oom {
             println!("first out-of-memory under {}: {message}", o.policy.name());

@@ -1,4 +1,5 @@
-//! The shipped traces, replayed under both policies: exact memory figures (they are
+//! The shipped traces, replayed under PyTorch's policy and resmem's (classic segments, and
+//! stitching where it differs): exact memory figures (they are
 //! deterministic), and the PyTorch snapshot reader on a fixture made by
 //! `traces/fixtures/make_snapshot.py`.
 
@@ -20,7 +21,7 @@ fn traces_dir() -> PathBuf {
 fn both(trace: &Trace) -> (Outcome, Outcome) {
     let memory = trace.device_memory.unwrap();
     (
-        replay(trace, Policy::Resmem, memory, |_| {}).unwrap(),
+        replay(trace, Policy::ResmemClassic, memory, |_| {}).unwrap(),
         replay(trace, Policy::Torch, memory, |_| {}).unwrap(),
     )
 }
@@ -100,7 +101,7 @@ fn stitching_keeps_interleaved_lifetimes_below_both_other_policies() {
         o.stats.peak_reserved_bytes
     };
     let (resmem, vmm, torch) = (
-        peak(Policy::Resmem),
+        peak(Policy::ResmemClassic),
         peak(Policy::ResmemVmm),
         peak(Policy::Torch),
     );
