@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use cuda_sim::Sim;
-use resmem_cli::baseline::{TorchAllocator, TorchConfig};
 use resmem::capi::{rm_mem_get_info, rm_release, rm_reserve};
 use resmem::driver::sim::SimDriver;
 use resmem::error::rm_status;
 use resmem_cli::allocator::Allocator;
+use resmem_cli::baseline::{TorchAllocator, TorchConfig};
 
 const SIZES: [(usize, &str); 4] = [
     (512, "512B"),

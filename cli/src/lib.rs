@@ -3,7 +3,9 @@
 //! - [`allocator`]: the [`allocator::Allocator`] trait every policy compared here implements;
 //! - [`baseline`]: PyTorch's caching-allocator policy, the reference resmem is measured against;
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
-//! - [`demo`]: the seed scenario, four loads of a model under each policy;
+//! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
+//! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
+//! - [`demo`]: the seed scenario under each policy, with a loader that offloads;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
 //! - [`snapshot`]: PyTorch memory snapshots read as traces, with the blocks live before
 //!   recording began;
@@ -24,6 +26,7 @@ pub mod model;
 pub mod plot;
 pub mod replay;
 pub mod report;
+pub mod seed;
 pub mod snapshot;
 pub mod trace;
 pub mod units;

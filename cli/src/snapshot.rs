@@ -60,9 +60,11 @@ pub fn read(bytes: &[u8], device: usize) -> Result<Trace, String> {
     let traces = match get(root, "device_traces").and_then(list) {
         Some(traces) => traces,
         None if !segments.is_empty() => return Err(no_trace()),
-        None => return Err("the snapshot has no device_traces: record it with \
+        None => {
+            return Err("the snapshot has no device_traces: record it with \
                             torch.cuda.memory._record_memory_history() first"
-            .into()),
+                .into())
+        }
     };
     let events: Vec<&BTreeMap<HashableValue, Value>> = match traces.get(device).and_then(list) {
         Some(events) => events.iter().filter_map(dict).collect(),
@@ -353,7 +355,12 @@ mod tests {
             0x7000_0000_0000,
             20 * MIB,
             0,
-            vec![block(0x7000_0000_0000, 20 * MIB, 20 * MIB, "active_allocated")],
+            vec![block(
+                0x7000_0000_0000,
+                20 * MIB,
+                20 * MIB,
+                "active_allocated",
+            )],
         )];
         let expected = "the snapshot holds 1 segment(s) (20.00 MiB) on device 0 but no \
                         allocation events to replay: call \

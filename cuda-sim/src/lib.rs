@@ -42,8 +42,8 @@ pub mod ledger;
 mod vmm;
 use faults::Faults;
 pub use faults::{Call, Fault};
-use ledger::Ledger;
 pub use ledger::CallTally;
+use ledger::Ledger;
 pub use vmm::{ATTRIBUTE_VMM_SUPPORTED, GRANULARITY};
 
 /// The result of a simulated driver call.
