@@ -163,19 +163,16 @@ pub fn intro(shape: &Shape, loads: u32, place: &str) -> String {
         gib_or_mib(model),
         sizes.len()
     );
+    let survivor = crate::seed::SURVIVOR as f64 / f64::from(1u32 << 20);
     out.push_str(&format!(
         "  warm-up: one torch.empty of {}{}, freed at once; the parameters; generate(), after \
-         which one {} block stays live; del model.\n",
+         which one {survivor} MiB block stays live; del model.\n",
         gib_or_mib(warmup),
         if warmup > model {
             " (the tied lm_head counted twice)"
         } else {
             ""
         },
-        format!(
-            "{} MiB",
-            crate::seed::SURVIVOR as f64 / f64::from(1u32 << 20)
-        )
     ));
     out.push_str(
         "  Before each load the loader asks for free memory and offloads what does not fit \

@@ -200,7 +200,7 @@ impl Streams {
     }
 }
 
-fn action<'a>(event: &'a BTreeMap<HashableValue, Value>) -> &'a str {
+fn action(event: &BTreeMap<HashableValue, Value>) -> &str {
     get(event, "action").and_then(text).unwrap_or("")
 }
 
