@@ -91,6 +91,7 @@ def main():
     else:
         print(f"policy-check: {folder} is not a folder; shipped traces only", file=sys.stderr)
     failed = []
+    recorded_rows = []
     if args.markdown:
         print("| trace | " + " | ".join(HEADER) + " | default vs torch |")
         print("| --- | " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " | --- |")
@@ -105,6 +106,8 @@ def main():
             failed.append(report["trace"])
         missed = ", ".join(name for name, ok in results if not ok)
         recorded = report.get("torch_recorded_peak_reserved")
+        if recorded is not None:
+            recorded_rows.append((path.name, recorded, torch["peak_reserved"]))
         if args.markdown:
             for i, p in enumerate(policies):
                 name = f"`{path.name}`" if i == 0 else ""
@@ -123,6 +126,13 @@ def main():
         for name, ok in results:
             print(f"   {'PASS' if ok else 'FAIL'}  {name}")
         print(f"   {verdict}")
+    if args.markdown and recorded_rows:
+        print("\n| snapshot | peak reserved PyTorch recorded (GiB) | torch policy replayed (GiB) "
+              "| replayed / recorded |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, recorded, replayed in recorded_rows:
+            print(f"| `{name}` | {recorded / GIB:.3f} | {replayed / GIB:.3f} "
+                  f"| {replayed / max(recorded, 1):.4f} |")
     print(f"\n{len(paths) - len(failed)} of {len(paths)} traces pass"
           + (f"; failing: {', '.join(failed)}" if failed else ""),
           file=sys.stderr if args.markdown else sys.stdout)
