@@ -128,3 +128,65 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
     })
     .to_string()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::replay;
+    use crate::trace::Event;
+
+    #[test]
+    fn the_table_marks_the_default_and_the_json_carries_every_figure() {
+        let trace = Trace {
+            name: "t".into(),
+            events: vec![
+                Event::Alloc {
+                    id: 1,
+                    size: 3 << 20,
+                    stream: 0,
+                },
+                Event::Free { id: 1 },
+            ],
+            ..Trace::default()
+        };
+        let outcomes: Vec<Outcome> = [Policy::Torch, Policy::Resmem]
+            .iter()
+            .map(|&p| replay(&trace, p, 1 << 30, |_| {}).unwrap())
+            .collect();
+        let text = table(&trace, &outcomes, &[Some(32 << 20), None]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0].split_whitespace().collect::<Vec<_>>(),
+            ["torch", "resmem", "*"]
+        );
+        // PyTorch's policy: a 20 MiB segment for 3 MiB.
+        let row = |label: &str| {
+            let line = lines.iter().find(|l| l.starts_with(label)).unwrap();
+            line[label.len()..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(row("peak requested (GiB)"), "0.00");
+        assert_eq!(row("peak reserved (GiB)"), "0.02");
+        assert_eq!(row("fragmentation"), "85.00");
+        assert_eq!(row("smallest device (GiB)"), "0.03");
+        assert_eq!(row("memory-creating calls"), "1");
+        assert!(text.ends_with("* resmem's default policy (PoolConfig::default())\n"));
+        let json: serde_json::Value =
+            serde_json::from_str(&json(&trace, &outcomes, &[Some(32 << 20), None])).unwrap();
+        let torch = &json["policies"][0];
+        assert_eq!(torch["policy"], "torch");
+        assert_eq!(torch["default"], false);
+        assert_eq!(torch["peak_requested"], 3 << 20);
+        assert_eq!(torch["peak_reserved"], 20 << 20);
+        assert_eq!(torch["smallest_device"], 32 << 20);
+        assert_eq!(torch["calls"]["cuMemAlloc"], 1);
+        assert_eq!(json["policies"][1]["default"], true);
+        assert_eq!(
+            json["policies"][1]["smallest_device"],
+            serde_json::Value::Null
+        );
+    }
+}
