@@ -65,7 +65,7 @@ enum Command {
         #[arg(long)]
         plot: Option<PathBuf>,
         /// Also find the smallest device on which each policy runs the trace with no
-        /// out-of-memory (bisection to 32 MiB below the device memory).
+        /// out-of-memory (bisection to 32 MiB, above the device memory if it needs more).
         #[arg(long)]
         min_device: bool,
         /// Print the figures as one JSON object instead of the table.
