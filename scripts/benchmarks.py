@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Measure and print BENCHMARKS.md.
 
-    scripts/benchmarks.py > BENCHMARKS.md               # runs `cargo bench --bench pool` first
+    scripts/benchmarks.py > BENCHMARKS.md               # runs `cargo bench -p resmem-cli --bench pool` first
     scripts/benchmarks.py --skip-run > BENCHMARKS.md    # reuses target/criterion
+    scripts/benchmarks.py --replays-only                # the policy tables and the demo only
 
 Figures are criterion's median time per operation (ns); every ratio is to the reference in the
-same group, measured in the same run. The replay tables come from `resmem replay` on every trace
-in traces/.
+same group, measured in the same run. The policy tables come from scripts/policy-check.py (every
+trace in traces/ and every snapshot in ../shared/real-snapshots/) and the seed from `resmem demo`.
 """
 import datetime
-import glob
 import json
 import os
 import platform
@@ -43,16 +43,47 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
+def policy_sections(w):
+    """The policies on every shipped trace and shared snapshot, and the seed scenario."""
+    w("## Policies on every shipped trace and shared snapshot\n")
+    w("`scripts/policy-check.py --markdown`: each trace in `traces/` and each PyTorch snapshot in")
+    w("`../shared/real-snapshots/` replayed under PyTorch's policy (the reference, in the same run),")
+    w("resmem with classic segments and resmem on the virtual-memory API (`*`: resmem's default).")
+    w("Snapshots on a simulated 80 GiB device, traces on their own. Smallest device: bisection to")
+    w("32 MiB. Creating calls: `cuMemAlloc` + `cuMemCreate`. Driver time: the simulator's cost model")
+    w("(`cuda-sim/src/ledger.rs`). Fragmentation: 1 - peak requested / peak reserved. The last column")
+    w("is issue 9's criteria for the default against PyTorch's policy.\n")
+    check = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "policy-check.py"),
+                            "--markdown", "--no-build"], cwd=ROOT, capture_output=True, text=True)
+    w(check.stdout.rstrip() + "\n")
+    w(check.stderr.strip() + "\n")
+    w("## The seed scenario\n")
+    w("`cargo run --release -p resmem-cli -- demo`\n")
+    w("```")
+    w(sh(os.path.join(ROOT, "target", "release", "resmem"), "demo").rstrip())
+    w("```")
+
+
 def main():
+    if "--replays-only" in sys.argv:
+        subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT,
+                       check=True, stdout=sys.stderr)
+        out = []
+        w = out.append
+        w(f"Measured {datetime.date.today().isoformat()} on {cpu_model()}, {sh('nproc').strip()} "
+          "CPUs, devices simulated in process.\n")
+        policy_sections(w)
+        print("\n".join(out))
+        return
     if "--skip-run" not in sys.argv:
-        subprocess.run(["cargo", "bench", "--bench", "pool"], cwd=ROOT, check=True,
+        subprocess.run(["cargo", "bench", "-p", "resmem-cli", "--bench", "pool"], cwd=ROOT, check=True,
                        stdout=sys.stderr)
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT,
                    check=True, stdout=sys.stderr)
     out = []
     w = out.append
     w("# Benchmarks\n")
-    w("Measured with `scripts/benchmarks.py > BENCHMARKS.md` (which runs `cargo bench --bench pool`")
+    w("Measured with `scripts/benchmarks.py > BENCHMARKS.md` (which runs `cargo bench -p resmem-cli --bench pool`")
     w("and `resmem replay` on every trace); `--skip-run` re-prints from `target/criterion`.\n")
     w(f"- date: {datetime.date.today().isoformat()}")
     w(f"- machine: {cpu_model()}, {sh('nproc').strip()} CPUs (`nproc`), {platform.system()} "
@@ -63,7 +94,7 @@ def main():
 
     w("## Cache-hit `rm_reserve` + `rm_release` pair through the C ABI\n")
     w("With N other blocks cached (90% small up to 128 KiB, 10% large, each kept apart by a live")
-    w("512-byte block). `torch` is the PyTorch-policy baseline's pair (`src/baseline/torch.rs`),")
+    w("512-byte block). `torch` is the PyTorch-policy baseline's pair (`cli/src/baseline/torch.rs`),")
     w("`glibc` is `malloc` + `free` of the same size.\n")
     w("| cached | size | resmem (ns) | torch (ns) | glibc (ns) | resmem / glibc | resmem / torch |")
     w("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -115,22 +146,7 @@ def main():
     w("On an H200 the same stitch took 29.1 ms, 18.9 us per driver call (`scripts/gpu-check.sh`,")
     w("README).\n")
 
-    w("## Replays of the shipped traces\n")
-    w("`cargo run --release -p resmem-cli -- replay TRACE --policy all` for every trace in `traces/`: "
-      "resmem with classic segments, resmem stitching segments (`vmm:true`) and PyTorch's "
-      "policy, each on a fresh simulated device of the trace's size.\n")
-    for path in sorted(glob.glob(os.path.join(ROOT, "traces", "*.jsonl"))):
-        rel = os.path.relpath(path, ROOT)
-        w(f"### `{rel}`\n")
-        w("```")
-        w(sh(os.path.join(ROOT, "target", "release", "resmem"), "replay", rel, "--policy",
-             "all").rstrip())
-        w("```\n")
-    w("## The seed scenario\n")
-    w("`cargo run --release -p resmem-cli -- demo`\n")
-    w("```")
-    w(sh(os.path.join(ROOT, "target", "release", "resmem"), "demo").rstrip())
-    w("```")
+    policy_sections(w)
     print("\n".join(out))
 
 

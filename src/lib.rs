@@ -11,8 +11,6 @@
 //! [`Pool`] over a [`Driver`] directly.
 //!
 //! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
-//! - [`allocator`]: the [`Allocator`] trait every allocation policy implements;
-//! - [`baseline`]: reference policies (PyTorch's caching allocator) for comparisons;
 //! - [`capi`]: every exported `rm_*` function and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
@@ -21,8 +19,6 @@
 //! - [`runtime`]: the process-wide pool built from the environment on first use;
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`).
 
-pub mod allocator;
-pub mod baseline;
 pub mod capi;
 pub mod config;
 pub mod driver;
@@ -31,7 +27,6 @@ pub mod pool;
 pub mod runtime;
 pub mod torch;
 
-pub use allocator::Allocator;
 pub use driver::{Driver, DriverError};
 pub use error::{rm_status, Error, Result};
 pub use pool::{Pool, PoolConfig, Stats};

@@ -11,7 +11,8 @@ const BF16: u64 = 2;
 const F32: u64 = 4;
 
 /// The kinds of trace, by file name (without `.jsonl`).
-pub const KINDS: [&str; 5] = [
+pub const KINDS: [&str; 6] = [
+    "qwen3-4b-seed",
     "qwen3-4b-loads",
     "llama-3-8b-decode",
     "qwen3-0.6b-training",
@@ -22,6 +23,7 @@ pub const KINDS: [&str; 5] = [
 /// The trace called `kind`.
 pub fn by_name(kind: &str) -> Result<Trace, String> {
     match kind {
+        "qwen3-4b-seed" => Ok(seed_calls(&QWEN3_4B, 4, 24 * GIB)),
         "qwen3-4b-loads" => Ok(model_loads(&QWEN3_4B, 4, 24 * GIB)),
         "llama-3-8b-decode" => Ok(decode()),
         "qwen3-0.6b-training" => Ok(training()),
@@ -100,6 +102,29 @@ pub fn model_loads(shape: &Shape, loads: u32, device_memory: u64) -> Trace {
         }
     }
     g.trace
+}
+
+/// The seed's calls as PyTorch's allocator gets them ([`crate::seed`]): `loads` loads of
+/// `shape` with every parameter on the device (a trace cannot offload: `resmem demo` runs the
+/// same calls with a loader that does).
+pub fn seed_calls(shape: &Shape, loads: u32, device_memory: u64) -> Trace {
+    let mut calls = crate::seed::Calls::default();
+    for load in 1..=loads {
+        calls.load(shape, load, shape.parameters().len());
+    }
+    Trace {
+        name: format!("{}-seed", shape.name),
+        description: format!(
+            "the seed through PyTorch's calls: {loads} loads of {} in bf16 by transformers \
+             before PR #37920 (one warm-up torch.empty of the parameters with the tied lm_head \
+             counted twice, freed; the parameters; generate(), after which one 8.125 MiB block \
+             stays live; del model)",
+            shape.name
+        ),
+        device_memory: Some(device_memory),
+        events: calls.events,
+        ..Trace::default()
+    }
 }
 
 /// Llama-3-8B serving five requests of different batch sizes and prompt lengths, with a KV cache

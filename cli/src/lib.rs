@@ -1,9 +1,16 @@
 //! The `resmem` command's logic, as a library so that its tests and benchmarks can call it:
 //!
+//! - [`allocator`]: the [`allocator::Allocator`] trait every policy compared here implements;
+//! - [`baseline`]: PyTorch's caching-allocator policy, the reference resmem is measured against;
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
-//! - [`demo`]: the seed scenario, four loads of a model under each policy;
+//! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
+//! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
+//! - [`demo`]: the seed scenario under each policy, with a loader that offloads;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
+//! - [`snapshot`]: PyTorch memory snapshots read as traces, with the blocks live before
+//!   recording began;
 //! - [`replay`]: a trace driven through a policy on a simulated device, and its figures;
+//! - [`report`]: the figures of replays as a table and as JSON;
 //! - [`generate`]: the realistic traces shipped in `traces/`;
 //! - [`plot`]: reserved and allocated memory over a trace, as SVG;
 //! - [`units`]: byte counts parsed from and printed for people.
@@ -11,10 +18,15 @@
 //! The command depends on the resmem library (rlib) and adds the crates only a command needs
 //! (argument parsing, plots, progress bars, serialization), which the C library never links.
 
+pub mod allocator;
+pub mod baseline;
 pub mod demo;
 pub mod generate;
 pub mod model;
 pub mod plot;
 pub mod replay;
+pub mod report;
+pub mod seed;
+pub mod snapshot;
 pub mod trace;
 pub mod units;

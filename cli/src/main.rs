@@ -13,7 +13,7 @@ use resmem::Driver;
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
 use resmem_cli::units::{gib_or_mib, parse_size};
-use resmem_cli::{demo, generate, model, plot};
+use resmem_cli::{demo, generate, model, plot, report, seed};
 
 #[derive(Parser)]
 #[command(
@@ -29,9 +29,10 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Consecutive loads of a bf16 model by a loader that offloads what exceeds the reported
-    /// free memory, under resmem and under PyTorch's policy (on the GPU if the CUDA driver finds
-    /// one, else on a simulated device).
+    /// The seed: consecutive loads of a bf16 model by transformers before PR #37920, each with
+    /// generate() and the model deleted, by a loader that offloads what exceeds the reported free
+    /// memory; PyTorch's policy and resmem get the same calls (on the GPU if the CUDA driver
+    /// finds one, else on a simulated device).
     Demo {
         /// The simulated device's memory (ignored on a real GPU).
         #[arg(long, default_value = "24GiB", value_parser = parse_size)]
@@ -42,6 +43,9 @@ enum Command {
         /// How many loads.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
         loads: u32,
+        /// Draw reserved and allocated memory over the calls to this SVG file.
+        #[arg(long)]
+        plot: Option<PathBuf>,
     },
     /// Replay an allocation trace (JSON lines, or a pickled torch.cuda.memory._snapshot()) on a
     /// simulated device and compare peaks, fragmentation, driver calls and out-of-memory events.
@@ -60,6 +64,13 @@ enum Command {
         /// Draw reserved and allocated memory over the trace to this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// Also find the smallest device on which each policy runs the trace with no
+        /// out-of-memory (bisection to 32 MiB, above the device memory if it needs more).
+        #[arg(long)]
+        min_device: bool,
+        /// Print the figures as one JSON object instead of the table.
+        #[arg(long)]
+        json: bool,
     },
     /// Each device's total, driver-free and resmem-reusable memory and the pool's figures, from
     /// the environment's settings (RESMEM_DRIVER, RESMEM_CUDA_LIBRARY, RESMEM_CONF).
@@ -81,15 +92,17 @@ enum Command {
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Which {
-    /// resmem's pool with classic segments.
+    /// resmem's pool with its default settings.
     Resmem,
-    /// resmem's pool stitching segments with the virtual-memory API (vmm:true).
+    /// resmem's pool with classic segments (vmm:false).
+    ResmemClassic,
+    /// resmem's pool on the virtual-memory API (vmm:true).
     ResmemVmm,
     /// PyTorch's caching-allocator policy.
     Torch,
-    /// resmem and torch side by side.
+    /// resmem's default and torch side by side.
     Both,
-    /// resmem, resmem-vmm and torch side by side.
+    /// torch, resmem-classic and resmem-vmm side by side, the default marked.
     All,
 }
 
@@ -100,14 +113,24 @@ fn main() -> ExitCode {
             device_memory,
             model,
             loads,
-        } => run_demo(device_memory, &model, loads),
+            plot,
+        } => run_demo(device_memory, &model, loads, plot.as_deref()),
         Command::Replay {
             trace,
             policy,
             device_memory,
             device,
             plot,
-        } => run_replay(&trace, policy, device_memory, device, plot.as_deref()),
+            min_device,
+            json,
+        } => run_replay(
+            &trace,
+            policy,
+            device_memory,
+            device,
+            plot.as_deref(),
+            (min_device, json),
+        ),
         Command::Info => run_info(),
         Command::GenTrace { kind, all, output } => run_gen(kind, all, output),
     };
@@ -120,8 +143,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn run_demo(device_memory: u64, shape: &model::Shape, loads: u32) -> Result<(), String> {
-    let model_bytes = shape.parameter_count() * 2;
+fn run_demo(
+    device_memory: u64,
+    shape: &model::Shape,
+    loads: u32,
+    plot_to: Option<&Path>,
+) -> Result<(), String> {
     let gpu = CudaDriver::load("libcuda.so.1")
         .ok()
         .filter(|d| d.device_count() > 0);
@@ -132,16 +159,12 @@ fn run_demo(device_memory: u64, shape: &model::Shape, loads: u32) -> Result<(), 
             gib_or_mib(device_memory)
         ),
     };
-    println!(
-        "{loads} loads of {} ({} parameters, {} in bf16, {} tensors) on {place}",
-        shape.name,
-        shape.parameter_count(),
-        gib_or_mib(model_bytes),
-        shape.parameters().len()
-    );
     let gpu: Option<Arc<dyn Driver>> = gpu.map(|d| Arc::new(d) as Arc<dyn Driver>);
-    let mut peaks = Vec::new();
-    for policy in [Policy::Resmem, Policy::Torch] {
+    let one_warmup = seed::warmup_bytes(shape, shape.parameters().len());
+    print!("{}", demo::intro(shape, loads, &place));
+    let policies = [Policy::Torch, Policy::Resmem];
+    let mut runs = Vec::new();
+    for policy in policies {
         // Each policy starts from a device with nothing reserved.
         let driver: Arc<dyn Driver> = match &gpu {
             Some(d) => d.clone(),
@@ -151,30 +174,34 @@ fn run_demo(device_memory: u64, shape: &model::Shape, loads: u32) -> Result<(), 
             }
         };
         let alloc = policy.build(driver);
-        let rows = demo::run(&*alloc, shape, loads)?;
-        let view = match policy {
-            Policy::Resmem | Policy::ResmemVmm => "reported free = driver free + reusable",
-            Policy::Torch => "reported free = the driver's (cudaMemGetInfo)",
-        };
-        println!("\n{} ({view})", policy.name());
-        print!("{}", demo::table(&rows));
-        let s = alloc.stats(0).map_err(|e| e.message)?;
-        let offloads = rows.iter().filter(|r| r.offloaded > 0).count();
-        println!(
-            "peak reserved {} ({:.4} x the model), {} driver allocations, {offloads} of {loads} loads offloaded",
-            gib_or_mib(s.peak_reserved_bytes),
-            s.peak_reserved_bytes as f64 / model_bytes as f64,
-            s.driver_allocs
-        );
-        peaks.push(s.peak_reserved_bytes);
+        runs.push(demo::run(&*alloc, shape, loads)?);
         alloc.free_reusable(None).map_err(|e| e.message)?;
     }
-    println!(
-        "\npeak reserved: resmem {}, PyTorch's policy {} (resmem / torch = {:.3})",
-        gib_or_mib(peaks[0]),
-        gib_or_mib(peaks[1]),
-        peaks[0] as f64 / peaks[1].max(1) as f64
-    );
+    let titles = [
+        "PyTorch's policy (free = driver's)",
+        "resmem (free = driver's + cache)",
+    ];
+    let side: Vec<(&str, &demo::Run)> = titles.iter().copied().zip(runs.iter()).collect();
+    println!();
+    print!("{}", demo::table(&side));
+    println!();
+    for (title, run) in [("PyTorch's policy", &runs[0]), ("resmem", &runs[1])] {
+        println!("{}", demo::summary(title, run, one_warmup));
+    }
+    if let Some(out) = plot_to {
+        let outcomes: Vec<Outcome> = policies
+            .iter()
+            .zip(&runs)
+            .map(|(&policy, run)| demo::outcome(policy, run))
+            .collect();
+        let title = format!(
+            "{} loads of {}: reserved and allocated memory",
+            loads, shape.name
+        );
+        let svg = plot::svg(&title, &outcomes)?;
+        std::fs::write(out, svg).map_err(|e| format!("cannot write {}: {e}", out.display()))?;
+        println!("plot written to {}", out.display());
+    }
     Ok(())
 }
 
@@ -184,22 +211,26 @@ fn run_replay(
     device_memory: Option<u64>,
     device: usize,
     plot_to: Option<&Path>,
+    (min_device, json): (bool, bool),
 ) -> Result<(), String> {
     let trace = Trace::read(path, device)?;
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
-    println!(
-        "{}: {} operations ({} allocations) on a simulated {} device",
-        trace.name,
-        trace.events.len(),
-        trace.allocs(),
-        gib_or_mib(memory)
-    );
+    if !json {
+        println!(
+            "{}: {} operations ({} allocations) on a simulated {} device",
+            trace.name,
+            trace.events.len(),
+            trace.allocs(),
+            gib_or_mib(memory)
+        );
+    }
     let policies: &[Policy] = match which {
         Which::Resmem => &[Policy::Resmem],
+        Which::ResmemClassic => &[Policy::ResmemClassic],
         Which::ResmemVmm => &[Policy::ResmemVmm],
         Which::Torch => &[Policy::Torch],
-        Which::Both => &[Policy::Resmem, Policy::Torch],
-        Which::All => &[Policy::Resmem, Policy::ResmemVmm, Policy::Torch],
+        Which::Both => &[Policy::Torch, Policy::Resmem],
+        Which::All => &[Policy::Torch, Policy::ResmemClassic, Policy::ResmemVmm],
     };
     let mut outcomes: Vec<Outcome> = Vec::new();
     for &policy in policies {
@@ -218,7 +249,17 @@ fn run_replay(
         })?);
         bar.finish_and_clear();
     }
-    print!("{}", replay::table(&trace, &outcomes));
+    let mut smallest = Vec::new();
+    if min_device {
+        for o in &outcomes {
+            smallest.push(replay::min_device(&trace, o.policy, memory)?);
+        }
+    }
+    if json {
+        println!("{}", report::json(&trace, &outcomes, &smallest));
+        return Ok(());
+    }
+    print!("{}", report::table(&trace, &outcomes, &smallest));
     for o in &outcomes {
         if let Some(message) = &o.first_oom {
             println!("first out-of-memory under {}: {message}", o.policy.name());

@@ -12,6 +12,7 @@ const POINTS: usize = 2000;
 fn colour(policy: Policy) -> RGBColor {
     match policy {
         Policy::Resmem => RGBColor(0x1f, 0x77, 0xb4),
+        Policy::ResmemClassic => RGBColor(0x94, 0x67, 0xbd),
         Policy::ResmemVmm => RGBColor(0x2c, 0xa0, 0x2c),
         Policy::Torch => RGBColor(0xd6, 0x27, 0x28),
     }

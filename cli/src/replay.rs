@@ -1,24 +1,28 @@
 //! A trace driven through an allocation policy on a fresh simulated device, and the figures
-//! that compare policies: peaks, fragmentation, driver calls, out-of-memory events.
+//! that compare policies: peaks, fragmentation, driver calls by kind and their estimated time,
+//! out-of-memory events, and the smallest device the trace runs on. [`crate::report`] prints
+//! them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cuda_sim::Sim;
-use resmem::baseline::{TorchAllocator, TorchConfig};
+use cuda_sim::{ledger, Call, CallTally, Sim};
 use resmem::driver::sim::SimDriver;
 use resmem::error::rm_status;
-use resmem::{Allocator, Pool, PoolConfig, Stats};
+use resmem::{Pool, PoolConfig, Stats};
 
+use crate::allocator::Allocator;
+use crate::baseline::{TorchAllocator, TorchConfig};
 use crate::trace::{Event, Trace};
-use crate::units::gib_or_mib;
 
 /// An allocation policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
-    /// resmem's pool.
+    /// resmem's pool with its default settings (`PoolConfig::default()`).
     Resmem,
-    /// resmem's pool stitching segments with the virtual-memory API (`vmm:true`).
+    /// resmem's pool with classic segments (`vmm:false`).
+    ResmemClassic,
+    /// resmem's pool on the CUDA virtual-memory API (`vmm:true`).
     ResmemVmm,
     /// PyTorch's caching allocator.
     Torch,
@@ -29,29 +33,72 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::Resmem => "resmem",
+            Policy::ResmemClassic => "resmem-classic",
             Policy::ResmemVmm => "resmem-vmm",
             Policy::Torch => "torch",
         }
     }
 
+    /// The pool settings of a resmem policy; `None` for PyTorch's.
+    pub fn pool_config(self) -> Option<PoolConfig> {
+        match self {
+            Policy::Resmem => Some(PoolConfig::default()),
+            Policy::ResmemClassic => Some(PoolConfig {
+                vmm: false,
+                ..PoolConfig::default()
+            }),
+            Policy::ResmemVmm => Some(PoolConfig {
+                vmm: true,
+                ..PoolConfig::default()
+            }),
+            Policy::Torch => None,
+        }
+    }
+
+    /// Whether this policy is resmem's default (a named policy may coincide with it).
+    pub fn is_default(self) -> bool {
+        self.pool_config() == Some(PoolConfig::default())
+    }
+
     /// An allocator of this policy over `driver`.
     pub fn build(self, driver: Arc<dyn resmem::Driver>) -> Box<dyn Allocator> {
-        match self {
-            Policy::Resmem => Box::new(Pool::new(driver, PoolConfig::default())),
-            Policy::ResmemVmm => Box::new(Pool::new(
-                driver,
-                PoolConfig {
-                    vmm: true,
-                    ..PoolConfig::default()
-                },
-            )),
-            Policy::Torch => Box::new(
+        match self.pool_config() {
+            Some(config) => Box::new(Pool::new(driver, config)),
+            None => Box::new(
                 TorchAllocator::new(driver, TorchConfig::default())
                     .expect("the default configuration is valid"),
             ),
         }
     }
 }
+
+/// The driver functions a caching allocator calls, in table order, with the rows' labels;
+/// event and stream-order calls are summed in one row.
+pub const CALL_ROWS: &[(&str, &[Call])] = &[
+    ("cuMemAlloc", &[Call::MemAlloc]),
+    ("cuMemFree", &[Call::MemFree]),
+    ("cuMemCreate", &[Call::MemCreate]),
+    ("cuMemRelease", &[Call::MemRelease]),
+    ("cuMemMap", &[Call::MemMap]),
+    ("cuMemUnmap", &[Call::MemUnmap]),
+    ("cuMemSetAccess", &[Call::MemSetAccess]),
+    ("cuMemAddressReserve", &[Call::MemAddressReserve]),
+    ("cuMemAddressFree", &[Call::MemAddressFree]),
+    (
+        "events",
+        &[
+            Call::EventCreate,
+            Call::EventRecord,
+            Call::EventQuery,
+            Call::EventSynchronize,
+            Call::EventDestroy,
+            Call::StreamWaitEvent,
+        ],
+    ),
+];
+
+/// The calls that create device memory.
+pub const CREATING: &[Call] = &[Call::MemAlloc, Call::MemCreate];
 
 /// What a replay measured.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,22 +107,46 @@ pub struct Outcome {
     pub policy: Policy,
     /// The allocator's figures at the end.
     pub stats: Stats,
+    /// The most bytes live blocks were asked for at once (the trace's sizes, not rounded).
+    pub peak_requested: u64,
     /// Allocations that failed with out-of-memory (their frees are skipped).
     pub ooms: u64,
     /// `(allocated, reserved)` after every operation.
     pub timeline: Vec<(u64, u64)>,
     /// The first out-of-memory message, if any.
     pub first_oom: Option<String>,
+    /// The policy's driver calls by kind (those of creating the simulated device left out).
+    pub calls: Vec<CallTally>,
 }
 
 impl Outcome {
-    /// GMLake's fragmentation: `1 - peak allocated / peak reserved`.
+    /// Fragmentation, one definition for every policy: the share of the reserved peak that the
+    /// requested bytes never used, `1 - peak requested / peak reserved`.
     pub fn fragmentation(&self) -> f64 {
         if self.stats.peak_reserved_bytes == 0 {
             0.0
         } else {
-            1.0 - self.stats.peak_allocated_bytes as f64 / self.stats.peak_reserved_bytes as f64
+            1.0 - self.peak_requested as f64 / self.stats.peak_reserved_bytes as f64
         }
+    }
+
+    /// Calls of the functions in `calls`.
+    pub fn count(&self, calls: &[Call]) -> u64 {
+        self.calls
+            .iter()
+            .filter(|t| t.call.is_some_and(|c| calls.contains(&c)))
+            .map(|t| t.calls)
+            .sum()
+    }
+
+    /// Driver calls that create device memory (`cuMemAlloc`, `cuMemCreate`).
+    pub fn creating_calls(&self) -> u64 {
+        self.count(CREATING)
+    }
+
+    /// The driver time the calls would take, by the simulator's cost model, in microseconds.
+    pub fn driver_time_us(&self) -> f64 {
+        self.calls.iter().map(ledger::estimate_us).sum()
     }
 }
 
@@ -89,17 +160,20 @@ pub fn replay(
 ) -> Result<Outcome, String> {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[device_memory])));
     let driver = SimDriver::new(sim).map_err(|e| e.message)?;
+    let before = sim.driver_calls();
     let alloc = policy.build(Arc::new(driver));
     let mut streams: HashMap<u64, u64> = HashMap::from([(0, 0)]);
-    let mut live: HashMap<u64, u64> = HashMap::new();
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
     let mut outcome = Outcome {
         policy,
         stats: Stats::default(),
+        peak_requested: 0,
         ooms: 0,
         timeline: Vec::with_capacity(trace.events.len()),
         first_oom: None,
+        calls: Vec::new(),
     };
-    let (mut allocated, mut reserved) = (0, 0);
+    let (mut allocated, mut reserved, mut requested) = (0, 0, 0u64);
     for (n, event) in trace.events.iter().enumerate() {
         let fail = |e: resmem::Error| format!("operation {}: {}", n + 1, e.message);
         match event {
@@ -116,7 +190,9 @@ pub fn replay(
                 };
                 match alloc.reserve(0, *size, handle) {
                     Ok(ptr) => {
-                        live.insert(*id, ptr);
+                        live.insert(*id, (ptr, *size));
+                        requested += size;
+                        outcome.peak_requested = outcome.peak_requested.max(requested);
                     }
                     Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => {
                         outcome.ooms += 1;
@@ -126,8 +202,9 @@ pub fn replay(
                 }
             }
             Event::Free { id } => {
-                if let Some(ptr) = live.remove(id) {
+                if let Some((ptr, size)) = live.remove(id) {
                     alloc.release(ptr).map_err(fail)?;
+                    requested -= size;
                 }
             }
             Event::Warmup { bytes } => match alloc.warmup(0, *bytes) {
@@ -155,61 +232,110 @@ pub fn replay(
     }
     progress(trace.events.len() as u64);
     outcome.stats = alloc.stats(0).map_err(|e| e.message)?;
+    outcome.calls = sim
+        .driver_calls()
+        .into_iter()
+        .zip(before)
+        .map(|(after, before)| CallTally {
+            calls: after.calls - before.calls,
+            bytes_created: after.bytes_created - before.bytes_created,
+            bytes_freed: after.bytes_freed - before.bytes_freed,
+            ..after
+        })
+        .collect();
     Ok(outcome)
 }
 
-/// The side-by-side table of several outcomes.
-pub fn table(trace: &Trace, outcomes: &[Outcome]) -> String {
-    let mut rows: Vec<(String, Vec<String>)> = vec![
-        ("peak allocated".into(), vec![]),
-        ("peak reserved".into(), vec![]),
-        ("fragmentation".into(), vec![]),
-        ("driver allocations".into(), vec![]),
-        ("driver frees".into(), vec![]),
-        ("out-of-memory events".into(), vec![]),
-    ];
-    for o in outcomes {
-        let s = &o.stats;
-        let cells = [
-            gib_or_mib(s.peak_allocated_bytes),
-            gib_or_mib(s.peak_reserved_bytes),
-            format!("{:.2} %", 100.0 * o.fragmentation()),
-            s.driver_allocs.to_string(),
-            s.driver_frees.to_string(),
-            o.ooms.to_string(),
-        ];
-        for (row, cell) in rows.iter_mut().zip(cells) {
-            row.1.push(cell);
+/// The granularity of [`min_device`]'s search.
+pub const MIN_DEVICE_STEP: u64 = 32 << 20;
+
+/// How far above the given device memory [`min_device`] looks for one that runs the trace.
+pub const MIN_DEVICE_REACH: u64 = 16;
+
+/// The smallest device, to [`MIN_DEVICE_STEP`], on which `trace` runs under `policy` with no
+/// out-of-memory: by bisection below `memory` if it runs there, else below the first doubling
+/// of `memory` that runs it; `None` if none up to [`MIN_DEVICE_REACH`] times `memory` does.
+pub fn min_device(trace: &Trace, policy: Policy, memory: u64) -> Result<Option<u64>, String> {
+    let runs = |steps: u64| -> Result<bool, String> {
+        Ok(replay(trace, policy, steps * MIN_DEVICE_STEP, |_| {})?.ooms == 0)
+    };
+    // In steps of MIN_DEVICE_STEP: a device of `lo` steps fails (0 steps always does), one of
+    // `hi` runs.
+    let (mut lo, mut hi) = (0u64, memory.div_ceil(MIN_DEVICE_STEP).max(1));
+    while !runs(hi)? {
+        lo = hi;
+        hi *= 2;
+        if hi * MIN_DEVICE_STEP > memory.saturating_mul(MIN_DEVICE_REACH) {
+            return Ok(None);
         }
     }
-    let mut out = format!("{:<28}", "");
-    for o in outcomes {
-        out.push_str(&format!("{:>14}", o.policy.name()));
-    }
-    out.push('\n');
-    for (label, cells) in rows {
-        out.push_str(&format!("{label:<28}"));
-        for c in cells {
-            out.push_str(&format!("{c:>14}"));
-        }
-        out.push('\n');
-    }
-    if let Some(peak) = trace.torch_peak_reserved {
-        out.push_str(&format!(
-            "PyTorch itself recorded a peak reserved of {}",
-            gib_or_mib(peak)
-        ));
-        if let Some(t) = outcomes.iter().find(|o| o.policy == Policy::Torch) {
-            let ratio = t.stats.peak_reserved_bytes as f64 / peak.max(1) as f64;
-            out.push_str(&format!(" (the torch policy replayed: {ratio:.4} x that)"));
-        }
-        out.push('\n');
-        if trace.unmatched_frees > 0 {
-            out.push_str(&format!(
-                "{} frees of blocks allocated before recording began were skipped\n",
-                trace.unmatched_frees
-            ));
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if runs(mid)? {
+            hi = mid;
+        } else {
+            lo = mid;
         }
     }
-    out
+    Ok(Some(hi * MIN_DEVICE_STEP))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn trace(events: Vec<Event>) -> Trace {
+        Trace {
+            events,
+            ..Trace::default()
+        }
+    }
+
+    #[test]
+    fn figures_count_requested_bytes_and_driver_calls() {
+        // 1000 bytes: PyTorch's policy takes a 2 MiB small-pool segment for them.
+        let t = trace(vec![
+            Event::Alloc {
+                id: 1,
+                size: 1000,
+                stream: 0,
+            },
+            Event::Free { id: 1 },
+            Event::EmptyCache,
+        ]);
+        let o = replay(&t, Policy::Torch, 64 * MIB, |_| {}).unwrap();
+        assert_eq!(o.peak_requested, 1000);
+        assert_eq!(o.stats.peak_reserved_bytes, 2 * MIB);
+        assert_eq!(o.fragmentation(), 1.0 - 1000.0 / (2 * MIB) as f64);
+        assert_eq!(
+            (o.count(&[Call::MemAlloc]), o.count(&[Call::MemFree])),
+            (1, 1)
+        );
+        assert_eq!(o.creating_calls(), 1);
+        // One cuMemAlloc and one cuMemFree of 2 MiB, at 50 us and 200 us per GiB each, and the
+        // device synchronisation of empty_cache (5 us).
+        let expected = 2.0 * (50.0 + 200.0 * 2.0 / 1024.0) + 5.0;
+        assert!((o.driver_time_us() - expected).abs() < 1e-9, "{o:?}");
+    }
+
+    #[test]
+    fn the_smallest_device_is_found_to_32_mib_above_and_below() {
+        // 100 MiB in one block: PyTorch's policy needs a 100 MiB segment, so 128 MiB.
+        let t = trace(vec![Event::Alloc {
+            id: 1,
+            size: 100 * MIB,
+            stream: 0,
+        }]);
+        assert_eq!(
+            min_device(&t, Policy::Torch, 1024 * MIB).unwrap(),
+            Some(128 * MIB)
+        );
+        assert_eq!(
+            min_device(&t, Policy::Torch, 40 * MIB).unwrap(),
+            Some(128 * MIB)
+        );
+        assert_eq!(min_device(&t, Policy::Torch, 4 * MIB).unwrap(), None);
+    }
 }

@@ -4,15 +4,13 @@
 //! - JSON lines, one operation per line (`alloc`, `free`, `warmup`, `empty_cache`, `mark`, and
 //!   a `meta` line naming the trace and its device);
 //! - PyTorch memory snapshots (`torch.cuda.memory._snapshot()` pickled, as
-//!   `torch.cuda.memory._dump_snapshot` writes them): their `device_traces` events `alloc` and
-//!   `free_completed` become allocations and frees; `segment_alloc` / `segment_free` give the
-//!   reserved memory PyTorch itself had, for comparison.
+//!   `torch.cuda.memory._dump_snapshot` writes them), read by [`crate::snapshot`]: the blocks
+//!   live before recording began, then the `alloc` and `free_completed` events; `segment_alloc`
+//!   / `segment_free` give the reserved memory PyTorch itself had, for comparison.
 
-use std::collections::{BTreeMap, HashMap};
 use std::io::{BufRead, Write};
 
 use serde::Deserialize;
-use serde_pickle::{HashableValue, Value};
 
 /// One operation of a trace.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -71,7 +69,10 @@ pub struct Trace {
     pub events: Vec<Event>,
     /// For PyTorch snapshots: the reserved-memory peak PyTorch recorded over the trace.
     pub torch_peak_reserved: Option<u64>,
-    /// For PyTorch snapshots: frees of blocks allocated before the trace began (skipped).
+    /// For PyTorch snapshots: blocks live before recording began, allocated first.
+    pub restored_blocks: u64,
+    /// For PyTorch snapshots: frees of blocks the reader could not place (skipped; none when
+    /// the snapshot is consistent).
     pub unmatched_frees: u64,
 }
 
@@ -167,83 +168,10 @@ impl Trace {
         Ok(())
     }
 
-    /// Read a pickled `torch.cuda.memory._snapshot()`, taking device `device`'s trace.
+    /// Read a pickled `torch.cuda.memory._snapshot()`, taking device `device`'s trace (see
+    /// [`crate::snapshot`]).
     pub fn from_snapshot(bytes: &[u8], device: usize) -> Result<Trace, String> {
-        let options = serde_pickle::DeOptions::new()
-            .replace_unresolved_globals()
-            .replace_recursive_structures();
-        let root = serde_pickle::value_from_slice(bytes, options)
-            .map_err(|e| format!("not a readable pickle: {e}"))?;
-        let root = dict(&root).ok_or("the pickle is not a memory snapshot (a dict)")?;
-        let traces = get(root, "device_traces")
-            .and_then(list)
-            .ok_or("the snapshot has no device_traces: record it with torch.cuda.memory._record_memory_history() first")?;
-        let events = traces.get(device).and_then(list).ok_or_else(|| {
-            format!(
-                "the snapshot has traces for {} device(s); device {device} is not among them",
-                traces.len()
-            )
-        })?;
-        // Reserved memory at the end of the trace: the snapshot's segments.
-        let end_reserved: i128 = get(root, "segments")
-            .and_then(list)
-            .map(|segs| {
-                segs.iter()
-                    .filter_map(dict)
-                    .filter(|s| get(s, "device").and_then(int) == Some(device as i128))
-                    .filter_map(|s| get(s, "total_size").and_then(int))
-                    .sum()
-            })
-            .unwrap_or(0);
-        let mut trace = Trace {
-            name: String::new(),
-            description: format!("PyTorch memory snapshot, device {device}"),
-            ..Trace::default()
-        };
-        let (mut ids, mut next_id) = (HashMap::new(), 0u64);
-        let (mut reserved, mut peak, mut net) = (0i128, 0i128, 0i128);
-        let mut streams: BTreeMap<i128, u64> = BTreeMap::new();
-        for event in events.iter().filter_map(dict) {
-            let action = get(event, "action").and_then(text).unwrap_or("");
-            let addr = get(event, "addr").and_then(int).unwrap_or(0);
-            let size = get(event, "size").and_then(int).unwrap_or(0);
-            match action {
-                "alloc" => {
-                    let raw = get(event, "stream").and_then(int).unwrap_or(0);
-                    let next = streams.len() as u64;
-                    let stream = if raw == 0 {
-                        0
-                    } else {
-                        *streams.entry(raw).or_insert(next + 1)
-                    };
-                    next_id += 1;
-                    ids.insert(addr, next_id);
-                    trace.events.push(Event::Alloc {
-                        id: next_id,
-                        size: u64::try_from(size).map_err(|_| "negative size")?,
-                        stream,
-                    });
-                }
-                "free_completed" => match ids.remove(&addr) {
-                    Some(id) => trace.events.push(Event::Free { id }),
-                    None => trace.unmatched_frees += 1,
-                },
-                "segment_alloc" | "segment_map" => {
-                    reserved += size;
-                    net += size;
-                    peak = peak.max(reserved);
-                }
-                "segment_free" | "segment_unmap" => {
-                    reserved -= size;
-                    net -= size;
-                }
-                _ => {}
-            }
-        }
-        // What was reserved before the trace began shifts every point by the same amount.
-        let start = (end_reserved - net).max(0);
-        trace.torch_peak_reserved = Some(u64::try_from(start + peak.max(0)).unwrap_or(0));
-        Ok(trace)
+        crate::snapshot::read(bytes, device)
     }
 
     /// Allocations in the trace.
@@ -253,39 +181,6 @@ impl Trace {
             .filter(|e| matches!(e, Event::Alloc { .. }))
             .count()
     }
-}
-
-fn dict(v: &Value) -> Option<&BTreeMap<HashableValue, Value>> {
-    match v {
-        Value::Dict(d) => Some(d),
-        _ => None,
-    }
-}
-
-fn list(v: &Value) -> Option<&Vec<Value>> {
-    match v {
-        Value::List(l) | Value::Tuple(l) => Some(l),
-        _ => None,
-    }
-}
-
-fn int(v: &Value) -> Option<i128> {
-    match v {
-        Value::I64(i) => Some(i128::from(*i)),
-        Value::Int(big) => big.to_string().parse().ok(),
-        _ => None,
-    }
-}
-
-fn text(v: &Value) -> Option<&str> {
-    match v {
-        Value::String(s) => Some(s),
-        _ => None,
-    }
-}
-
-fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
-    d.get(&HashableValue::String(key.to_string()))
 }
 
 #[cfg(test)]

@@ -1,14 +1,14 @@
-//! The shipped traces, replayed under both policies: exact memory figures (they are
+//! The shipped traces, replayed under PyTorch's policy and resmem's (classic segments, and
+//! stitching where it differs): exact memory figures (they are
 //! deterministic), and the PyTorch snapshot reader on a fixture made by
 //! `traces/fixtures/make_snapshot.py`.
 
 use std::path::PathBuf;
 
-use resmem_cli::demo;
-use resmem_cli::generate;
-use resmem_cli::model::{LLAMA_3_8B, QWEN3_4B};
+use resmem_cli::model::QWEN3_4B;
 use resmem_cli::replay::{replay, Outcome, Policy};
 use resmem_cli::trace::{Event, Trace};
+use resmem_cli::{demo, generate, seed};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -20,7 +20,7 @@ fn traces_dir() -> PathBuf {
 fn both(trace: &Trace) -> (Outcome, Outcome) {
     let memory = trace.device_memory.unwrap();
     (
-        replay(trace, Policy::Resmem, memory, |_| {}).unwrap(),
+        replay(trace, Policy::ResmemClassic, memory, |_| {}).unwrap(),
         replay(trace, Policy::Torch, memory, |_| {}).unwrap(),
     )
 }
@@ -100,7 +100,7 @@ fn stitching_keeps_interleaved_lifetimes_below_both_other_policies() {
         o.stats.peak_reserved_bytes
     };
     let (resmem, vmm, torch) = (
-        peak(Policy::Resmem),
+        peak(Policy::ResmemClassic),
         peak(Policy::ResmemVmm),
         peak(Policy::Torch),
     );
@@ -141,69 +141,88 @@ fn pytorch_snapshots_are_read_with_the_reserved_peak_pytorch_recorded() {
     let trace = Trace::read(&path, 0).unwrap();
     assert_eq!(trace.name, "snapshot_small");
     assert_eq!(trace.torch_peak_reserved, Some(86 * MIB));
-    assert_eq!(trace.unmatched_frees, 1);
+    // The 512-byte block X predates the recording: it is allocated first, and its free in the
+    // trace is matched.
+    assert_eq!((trace.restored_blocks, trace.unmatched_frees), (1, 0));
+    let alloc = |id, size| Event::Alloc {
+        id,
+        size,
+        stream: 0,
+    };
     assert_eq!(
         trace.events,
         vec![
-            Event::Alloc {
-                id: 1,
-                size: 8 * MIB,
-                stream: 0
+            Event::Mark {
+                label: "blocks live before recording began (1)".into()
             },
-            Event::Alloc {
-                id: 2,
-                size: 8 * MIB,
-                stream: 0
-            },
-            Event::Free { id: 1 },
-            Event::Alloc {
-                id: 3,
-                size: 64 * MIB,
-                stream: 0
-            },
+            alloc(1, 512),
+            alloc(2, 8 * MIB),
+            alloc(3, 8 * MIB),
             Event::Free { id: 2 },
+            Event::Free { id: 1 },
+            alloc(4, 64 * MIB),
             Event::Free { id: 3 },
+            Event::Free { id: 4 },
         ]
     );
     let torch = replay(&trace, Policy::Torch, GIB, |_| {}).unwrap();
-    // The replayed policy's 84 MiB is PyTorch's 86 MiB less the 2 MiB segment that predates
-    // the recording.
-    assert_eq!(figures(&torch), (72 * MIB, 84 * MIB, 2, 0, 0));
+    // The replayed policy reserves what PyTorch recorded: the 2 MiB small-pool segment of X,
+    // 20 MiB for a and b, 64 MiB for c.
+    assert_eq!(figures(&torch), (72 * MIB, 86 * MIB, 3, 0, 0));
     let err = Trace::read(&path, 1).unwrap_err();
     assert!(err.contains("device 1 is not among them"), "{err}");
 }
 
+fn sim(memory: u64) -> std::sync::Arc<dyn resmem::Driver> {
+    let sim = Box::leak(Box::new(cuda_sim::Sim::new(&[memory])));
+    std::sync::Arc::new(resmem::driver::sim::SimDriver::new(sim).unwrap())
+}
+
 #[test]
-fn demo_loads_under_both_policies() {
-    let sim = |memory| -> std::sync::Arc<dyn resmem::Driver> {
-        let sim = Box::leak(Box::new(cuda_sim::Sim::new(&[memory])));
-        std::sync::Arc::new(resmem::driver::sim::SimDriver::new(sim).unwrap())
-    };
-    let model = QWEN3_4B.parameter_count() * 2;
-    let resmem = Policy::Resmem.build(sim(24 * GIB));
-    let rows = demo::run(&*resmem, &QWEN3_4B, 4).unwrap();
-    for r in &rows {
-        assert_eq!((r.reported_free, r.offloaded), (24 * GIB, 0));
-        assert_eq!((r.reserved, r.allocated), (8_048_869_376, 8_044_954_624));
-    }
-    assert!(rows[3].reserved as f64 <= 1.02 * model as f64);
-    let torch = Policy::Torch.build(sim(24 * GIB));
-    let rows = demo::run(&*torch, &QWEN3_4B, 4).unwrap();
-    assert_eq!(rows[0].reported_free, 24 * GIB);
-    for r in &rows[1..] {
-        assert_eq!(
-            (r.reported_free, r.offloaded),
-            (24 * GIB - 8_048_869_376, 0)
-        );
-    }
-    // Llama-3-8B (14.96 GiB) on 24 GiB: PyTorch's view leaves 9.04 GiB free after the first
-    // load, so the loader offloads at every later load; resmem's view never does.
-    let torch = Policy::Torch.build(sim(24 * GIB));
-    let rows = demo::run(&*torch, &LLAMA_3_8B, 3).unwrap();
-    assert_eq!(rows.iter().filter(|r| r.offloaded > 0).count(), 2);
-    let resmem = Policy::Resmem.build(sim(24 * GIB));
-    let rows = demo::run(&*resmem, &LLAMA_3_8B, 3).unwrap();
-    assert!(rows
-        .iter()
-        .all(|r| r.offloaded == 0 && r.reported_free == 24 * GIB));
+fn the_seed_through_pytorchs_calls() {
+    let warmup = seed::warmup_bytes(&QWEN3_4B, QWEN3_4B.parameters().len());
+    assert_eq!(warmup, 8_822_848_512); // 8.22 GiB
+    let torch = demo::run(&*Policy::Torch.build(sim(24 * GIB)), &QWEN3_4B, 4).unwrap();
+    // The warm-up's segment (8.22 GiB rounded to 2 MiB) and the small pool's 2 MiB; the next
+    // warm-up does not fit beside the survivor, so a second one: 16.44 GiB.
+    let one = 8_824_815_616;
+    let reserved: Vec<u64> = torch.loads.iter().map(|l| l.reserved).collect();
+    assert_eq!(
+        reserved,
+        [
+            one + 2 * MIB,
+            2 * one + 2 * MIB,
+            2 * one + 2 * MIB,
+            2 * one + 2 * MIB
+        ]
+    );
+    assert_eq!(torch.stats.peak_reserved_bytes, 2 * one + 2 * MIB);
+    assert_eq!(
+        format!("{:.2}", torch.stats.peak_reserved_bytes as f64 / GIB as f64),
+        "16.44"
+    );
+    // PyTorch's view counts the cache as used: 7.56 GiB free at load 3, less the room for the
+    // largest layer, is short of the 7.49 GiB model.
+    let free: Vec<u64> = torch.loads.iter().map(|l| l.reported_free).collect();
+    assert_eq!(
+        free,
+        [
+            24 * GIB,
+            24 * GIB - one - 2 * MIB,
+            24 * GIB - 2 * one - 2 * MIB,
+            24 * GIB - 2 * one - 2 * MIB
+        ]
+    );
+    assert_eq!(torch.offloaded_loads(), vec![3, 4]);
+    let survivors: Vec<u64> = torch.loads.iter().map(|l| l.allocated).collect();
+    assert_eq!(survivors, [1, 2, 3, 4].map(|n| n * seed::SURVIVOR));
+    // resmem's default, fed the same calls, counts its cache as free: nothing is offloaded.
+    let resmem = demo::run(&*Policy::Resmem.build(sim(24 * GIB)), &QWEN3_4B, 4).unwrap();
+    assert_eq!(resmem.offloaded_loads(), Vec::<usize>::new());
+    // The shipped trace is the same calls with nothing offloaded: PyTorch's policy reaches the
+    // same 16.44 GiB.
+    let trace = Trace::read(&traces_dir().join("qwen3-4b-seed.jsonl"), 0).unwrap();
+    let replayed = replay(&trace, Policy::Torch, 24 * GIB, |_| {}).unwrap();
+    assert_eq!(replayed.stats.peak_reserved_bytes, 2 * one + 2 * MIB);
+    assert_eq!(replayed.ooms, 0);
 }

@@ -38,9 +38,12 @@ use std::fmt;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod faults;
+pub mod ledger;
 mod vmm;
 use faults::Faults;
 pub use faults::{Call, Fault};
+pub use ledger::CallTally;
+use ledger::Ledger;
 pub use vmm::{ATTRIBUTE_VMM_SUPPORTED, GRANULARITY};
 
 /// The result of a simulated driver call.
@@ -352,6 +355,8 @@ struct State {
     alloc_calls: u64,
     free_calls: u64,
     faults: Faults,
+    /// Calls by kind and the memory each kind created and gave back.
+    ledger: Ledger,
     vmm: vmm::VmmState,
 }
 
@@ -366,10 +371,17 @@ fn merge_requirement(reqs: &mut Vec<Requirement>, req: Requirement) {
 impl State {
     /// Count a call of `call` and fail it if a fault says so.
     fn fault(&mut self, call: Call) -> CuResult<()> {
+        let used = self.used_pages();
+        self.ledger.begin(call, used);
         match self.faults.hit(call) {
             Some(code) => Err(CuError(code)),
             None => Ok(()),
         }
+    }
+
+    /// Pages in use on all devices.
+    fn used_pages(&self) -> u64 {
+        self.devices.iter().map(|d| d.used_pages).sum()
     }
 
     fn check_init(&self) -> CuResult<()> {
@@ -540,6 +552,7 @@ impl Sim {
                 alloc_calls: 0,
                 free_calls: 0,
                 faults: Faults::new(),
+                ledger: Ledger::new(),
                 vmm: vmm::VmmState::new(),
             }),
             config_error: None,
@@ -606,6 +619,13 @@ impl Sim {
         self.lock().faults.calls(call)
     }
 
+    /// Every driver function's calls since creation (failed ones included) and the device
+    /// memory they created and gave back, in [`Call::ALL`] order; see [`ledger`] for the cost
+    /// model that estimates their time.
+    pub fn driver_calls(&self) -> Vec<CallTally> {
+        self.lock().ledger.tallies()
+    }
+
     /// How many calls failed because of an injected fault since creation.
     pub fn injected_failures(&self) -> u64 {
         self.lock().faults.injected()
@@ -640,7 +660,11 @@ impl Sim {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while holding the lock cannot leave the state half-updated
         // in a way that matters more than refusing all later calls would.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // The previous call has ended: what it changed is its own.
+        let used = st.used_pages();
+        st.ledger.settle(used, PAGE);
+        st
     }
 
     /// `cuInit`: initializes the driver; calling it again is harmless.

@@ -25,12 +25,12 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use resmem::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
+use resmem::error::{rm_status, Error, Result};
+use resmem::Stats;
+
+use super::keys::{bytes as human, AddrMap};
 use crate::allocator::Allocator;
-use crate::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
-use crate::error::{rm_status, Error, Result};
-use crate::pool::hash::IntMap;
-use crate::pool::size::human;
-use crate::pool::Stats;
 
 /// The smallest block, and the rounding of every request.
 pub const MIN_BLOCK: u64 = 512;
@@ -99,7 +99,7 @@ impl Block {
 /// One device's books.
 #[derive(Default)]
 struct Device {
-    blocks: IntMap<DevicePtr, Block>,
+    blocks: AddrMap<Block>,
     /// Cached blocks by (stream, size, address): `[small, large]`.
     free: [BTreeSet<(StreamHandle, u64, DevicePtr)>; 2],
     pending: Vec<(DevicePtr, Vec<EventHandle>)>,

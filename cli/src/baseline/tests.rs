@@ -6,8 +6,8 @@ use cuda_sim::Sim;
 
 use super::torch::*;
 use crate::allocator::Allocator;
-use crate::driver::sim::SimDriver;
-use crate::error::rm_status;
+use resmem::driver::sim::SimDriver;
+use resmem::error::rm_status;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;

@@ -8,7 +8,7 @@
 //!   afresh with classic segments (one `cuMemAlloc`), both on a simulated driver.
 //!
 //! Everything runs on simulated devices (`RESMEM_DRIVER=sim`, 80 GiB), set before the first
-//! call. Run: `cargo bench --bench pool` (or `scripts/benchmarks.sh` for BENCHMARKS.md).
+//! call. Run: `cargo bench -p resmem-cli --bench pool` (or `scripts/benchmarks.py` for BENCHMARKS.md).
 
 use std::ffi::c_void;
 use std::hint::black_box;
@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use cuda_sim::Sim;
-use resmem::baseline::{TorchAllocator, TorchConfig};
 use resmem::capi::{rm_mem_get_info, rm_release, rm_reserve};
 use resmem::driver::sim::SimDriver;
 use resmem::error::rm_status;
-use resmem::Allocator;
+use resmem_cli::allocator::Allocator;
+use resmem_cli::baseline::{TorchAllocator, TorchConfig};
 
 const SIZES: [(usize, &str); 4] = [
     (512, "512B"),

@@ -1,10 +1,11 @@
 //! Reference policies that resmem's figures are compared against. Each implements
-//! [`crate::Allocator`] over the same [`crate::Driver`] trait as the pool, so trace replay, the
+//! [`crate::allocator::Allocator`] over the same [`resmem::Driver`] trait as the pool, so trace replay, the
 //! demo and the benchmarks drive them through the same calls.
 //!
 //! - [`torch`]: PyTorch's native CUDA caching allocator, as `c10/cuda/CUDACachingAllocator.cpp`
 //!   documents it.
 
+mod keys;
 pub mod torch;
 
 pub use torch::{TorchAllocator, TorchConfig};

@@ -2,9 +2,9 @@
 //! and so does the PyTorch-policy baseline, so that trace replay, demos and benchmarks drive
 //! either one through the same calls and compare their figures.
 
-use crate::driver::{DevicePtr, StreamHandle};
-use crate::error::Result;
-use crate::pool::{Pool, Stats};
+use resmem::driver::{DevicePtr, StreamHandle};
+use resmem::error::Result;
+use resmem::{Pool, Stats};
 
 /// A caching device-memory allocator over some driver.
 pub trait Allocator: Send + Sync {

@@ -1,0 +1,192 @@
+//! The figures of replays, for people (a side-by-side table) and for scripts (JSON).
+
+use crate::replay::{Outcome, Policy, CALL_ROWS};
+use crate::trace::Trace;
+
+/// Hundredths of a GiB: `7.49`.
+fn gib(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / f64::from(1u32 << 30))
+}
+
+/// The side-by-side table of several outcomes (sizes in GiB), with the smallest device of each
+/// when `min_devices` has them (in the same order).
+pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -> String {
+    let mut rows: Vec<(String, Vec<String>)> = vec![
+        ("peak requested (GiB)".into(), vec![]),
+        ("peak reserved (GiB)".into(), vec![]),
+        ("fragmentation".into(), vec![]),
+    ];
+    if !min_devices.is_empty() {
+        rows.push(("smallest device (GiB)".into(), vec![]));
+    }
+    rows.push(("out-of-memory events".into(), vec![]));
+    rows.push(("memory-creating calls".into(), vec![]));
+    for (label, _) in CALL_ROWS {
+        rows.push((format!("  {label}"), vec![]));
+    }
+    rows.push(("est. driver time (ms)".into(), vec![]));
+    for (i, o) in outcomes.iter().enumerate() {
+        let mut cells = vec![
+            gib(o.peak_requested),
+            gib(o.stats.peak_reserved_bytes),
+            format!("{:.2} %", 100.0 * o.fragmentation()),
+        ];
+        if !min_devices.is_empty() {
+            cells.push(match min_devices.get(i).copied().flatten() {
+                Some(bytes) => gib(bytes),
+                None => "none".into(),
+            });
+        }
+        cells.push(o.ooms.to_string());
+        cells.push(o.creating_calls().to_string());
+        for (_, calls) in CALL_ROWS {
+            cells.push(o.count(calls).to_string());
+        }
+        cells.push(format!("{:.2}", o.driver_time_us() / 1000.0));
+        for (row, cell) in rows.iter_mut().zip(cells) {
+            row.1.push(cell);
+        }
+    }
+    let mut out = format!("{:<26}", "");
+    for o in outcomes {
+        let mark = if o.policy.is_default() { " *" } else { "" };
+        out.push_str(&format!("{:>17}", format!("{}{mark}", o.policy.name())));
+    }
+    out.push('\n');
+    for (label, cells) in rows {
+        out.push_str(&format!("{label:<26}"));
+        for c in cells {
+            out.push_str(&format!("{c:>17}"));
+        }
+        out.push('\n');
+    }
+    if outcomes.iter().any(|o| o.policy.is_default()) {
+        out.push_str("* resmem's default policy (PoolConfig::default())\n");
+    }
+    if let Some(peak) = trace.torch_peak_reserved {
+        out.push_str(&format!(
+            "PyTorch itself recorded a peak reserved of {} GiB",
+            gib(peak)
+        ));
+        if let Some(t) = outcomes.iter().find(|o| o.policy == Policy::Torch) {
+            let ratio = t.stats.peak_reserved_bytes as f64 / peak.max(1) as f64;
+            out.push_str(&format!(
+                "; the torch policy replayed {} GiB, {ratio:.4} x that",
+                gib(t.stats.peak_reserved_bytes)
+            ));
+        }
+        out.push('\n');
+        if trace.restored_blocks > 0 {
+            out.push_str(&format!(
+                "{} blocks live before recording began were allocated first\n",
+                trace.restored_blocks
+            ));
+        }
+        if trace.unmatched_frees > 0 {
+            out.push_str(&format!(
+                "{} frees of blocks the snapshot does not place were skipped\n",
+                trace.unmatched_frees
+            ));
+        }
+    }
+    out
+}
+
+/// The figures as JSON: the trace, PyTorch's recorded peak if known, and per policy its
+/// figures, driver calls by kind and smallest device (`null` when not searched or none runs).
+pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -> String {
+    let policies: Vec<serde_json::Value> = outcomes
+        .iter()
+        .enumerate()
+        .map(|(i, o)| {
+            let calls: serde_json::Map<String, serde_json::Value> = CALL_ROWS
+                .iter()
+                .map(|(label, calls)| (label.to_string(), o.count(calls).into()))
+                .collect();
+            serde_json::json!({
+                "policy": o.policy.name(),
+                "default": o.policy.is_default(),
+                "peak_requested": o.peak_requested,
+                "peak_allocated": o.stats.peak_allocated_bytes,
+                "peak_reserved": o.stats.peak_reserved_bytes,
+                "fragmentation": o.fragmentation(),
+                "smallest_device": min_devices.get(i).copied().flatten(),
+                "ooms": o.ooms,
+                "creating_calls": o.creating_calls(),
+                "calls": calls,
+                "driver_time_us": o.driver_time_us(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "trace": trace.name,
+        "operations": trace.events.len(),
+        "allocations": trace.allocs(),
+        "torch_recorded_peak_reserved": trace.torch_peak_reserved,
+        "restored_blocks": trace.restored_blocks,
+        "policies": policies,
+    })
+    .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::replay;
+    use crate::trace::Event;
+
+    #[test]
+    fn the_table_marks_the_default_and_the_json_carries_every_figure() {
+        let trace = Trace {
+            name: "t".into(),
+            events: vec![
+                Event::Alloc {
+                    id: 1,
+                    size: 3 << 20,
+                    stream: 0,
+                },
+                Event::Free { id: 1 },
+            ],
+            ..Trace::default()
+        };
+        let outcomes: Vec<Outcome> = [Policy::Torch, Policy::Resmem]
+            .iter()
+            .map(|&p| replay(&trace, p, 1 << 30, |_| {}).unwrap())
+            .collect();
+        let text = table(&trace, &outcomes, &[Some(32 << 20), None]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0].split_whitespace().collect::<Vec<_>>(),
+            ["torch", "resmem", "*"]
+        );
+        // PyTorch's policy: a 20 MiB segment for 3 MiB.
+        let row = |label: &str| {
+            let line = lines.iter().find(|l| l.starts_with(label)).unwrap();
+            line[label.len()..]
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(row("peak requested (GiB)"), "0.00");
+        assert_eq!(row("peak reserved (GiB)"), "0.02");
+        assert_eq!(row("fragmentation"), "85.00");
+        assert_eq!(row("smallest device (GiB)"), "0.03");
+        assert_eq!(row("memory-creating calls"), "1");
+        assert!(text.ends_with("* resmem's default policy (PoolConfig::default())\n"));
+        let json: serde_json::Value =
+            serde_json::from_str(&json(&trace, &outcomes, &[Some(32 << 20), None])).unwrap();
+        let torch = &json["policies"][0];
+        assert_eq!(torch["policy"], "torch");
+        assert_eq!(torch["default"], false);
+        assert_eq!(torch["peak_requested"], 3 << 20);
+        assert_eq!(torch["peak_reserved"], 20 << 20);
+        assert_eq!(torch["smallest_device"], 32 << 20);
+        assert_eq!(torch["calls"]["cuMemAlloc"], 1);
+        assert_eq!(json["policies"][1]["default"], true);
+        assert_eq!(
+            json["policies"][1]["smallest_device"],
+            serde_json::Value::Null
+        );
+    }
+}

@@ -1,0 +1,381 @@
+//! PyTorch memory snapshots (`torch.cuda.memory._snapshot()`, pickled by
+//! `torch.cuda.memory._dump_snapshot`) read as a [`Trace`].
+//!
+//! A snapshot holds the allocator's end state (`segments`, with their blocks) and, when
+//! `torch.cuda.memory._record_memory_history()` ran, the events of each device
+//! (`device_traces`). Recording usually starts after some blocks were already allocated (the
+//! model's weights, say): those blocks are in the end state or freed during the trace, but their
+//! `alloc` is not among the events. Replaying only the events would leave them out, so the
+//! reader walks the events backwards from the end state to find what was live at the first
+//! event, and allocates those blocks first, in address order.
+//!
+//! `segment_alloc` / `segment_free` (and `segment_map` / `segment_unmap`) events, with the end
+//! state's segments, give the reserved memory PyTorch itself had: its peak is
+//! [`Trace::torch_peak_reserved`].
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde_pickle::{HashableValue, Value};
+
+use crate::trace::{Event, Trace};
+use crate::units::gib_or_mib;
+
+/// A block as the snapshot knows it: its requested bytes and raw stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Block {
+    size: u64,
+    stream: i128,
+}
+
+/// Read a pickled snapshot, taking device `device`'s trace.
+pub fn read(bytes: &[u8], device: usize) -> Result<Trace, String> {
+    let options = serde_pickle::DeOptions::new()
+        .replace_unresolved_globals()
+        .replace_recursive_structures();
+    let root = serde_pickle::value_from_slice(bytes, options)
+        .map_err(|e| format!("not a readable pickle: {e}"))?;
+    let root = dict(&root).ok_or("the pickle is not a memory snapshot (a dict)")?;
+    let segments: Vec<&BTreeMap<HashableValue, Value>> = get(root, "segments")
+        .and_then(list)
+        .map(|segs| {
+            segs.iter()
+                .filter_map(dict)
+                .filter(|s| get(s, "device").and_then(int) == Some(device as i128))
+                .collect()
+        })
+        .unwrap_or_default();
+    let end_reserved: i128 = segments
+        .iter()
+        .filter_map(|s| get(s, "total_size").and_then(int))
+        .sum();
+    let no_trace = || {
+        format!(
+            "the snapshot holds {} segment(s) ({}) on device {device} but no allocation \
+             events to replay: call torch.cuda.memory._record_memory_history() before the \
+             workload and dump the snapshot after it",
+            segments.len(),
+            gib_or_mib(u64::try_from(end_reserved).unwrap_or(0))
+        )
+    };
+    let traces = match get(root, "device_traces").and_then(list) {
+        Some(traces) => traces,
+        None if !segments.is_empty() => return Err(no_trace()),
+        None => {
+            return Err("the snapshot has no device_traces: record it with \
+                            torch.cuda.memory._record_memory_history() first"
+                .into())
+        }
+    };
+    let events: Vec<&BTreeMap<HashableValue, Value>> = match traces.get(device).and_then(list) {
+        Some(events) => events.iter().filter_map(dict).collect(),
+        None if !segments.is_empty() => return Err(no_trace()),
+        None => {
+            return Err(format!(
+                "the snapshot has traces for {} device(s); device {device} is not among them",
+                traces.len()
+            ))
+        }
+    };
+    let has_alloc = events.iter().any(|e| action(e) == "alloc");
+    if !has_alloc && !segments.is_empty() {
+        return Err(no_trace());
+    }
+    let mut trace = Trace {
+        description: format!("PyTorch memory snapshot, device {device}"),
+        ..Trace::default()
+    };
+    let mut streams = Streams::default();
+    let mut ids: HashMap<i128, u64> = HashMap::new();
+    let mut next_id = 0u64;
+    let before = live_before_recording(&segments, &events)?;
+    if !before.is_empty() {
+        trace.events.push(Event::Mark {
+            label: format!("blocks live before recording began ({})", before.len()),
+        });
+    }
+    for (addr, block) in before {
+        next_id += 1;
+        ids.insert(addr, next_id);
+        trace.events.push(Event::Alloc {
+            id: next_id,
+            size: block.size,
+            stream: streams.number(block.stream),
+        });
+        trace.restored_blocks += 1;
+    }
+    let (mut reserved, mut peak, mut net) = (0i128, 0i128, 0i128);
+    for event in &events {
+        let addr = get(event, "addr").and_then(int).unwrap_or(0);
+        let size = get(event, "size").and_then(int).unwrap_or(0);
+        match action(event) {
+            "alloc" => {
+                let raw = get(event, "stream").and_then(int).unwrap_or(0);
+                next_id += 1;
+                ids.insert(addr, next_id);
+                trace.events.push(Event::Alloc {
+                    id: next_id,
+                    size: u64::try_from(size).map_err(|_| "an alloc of a negative size")?,
+                    stream: streams.number(raw),
+                });
+            }
+            "free_completed" => match ids.remove(&addr) {
+                Some(id) => trace.events.push(Event::Free { id }),
+                None => trace.unmatched_frees += 1,
+            },
+            "segment_alloc" | "segment_map" => {
+                reserved += size;
+                net += size;
+                peak = peak.max(reserved);
+            }
+            "segment_free" | "segment_unmap" => {
+                reserved -= size;
+                net -= size;
+            }
+            _ => {}
+        }
+    }
+    // What was reserved before the trace began shifts every point by the same amount.
+    let start = (end_reserved - net).max(0);
+    trace.torch_peak_reserved = Some(u64::try_from(start + peak.max(0)).unwrap_or(0));
+    Ok(trace)
+}
+
+/// The blocks live at the first event, by address: the end state's live blocks, walked back
+/// through the events (an `alloc` was not live before it, a `free_completed` was).
+fn live_before_recording(
+    segments: &[&BTreeMap<HashableValue, Value>],
+    events: &[&BTreeMap<HashableValue, Value>],
+) -> Result<BTreeMap<i128, Block>, String> {
+    let mut live = BTreeMap::new();
+    for segment in segments {
+        let stream = get(segment, "stream").and_then(int).unwrap_or(0);
+        for block in get(segment, "blocks").and_then(list).into_iter().flatten() {
+            let Some(block) = dict(block) else { continue };
+            let state = get(block, "state").and_then(text).unwrap_or("");
+            if !state.starts_with("active") {
+                continue;
+            }
+            let addr = get(block, "address")
+                .and_then(int)
+                .ok_or("a live block of the snapshot's segments has no address")?;
+            // `requested_size` is what the caller asked for (0 in old snapshots: take `size`).
+            let size = match get(block, "requested_size").and_then(int) {
+                Some(r) if r > 0 => r,
+                _ => get(block, "size").and_then(int).unwrap_or(0),
+            };
+            let size = u64::try_from(size).map_err(|_| "a live block of a negative size")?;
+            live.insert(addr, Block { size, stream });
+        }
+    }
+    for event in events.iter().rev() {
+        let addr = get(event, "addr").and_then(int).unwrap_or(0);
+        match action(event) {
+            "alloc" => {
+                live.remove(&addr);
+            }
+            "free_completed" => {
+                let size = get(event, "size").and_then(int).unwrap_or(0);
+                let size = u64::try_from(size).map_err(|_| "a free of a negative size")?;
+                let stream = get(event, "stream").and_then(int).unwrap_or(0);
+                live.insert(addr, Block { size, stream });
+            }
+            _ => {}
+        }
+    }
+    Ok(live)
+}
+
+/// Raw CUDA stream handles numbered as traces number them: 0 stays 0, others 1, 2, ... in order
+/// of first use.
+#[derive(Default)]
+struct Streams(HashMap<i128, u64>);
+
+impl Streams {
+    fn number(&mut self, raw: i128) -> u64 {
+        if raw == 0 {
+            return 0;
+        }
+        let next = self.0.len() as u64 + 1;
+        *self.0.entry(raw).or_insert(next)
+    }
+}
+
+fn action(event: &BTreeMap<HashableValue, Value>) -> &str {
+    get(event, "action").and_then(text).unwrap_or("")
+}
+
+fn dict(v: &Value) -> Option<&BTreeMap<HashableValue, Value>> {
+    match v {
+        Value::Dict(d) => Some(d),
+        _ => None,
+    }
+}
+
+fn list(v: &Value) -> Option<&Vec<Value>> {
+    match v {
+        Value::List(l) | Value::Tuple(l) => Some(l),
+        _ => None,
+    }
+}
+
+fn int(v: &Value) -> Option<i128> {
+    match v {
+        Value::I64(i) => Some(i128::from(*i)),
+        Value::Int(big) => big.to_string().parse().ok(),
+        _ => None,
+    }
+}
+
+fn text(v: &Value) -> Option<&str> {
+    match v {
+        Value::String(s) => Some(s),
+        _ => None,
+    }
+}
+
+fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
+    d.get(&HashableValue::String(key.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: i64 = 1 << 20;
+
+    fn map(pairs: Vec<(&str, Value)>) -> Value {
+        Value::Dict(
+            pairs
+                .into_iter()
+                .map(|(k, v)| (HashableValue::String(k.into()), v))
+                .collect(),
+        )
+    }
+
+    fn event(action: &str, addr: i64, size: i64, stream: i64) -> Value {
+        map(vec![
+            ("action", Value::String(action.into())),
+            ("addr", Value::I64(addr)),
+            ("size", Value::I64(size)),
+            ("stream", Value::I64(stream)),
+        ])
+    }
+
+    fn block(addr: i64, size: i64, requested: i64, state: &str) -> Value {
+        map(vec![
+            ("address", Value::I64(addr)),
+            ("size", Value::I64(size)),
+            ("requested_size", Value::I64(requested)),
+            ("state", Value::String(state.into())),
+        ])
+    }
+
+    fn segment(addr: i64, size: i64, stream: i64, blocks: Vec<Value>) -> Value {
+        map(vec![
+            ("device", Value::I64(0)),
+            ("address", Value::I64(addr)),
+            ("total_size", Value::I64(size)),
+            ("stream", Value::I64(stream)),
+            ("blocks", Value::List(blocks)),
+        ])
+    }
+
+    fn pickle(segments: Vec<Value>, traces: Option<Vec<Vec<Value>>>) -> Vec<u8> {
+        let mut root = vec![("segments", Value::List(segments))];
+        if let Some(traces) = traces {
+            let traces = traces.into_iter().map(Value::List).collect();
+            root.push(("device_traces", Value::List(traces)));
+        }
+        serde_pickle::value_to_vec(&map(root), serde_pickle::SerOptions::new()).unwrap()
+    }
+
+    #[test]
+    fn blocks_live_before_recording_are_allocated_first() {
+        // Segment A (20 MiB, stream 7) holds W (6 MiB asked, 6 MiB block), live throughout,
+        // and V (3 MiB), live before recording and freed during it. Segment B (64 MiB, recorded)
+        // holds the traced block T, still live at the end.
+        let (a, b) = (0x7000_0000_0000, 0x7000_0200_0000);
+        let segments = vec![
+            segment(
+                a,
+                20 * MIB,
+                7,
+                vec![
+                    block(a, 6 * MIB, 6 * MIB, "active_allocated"),
+                    block(a + 6 * MIB, 14 * MIB, 0, "inactive"),
+                ],
+            ),
+            segment(
+                b,
+                64 * MIB,
+                0,
+                vec![block(b, 64 * MIB, 50 * MIB, "active_allocated")],
+            ),
+        ];
+        let events = vec![
+            event("free_requested", a + 6 * MIB, 3 * MIB, 7),
+            event("free_completed", a + 6 * MIB, 3 * MIB, 7),
+            event("segment_alloc", b, 64 * MIB, 0),
+            event("alloc", b, 50 * MIB, 0),
+        ];
+        let trace = read(&pickle(segments, Some(vec![events])), 0).unwrap();
+        let (w, v, t) = (6 << 20, 3 << 20, 50 << 20);
+        assert_eq!(
+            trace.events,
+            vec![
+                Event::Mark {
+                    label: "blocks live before recording began (2)".into()
+                },
+                Event::Alloc {
+                    id: 1,
+                    size: w,
+                    stream: 1
+                },
+                Event::Alloc {
+                    id: 2,
+                    size: v,
+                    stream: 1
+                },
+                Event::Free { id: 2 },
+                Event::Alloc {
+                    id: 3,
+                    size: t,
+                    stream: 0
+                },
+            ]
+        );
+        assert_eq!((trace.restored_blocks, trace.unmatched_frees), (2, 0));
+        // 20 MiB reserved before recording, 64 MiB more during it.
+        assert_eq!(trace.torch_peak_reserved, Some(84 << 20));
+    }
+
+    #[test]
+    fn a_snapshot_without_events_is_refused() {
+        let segments = vec![segment(
+            0x7000_0000_0000,
+            20 * MIB,
+            0,
+            vec![block(
+                0x7000_0000_0000,
+                20 * MIB,
+                20 * MIB,
+                "active_allocated",
+            )],
+        )];
+        let expected = "the snapshot holds 1 segment(s) (20.00 MiB) on device 0 but no \
+                        allocation events to replay: call \
+                        torch.cuda.memory._record_memory_history() before the workload and \
+                        dump the snapshot after it";
+        let no_key = read(&pickle(segments.clone(), None), 0).unwrap_err();
+        assert_eq!(no_key, expected);
+        let empty = read(&pickle(segments.clone(), Some(vec![vec![]])), 0).unwrap_err();
+        assert_eq!(empty, expected);
+        let no_device = read(&pickle(segments, Some(vec![])), 0).unwrap_err();
+        assert_eq!(no_device, expected);
+        let nothing = read(&pickle(vec![], Some(vec![])), 0).unwrap_err();
+        assert_eq!(
+            nothing,
+            "the snapshot has traces for 0 device(s); device 0 is not among them"
+        );
+    }
+}

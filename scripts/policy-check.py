@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Issue 9's policy check: every shipped trace and every PyTorch snapshot in a folder, replayed
+under PyTorch's policy and resmem's classic and virtual-memory policies (and resmem's default,
+marked, if it is neither), with the criteria that resmem's default must meet against PyTorch's:
+
+  peak reserved <= PyTorch's + 0.5%; smallest device <= PyTorch's; out-of-memory events <=
+  PyTorch's; memory-creating driver calls (cuMemAlloc + cuMemCreate) <= PyTorch's; where
+  PyTorch's fragmentation exceeds 5%, at most half of it.
+
+Fragmentation is 1 - peak requested bytes / peak reserved bytes, for every policy
+(traces/README.md). Driver time is the simulator's estimate (cuda-sim/src/ledger.rs).
+
+    scripts/policy-check.py                       # snapshots from ../shared/real-snapshots
+    scripts/policy-check.py SNAPSHOT_DIR          # another folder of *.pickle
+    scripts/policy-check.py --markdown            # the table for BENCHMARKS.md
+
+It builds the command (release) first, prints one block per trace, and exits 1 if any trace
+fails a criterion. It is a measurement, not a test.
+"""
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESMEM = ROOT / "target" / "release" / "resmem"
+GIB = 1 << 30
+
+
+def replay(path, policy):
+    out = subprocess.run(
+        [str(RESMEM), "replay", str(path), "--policy", policy, "--min-device", "--json"],
+        cwd=ROOT, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def figures(path):
+    """The trace's JSON figures with every policy, resmem's default added if none is it."""
+    report = replay(path, "all")
+    if not any(p["default"] for p in report["policies"]):
+        default = replay(path, "resmem")["policies"][0]
+        report["policies"].append(default)
+    return report
+
+
+def checks(torch, default):
+    """(criterion, passed) for resmem's default against PyTorch's policy."""
+    t_dev, d_dev = torch["smallest_device"], default["smallest_device"]
+    device_ok = d_dev is not None and (t_dev is None or d_dev <= t_dev)
+    out = [
+        ("peak reserved <= torch +0.5%", default["peak_reserved"] <= torch["peak_reserved"] * 1.005),
+        ("smallest device <= torch", device_ok),
+        ("OOMs <= torch", default["ooms"] <= torch["ooms"]),
+        ("creating calls <= torch", default["creating_calls"] <= torch["creating_calls"]),
+    ]
+    if torch["fragmentation"] > 0.05:
+        out.append(("fragmentation <= torch / 2",
+                    default["fragmentation"] <= torch["fragmentation"] / 2))
+    return out
+
+
+def gib(n):
+    return "none" if n is None else f"{n / GIB:.2f}"
+
+
+def row(p):
+    name = p["policy"] + (" *" if p["default"] else "")
+    return (name, gib(p["peak_reserved"]), gib(p["smallest_device"]), str(p["ooms"]),
+            str(p["creating_calls"]), f"{p['driver_time_us'] / 1000:.2f}",
+            f"{100 * p['fragmentation']:.2f} %")
+
+
+HEADER = ("policy", "peak reserved (GiB)", "smallest device (GiB)", "OOMs",
+          "creating calls", "est. driver time (ms)", "fragmentation")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("snapshots", nargs="?", default=str(ROOT.parent / "shared" / "real-snapshots"),
+                        help="a folder of PyTorch memory snapshots (*.pickle)")
+    parser.add_argument("--markdown", action="store_true", help="print markdown tables")
+    parser.add_argument("--no-build", action="store_true", help="use target/release/resmem as is")
+    args = parser.parse_args()
+    if not args.no_build:
+        subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT, check=True)
+    paths = sorted((ROOT / "traces").glob("*.jsonl"))
+    folder = pathlib.Path(args.snapshots)
+    if folder.is_dir():
+        paths += sorted(folder.glob("*.pickle"))
+    else:
+        print(f"policy-check: {folder} is not a folder; shipped traces only", file=sys.stderr)
+    failed = []
+    recorded_rows = []
+    if args.markdown:
+        print("| trace | " + " | ".join(HEADER) + " | default vs torch |")
+        print("| --- | " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " | --- |")
+    for path in paths:
+        report = figures(path)
+        policies = report["policies"]
+        torch = next(p for p in policies if p["policy"] == "torch")
+        default = next(p for p in policies if p["default"])
+        results = checks(torch, default)
+        verdict = "PASS" if all(ok for _, ok in results) else "FAIL"
+        if verdict == "FAIL":
+            failed.append(report["trace"])
+        missed = ", ".join(name for name, ok in results if not ok)
+        recorded = report.get("torch_recorded_peak_reserved")
+        if recorded is not None:
+            recorded_rows.append((path.name, recorded, torch["peak_reserved"]))
+        if args.markdown:
+            for i, p in enumerate(policies):
+                name = f"`{path.name}`" if i == 0 else ""
+                mark = (verdict + (f": {missed}" if missed else "")) if i == 0 else ""
+                print(f"| {name} | " + " | ".join(row(p)) + f" | {mark} |")
+            continue
+        print(f"== {path.name}: {report['allocations']} allocations")
+        if recorded is not None:
+            ratio = torch["peak_reserved"] / max(recorded, 1)
+            print(f"   PyTorch recorded a peak reserved of {gib(recorded)} GiB; its policy "
+                  f"replayed {gib(torch['peak_reserved'])} GiB ({ratio:.4f} x)")
+        widths = [16] + [max(len(h), 10) for h in HEADER[1:]]
+        print("   " + "  ".join(h.rjust(w) for h, w in zip(HEADER, widths)))
+        for p in policies:
+            print("   " + "  ".join(c.rjust(w) for c, w in zip(row(p), widths)))
+        for name, ok in results:
+            print(f"   {'PASS' if ok else 'FAIL'}  {name}")
+        print(f"   {verdict}")
+    if args.markdown and recorded_rows:
+        print("\n| snapshot | peak reserved PyTorch recorded (GiB) | torch policy replayed (GiB) "
+              "| replayed / recorded |")
+        print("| --- | ---: | ---: | ---: |")
+        for name, recorded, replayed in recorded_rows:
+            print(f"| `{name}` | {recorded / GIB:.3f} | {replayed / GIB:.3f} "
+                  f"| {replayed / max(recorded, 1):.4f} |")
+    print(f"\n{len(paths) - len(failed)} of {len(paths)} traces pass"
+          + (f"; failing: {', '.join(failed)}" if failed else ""),
+          file=sys.stderr if args.markdown else sys.stdout)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
