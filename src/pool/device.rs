@@ -635,10 +635,16 @@ impl DevicePool {
             self.segments[seg as usize].size,
         );
         if !self.segments[seg as usize].stitched {
-            cx.driver.mem_free(self.device, base).map_err(|e| {
-                Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
-            })?;
-            self.forget_segment(cx, seg);
+            // Out of the directory before the driver can hand the addresses to another device.
+            cx.directory.remove(base, self.device);
+            if let Err(e) = cx.driver.mem_free(self.device, base) {
+                cx.directory.insert(base, size, self.device);
+                return Err(Error::driver(
+                    &format!("returning segment {base:#x} to the driver"),
+                    &e,
+                ));
+            }
+            self.forget_segment(seg);
             self.stats.remove_reserved(size, 1);
             return Ok(());
         }
@@ -646,12 +652,13 @@ impl DevicePool {
         self.release_chunks(cx, chunks)
     }
 
-    /// Drop a segment with no block in use from the books (not its memory); returns the
+    /// Drop a segment with no block in use from the books (not its memory, and not its
+    /// directory entry, which the caller removed before freeing its addresses); returns the
     /// chunks still mapped in it.
-    fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) -> Vec<Chunk> {
-        let (base, slot, class, mut id, idle_at) = {
+    fn forget_segment(&mut self, seg: u32) -> Vec<Chunk> {
+        let (slot, class, mut id, idle_at) = {
             let s = &self.segments[seg as usize];
-            (s.base, s.slot, s.class, s.first, s.idle_at)
+            (s.slot, s.class, s.first, s.idle_at)
         };
         while id != NIL {
             let next = self.blocks[id].next;
@@ -668,7 +675,6 @@ impl DevicePool {
         self.leave_slot(slot);
         self.segments[seg as usize].in_use = false;
         self.vacant_segments.push(seg);
-        cx.directory.remove(base);
         self.stats.segments -= 1;
         std::mem::take(&mut self.segments[seg as usize].chunks)
             .into_iter()

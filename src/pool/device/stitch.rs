@@ -233,15 +233,19 @@ impl DevicePool {
             self.segments[seg as usize].base,
             self.segments[seg as usize].size,
         );
+        // Out of the directory before the range is freed: address ranges are shared by all
+        // devices, and another one can be given this base as soon as it is free.
+        cx.directory.remove(base, self.device);
         if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
             // The segment stays, all holes, until a later attempt frees its range.
+            cx.directory.insert(base, size, self.device);
             self.spare.append(&mut taken);
             return Err(Error::driver(
                 &format!("freeing the address range of segment {base:#x}"),
                 &e,
             ));
         }
-        let left = self.forget_segment(cx, seg);
+        let left = self.forget_segment(seg);
         debug_assert!(left.is_empty());
         Ok(taken)
     }
