@@ -116,6 +116,21 @@ impl Error {
     }
 }
 
+impl Error {
+    /// This error, noting that undoing the failed step failed too with `cleanup`: what could
+    /// not be given back stays held by the pool, counted as reserved, for a later attempt.
+    pub fn with_cleanup_failure(self, cleanup: &Error) -> Error {
+        Error::new(
+            self.status,
+            format!(
+                "{}; undoing it failed too ({}), so that memory stays reserved by the pool and \
+                 rm_free_reusable returns it once the driver allows",
+                self.message, cleanup.message
+            ),
+        )
+    }
+}
+
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{:?}: {}", self.status, self.message)

@@ -23,7 +23,7 @@ use super::hash::IntMap;
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
-use stitch::{Chunk, VmmMode};
+use stitch::{Chunk, Stranded, VmmMode};
 
 mod stitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
@@ -104,6 +104,8 @@ pub struct DevicePool {
     vmm: VmmMode,
     /// Physical chunks held but mapped nowhere (virtual-memory mode): reserved and reusable.
     spare: Vec<Chunk>,
+    /// Failed segment builds the driver would not let the pool undo yet (virtual-memory mode).
+    stranded: Vec<Stranded>,
 }
 
 impl DevicePool {
@@ -128,6 +130,7 @@ impl DevicePool {
             limit: None,
             vmm: VmmMode::Undecided,
             spare: Vec::new(),
+            stranded: Vec::new(),
         }
     }
 
@@ -280,8 +283,13 @@ impl DevicePool {
     pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
         self.flush_parked();
         self.collect_pending(cx, true)?;
+        let stitching = matches!(self.vmm, VmmMode::On(_));
+        if stitching {
+            // Clean-up the driver refused earlier first, so that its chunks go back too.
+            self.retry_cleanup(cx)?;
+        }
         let mut released = self.release_idle(cx, u64::MAX)?;
-        if matches!(self.vmm, VmmMode::On(_)) {
+        if stitching {
             // Chunks under free blocks of segments still in use go back too.
             let chunks = self.harvest(cx, u64::MAX)?;
             released += chunks.iter().map(|c| c.size).sum::<u64>();
@@ -1230,7 +1238,7 @@ impl DevicePool {
                 self.parked
             ));
         }
-        reserved += self.spare_bytes();
+        reserved += self.spare_bytes() + self.stranded_bytes();
         let s = &self.stats;
         let books = (
             s.reserved_bytes,
