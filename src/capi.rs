@@ -93,6 +93,11 @@ fn install_quiet_panic_hook() {
 
 /// Run an export's body: its error becomes a status and this thread's last-error message,
 /// prefixed with the function's name; a panic becomes `RM_ERROR_INTERNAL`.
+///
+/// Nothing here may unwind into C, even when called from a thread-exit destructor or an
+/// `atexit` handler, after the thread's locals are gone: `IN_BOUNDARY` has no destructor (always
+/// usable), and the last-error storage is reached with `try_with` (see [`set_last_error`]),
+/// inside a catch of its own.
 pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
     install_quiet_panic_hook();
     let outer = IN_BOUNDARY.with(|b| b.replace(true));
@@ -115,7 +120,9 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_
             ))
         }
     };
-    set_last_error(&format!("{function}: {}", error.message));
+    let message = format!("{function}: {}", error.message);
+    // A panic here could only lose the message, never the status.
+    let _stored = panic::catch_unwind(|| set_last_error(&message));
     error.status
 }
 

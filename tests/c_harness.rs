@@ -295,6 +295,34 @@ fn a_setuid_program_ignores_resmem_conf() {
 }
 
 #[test]
+fn every_export_works_from_thread_exit_destructors_and_atexit_handlers() {
+    let exe = compile("exit", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        for conf in ["", "vmm:true"] {
+            let out = spawn(
+                &exe,
+                &[],
+                driver.clone(),
+                &[("RESMEM_CONF", OsStr::new(conf))],
+            );
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+            );
+            let what = format!("{driver:?} {conf:?}: {}\n{stdout}{stderr}", out.status);
+            assert!(out.status.success(), "{what}");
+            assert!(
+                stdout.contains("exit in thread destructor: 0 failure(s)")
+                    && stdout.contains("exit in atexit handler: 0 failure(s)"),
+                "{what}"
+            );
+            // Neither the library nor the simulated driver says anything.
+            assert_eq!(stderr, "", "{what}");
+        }
+    }
+}
+
+#[test]
 fn a_forked_child_gets_a_clear_error_and_the_parent_goes_on() {
     let exe = compile("fork", false, false);
     for driver in [Driver::InProcess, Driver::SimLibrary] {

@@ -24,7 +24,7 @@
 
 #![warn(missing_docs)]
 
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -56,9 +56,40 @@ const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 
 type Status = Result<(), CUresult>;
 
+/// The deepest context stack a thread may build (programs push one or two).
+const STACK_MAX: usize = 64;
+
 thread_local! {
-    /// The calling thread's context stack, as device ordinals.
-    static CONTEXT_STACK: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's context stack, as device ordinals, and its depth. Plain `Copy`
+    /// storage with no destructor: it stays usable while the thread's other locals are being
+    /// destroyed, so a driver call from a thread-exit destructor or an `atexit` handler works.
+    static CONTEXT_STACK: Cell<([CUdevice; STACK_MAX], usize)> =
+        const { Cell::new(([0; STACK_MAX], 0)) };
+}
+
+/// The calling thread's current context's device, if any.
+fn stack_top() -> Option<CUdevice> {
+    let (stack, depth) = CONTEXT_STACK.get();
+    depth.checked_sub(1).map(|top| stack[top])
+}
+
+/// Push `dev` on the calling thread's context stack; `CUDA_ERROR_INVALID_VALUE` when full.
+fn stack_push(dev: CUdevice) -> Status {
+    let (mut stack, depth) = CONTEXT_STACK.get();
+    if depth == STACK_MAX {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    stack[depth] = dev;
+    CONTEXT_STACK.set((stack, depth + 1));
+    Ok(())
+}
+
+/// Pop the calling thread's current context; its device, if there was one.
+fn stack_pop() -> Option<CUdevice> {
+    let (stack, depth) = CONTEXT_STACK.get();
+    let top = depth.checked_sub(1)?;
+    CONTEXT_STACK.set((stack, top));
+    Some(stack[top])
 }
 
 /// Primary-context reference counts per device.
@@ -130,7 +161,7 @@ fn ctx_device(ctx: CUcontext) -> Result<CUdevice, CUresult> {
 /// The device of the calling thread's current context.
 fn current_device() -> Result<CUdevice, CUresult> {
     initialized()?;
-    let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
+    let top = stack_top();
     match top {
         Some(dev) if retain_count(dev) > 0 => Ok(dev),
         _ => Err(CUDA_ERROR_INVALID_CONTEXT),
@@ -366,8 +397,7 @@ pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
     guard(|| {
         fault_point(Call::CtxPushCurrent)?;
         let dev = ctx_device(ctx)?;
-        CONTEXT_STACK.with(|s| s.borrow_mut().push(dev));
-        Ok(())
+        stack_push(dev)
     })
 }
 
@@ -382,9 +412,7 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
     guard(|| {
         fault_point(Call::CtxPopCurrent)?;
         initialized()?;
-        let dev = CONTEXT_STACK
-            .with(|s| s.borrow_mut().pop())
-            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        let dev = stack_pop().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         if !pctx.is_null() {
             // SAFETY: the caller's contract on `pctx`.
             unsafe { write_out(pctx, ctx_handle(dev)) }?;
@@ -403,7 +431,7 @@ pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
     guard(|| {
         fault_point(Call::CtxGetCurrent)?;
         initialized()?;
-        let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
+        let top = stack_top();
         let ctx = top.map_or(std::ptr::null_mut(), ctx_handle);
         // SAFETY: the caller's contract on `pctx`.
         unsafe { write_out(pctx, ctx) }
@@ -421,16 +449,12 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
         fault_point(Call::CtxSetCurrent)?;
         initialized()?;
         if ctx.is_null() {
-            CONTEXT_STACK.with(|s| s.borrow_mut().pop());
+            stack_pop();
             return Ok(());
         }
         let dev = ctx_device(ctx)?;
-        CONTEXT_STACK.with(|s| {
-            let mut s = s.borrow_mut();
-            s.pop();
-            s.push(dev);
-        });
-        Ok(())
+        stack_pop();
+        stack_push(dev)
     })
 }
 

@@ -473,9 +473,11 @@ impl DevicePool {
                     }
                 }
                 Err(err) => {
+                    // Chunks that cannot go back stay held, as spare (see `release_chunks`);
+                    // released first, so that the message's figures are those left.
+                    let released = self.release_chunks(cx, created);
                     let err = self.alloc_failure(cx, err, requested, need);
-                    // Chunks that cannot go back stay held, as spare (see `release_chunks`).
-                    return Err(match self.release_chunks(cx, created) {
+                    return Err(match released {
                         Ok(()) => err,
                         Err(cleanup) => err.with_cleanup_failure(&cleanup),
                     });
