@@ -130,7 +130,7 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_
 /// can check that a panic becomes `RM_ERROR_INTERNAL` and the library stays usable.
 fn test_panic(function: &str) {
     #[cfg(debug_assertions)]
-    if std::env::var_os("RESMEM_TEST_PANIC").is_some_and(|f| f == function) {
+    if runtime::var_os("RESMEM_TEST_PANIC").is_some_and(|f| f == function) {
         panic!("RESMEM_TEST_PANIC={function}");
     }
     #[cfg(not(debug_assertions))]

@@ -5,12 +5,14 @@
 //! and returned, with its message, by every later call.
 //!
 //! Two guards protect the process:
-//! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY` and
-//!   `RESMEM_CONF` are ignored, as `secure_getenv` would, so that whoever runs the program cannot
-//!   make it load a library of their choosing;
+//! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY`,
+//!   `RESMEM_CONF` and any variable not known to load nothing are ignored, as `secure_getenv`
+//!   would, so that whoever runs the program cannot make it load a library of their choosing.
+//!   Every variable both objects read goes through the one guarded reader, [`var_os`];
 //! - CUDA driver state does not survive `fork()`: a child of the process that started the pool
 //!   gets `RM_ERROR_NO_DRIVER` with advice, instead of the parent's contexts and pointers.
 
+use std::ffi::OsString;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -36,20 +38,59 @@ pub fn is_secure() -> bool {
     unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
 }
 
-/// The variable's value; `None` when it is unset, or when `secure` and it names a variable
-/// that could make a privileged program load or behave as its caller chooses.
-pub fn var(name: &str, secure: bool) -> Option<String> {
-    if secure && matches!(name, "RESMEM_CUDA_LIBRARY" | "RESMEM_CONF") {
+/// Every environment variable `libresmem.so` and `libresmem_preload.so` read, and whether a
+/// privileged process reads it. All of them are read through [`var_os`] (or [`var`]), never
+/// `std::env` directly; a name not listed here is never read in a privileged process.
+pub const VARIABLES: [(&str, bool); 7] = [
+    // Picks the real driver or the built-in simulator: nothing the caller names is loaded.
+    ("RESMEM_DRIVER", true),
+    // Names a library to load, which would run with the program's privileges.
+    ("RESMEM_CUDA_LIBRARY", false),
+    // Changes what the pool (and the preload object's routing) does.
+    ("RESMEM_CONF", false),
+    // Makes an export panic on purpose (debug builds only).
+    ("RESMEM_TEST_PANIC", false),
+    // Shape the built-in simulator (RESMEM_DRIVER=sim): capacities, no virtual-memory API,
+    // scripted failures of simulated calls. Nothing is loaded and no real device is touched.
+    ("CUDA_SIM_DEVICES", true),
+    ("CUDA_SIM_VMM", true),
+    ("CUDA_SIM_FAULTS", true),
+];
+
+/// Whether a privileged process may read `name` (see [`VARIABLES`]); `false` for any other name.
+pub fn read_when_secure(name: &str) -> bool {
+    VARIABLES.iter().any(|&(n, read)| n == name && read)
+}
+
+/// The variable's value as `environ` holds it, read through `lookup`; `None` when it is unset,
+/// or when `secure` and [`read_when_secure`] refuses it (as `secure_getenv` would).
+pub fn var_os_with(
+    name: &str,
+    secure: bool,
+    lookup: impl FnOnce(&str) -> Option<OsString>,
+) -> Option<OsString> {
+    if secure && !read_when_secure(name) {
         return None;
     }
-    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+    lookup(name)
+}
+
+/// The variable's value, or `None` when unset or refused in a privileged process: the one
+/// guarded reader of the environment.
+pub fn var_os(name: &str) -> Option<OsString> {
+    var_os_with(name, is_secure(), |n| std::env::var_os(n))
+}
+
+/// [`var_os`], as text (invalid UTF-8 replaced).
+pub fn var(name: &str) -> Option<String> {
+    var_os(name).map(|v| v.to_string_lossy().into_owned())
 }
 
 /// Build a pool from settings.
 pub fn build(settings: &Settings) -> Result<Pool, Error> {
     let driver: Arc<dyn Driver> = match &settings.driver {
         DriverChoice::Cuda(library) => Arc::new(CudaDriver::load(library)?),
-        DriverChoice::Sim => Arc::new(SimDriver::new(cuda_sim::Sim::global())?),
+        DriverChoice::Sim => Arc::new(SimDriver::new(cuda_sim::Sim::global_from(&var_os))?),
     };
     Ok(Pool::new(driver, settings.pool))
 }
@@ -59,11 +100,10 @@ pub fn build(settings: &Settings) -> Result<Pool, Error> {
 pub fn settings() -> Result<&'static Settings, Error> {
     SETTINGS
         .get_or_init(|| {
-            let secure = is_secure();
             let (driver, library, conf) = (
-                var("RESMEM_DRIVER", secure),
-                var("RESMEM_CUDA_LIBRARY", secure),
-                var("RESMEM_CONF", secure),
+                var("RESMEM_DRIVER"),
+                var("RESMEM_CUDA_LIBRARY"),
+                var("RESMEM_CONF"),
             );
             Settings::from_vars(driver.as_deref(), library.as_deref(), conf.as_deref())
         })
@@ -124,15 +164,71 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_privileged_process_ignores_the_library_and_conf_variables() {
-        // PATH is set in any test run; it stands for a variable a privileged process may read.
-        assert!(var("PATH", true).is_some());
-        assert_eq!(var("PATH", true), var("PATH", false));
-        for name in ["RESMEM_CONF", "RESMEM_CUDA_LIBRARY"] {
-            assert_eq!(var(name, true), None, "{name}");
+    fn a_privileged_process_reads_only_the_variables_that_load_nothing() {
+        let set = |_: &str| Some(OsString::from("value"));
+        let refused = [
+            "RESMEM_CUDA_LIBRARY",
+            "RESMEM_CONF",
+            "RESMEM_TEST_PANIC",
+            "LD_LIBRARY_PATH",
+            "RESMEM_UNKNOWN",
+            "",
+        ];
+        for name in refused {
+            assert!(!read_when_secure(name), "{name}");
+            assert_eq!(var_os_with(name, true, set), None, "{name}");
+            assert_eq!(var_os_with(name, false, set), set(name), "{name}");
         }
-        // A test binary is not setuid; the C harness checks a setuid program.
+        let read = [
+            "RESMEM_DRIVER",
+            "CUDA_SIM_DEVICES",
+            "CUDA_SIM_VMM",
+            "CUDA_SIM_FAULTS",
+        ];
+        for name in read {
+            assert!(read_when_secure(name), "{name}");
+            assert_eq!(var_os_with(name, true, set), set(name), "{name}");
+            assert_eq!(var_os_with(name, false, set), set(name), "{name}");
+        }
+        // Every listed variable is decided above, and an unset one is None either way.
+        assert_eq!(VARIABLES.len(), read.len() + 3);
+        for (name, _) in VARIABLES {
+            assert!(read.contains(&name) || refused.contains(&name), "{name}");
+            assert_eq!(var_os_with(name, false, |_| None), None);
+        }
+        // A test binary is not setuid; the C harness checks a setuid and a setgid program.
         assert!(!is_secure());
+    }
+
+    /// Both objects read the environment only through the guarded reader: no `std::env` read
+    /// anywhere else in their sources.
+    #[test]
+    fn no_source_reads_the_environment_around_the_guard() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = Vec::new();
+        let mut dirs = vec![root.join("src"), root.join("preload/src")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        assert!(files.len() > 20, "{files:?}");
+        let this = root.join("src/runtime.rs");
+        for file in files.iter().filter(|f| **f != this) {
+            let text = std::fs::read_to_string(file).unwrap();
+            for needle in ["env::var", "getenv", "env::vars"] {
+                assert!(
+                    !text.contains(needle),
+                    "{} reads the environment with {needle}: use resmem::runtime::var",
+                    file.display()
+                );
+            }
+        }
     }
 
     #[test]
