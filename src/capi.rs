@@ -79,9 +79,10 @@ thread_local! {
 
 /// Keep panics caught at the boundary quiet (the library never prints unless asked); panics
 /// elsewhere in the host process go to the hook that was there before.
+static QUIET_HOOK: Once = Once::new();
+
 fn install_quiet_panic_hook() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
+    QUIET_HOOK.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
             if !IN_BOUNDARY.with(Cell::get) {
@@ -89,6 +90,14 @@ fn install_quiet_panic_hook() {
             }
         }));
     });
+}
+
+/// Put back the panic hook that was there before (the library is being unloaded).
+pub(crate) fn drop_panic_hook() {
+    if QUIET_HOOK.is_completed() {
+        // Ours wraps the previous one: dropping it drops that too, leaving the default.
+        drop(panic::take_hook());
+    }
 }
 
 /// Run an export's body: its error becomes a status and this thread's last-error message,

@@ -14,7 +14,7 @@
 
 use std::ffi::OsString;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use crate::config::{DriverChoice, Settings};
 use crate::driver::cuda::CudaDriver;
@@ -22,6 +22,7 @@ use crate::driver::sim::SimDriver;
 use crate::driver::Driver;
 use crate::error::{rm_status, Error};
 use crate::pool::Pool;
+use crate::unload::{self, Unloadable};
 
 /// The pool, or why it could not start, and the process that built it.
 struct Started {
@@ -29,8 +30,8 @@ struct Started {
     pool: Result<Pool, Error>,
 }
 
-static SETTINGS: OnceLock<Result<Settings, Error>> = OnceLock::new();
-static POOL: OnceLock<Started> = OnceLock::new();
+static SETTINGS: Unloadable<Result<Settings, Error>> = Unloadable::new();
+static POOL: Unloadable<Started> = Unloadable::new();
 
 /// Whether the process runs with elevated privileges (setuid, setgid or file capabilities).
 pub fn is_secure() -> bool {
@@ -99,7 +100,9 @@ pub fn build(settings: &Settings) -> Result<Pool, Error> {
 /// `RESMEM_CONF` (the last two ignored in a privileged process). Reading them loads nothing.
 pub fn settings() -> Result<&'static Settings, Error> {
     SETTINGS
+        .get()
         .get_or_init(|| {
+            unload::watch_exit();
             let (driver, library, conf) = (
                 var("RESMEM_DRIVER"),
                 var("RESMEM_CUDA_LIBRARY"),
@@ -127,7 +130,8 @@ pub fn forked_error(parent: u32, child: u32) -> Error {
 /// The process-wide pool, created on first use from [`settings`]. In a child forked after it
 /// started, an error that says what to do instead.
 pub fn pool() -> Result<&'static Pool, Error> {
-    let started = POOL.get_or_init(|| {
+    let started = POOL.get().get_or_init(|| {
+        unload::watch_exit();
         // SAFETY: the handler only stores to an atomic, which is safe in a forked child; it is
         // registered once, here, for the life of the process.
         unsafe { libc::pthread_atfork(None, None, Some(note_fork)) };
@@ -155,8 +159,30 @@ extern "C" fn note_fork() {
 /// (nothing is loaded).
 pub fn started() -> Option<&'static Pool> {
     POOL.get()
+        .get()
         .filter(|_| !FORKED.load(Ordering::Relaxed))
         .and_then(|started| started.pool.as_ref().ok())
+}
+
+/// Return the pool's cache to the driver and drop the process-wide state (the library is being
+/// unloaded).
+///
+/// # Safety
+/// No reference to the pool or the settings is alive, and no call will be made into the library.
+pub(crate) unsafe fn drop_state() {
+    // SAFETY: the caller's contract.
+    let started = unsafe { POOL.take() };
+    if let Some(Started { pool: Ok(pool), .. }) = &started {
+        if !FORKED.load(Ordering::Relaxed) {
+            // Nobody is left to hear of a failure: what cannot go back stays with the driver.
+            let _returned = pool.free_reusable(None);
+        }
+    }
+    drop(started);
+    // SAFETY: the caller's contract.
+    drop(unsafe { SETTINGS.take() });
+    // SAFETY: the caller's contract; the simulator is reached only through the pool.
+    unsafe { cuda_sim::Sim::drop_global() };
 }
 
 #[cfg(test)]

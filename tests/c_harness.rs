@@ -323,6 +323,27 @@ fn every_export_works_from_thread_exit_destructors_and_atexit_handlers() {
 }
 
 #[test]
+fn loading_and_unloading_the_library_does_not_grow_the_process() {
+    let exe = compile("unload", false, false);
+    let library = artifacts().lib_dir.join("libresmem.so");
+    let library = library.to_str().unwrap();
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        for conf in ["", "vmm:true"] {
+            let out = run(
+                &exe,
+                &[library, "220"],
+                driver.clone(),
+                &[("RESMEM_CONF", conf)],
+            );
+            assert!(
+                out.contains("unload: 220 cycles") && out.contains("; 0 failure(s)"),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_forked_child_gets_a_clear_error_and_the_parent_goes_on() {
     let exe = compile("fork", false, false);
     for driver in [Driver::InProcess, Driver::SimLibrary] {

@@ -183,6 +183,16 @@ const FIRST_STREAM: u64 = 0x5000_0001;
 const FIRST_EVENT: u64 = 0xE000_0001;
 /// The CUDA version `driver_version` reports (12.4).
 const DRIVER_VERSION: i32 = 12040;
+/// The process-wide instance behind [`Sim::global`], which
+/// [`Sim::drop_global`] may empty.
+struct Global(std::cell::UnsafeCell<OnceLock<Sim>>);
+
+// SAFETY: shared access goes through the `OnceLock` (`Sim` is `Sync`); only
+// `Sim::drop_global` takes it exclusively, under a contract excluding all else.
+unsafe impl Sync for Global {}
+
+static GLOBAL: Global = Global(std::cell::UnsafeCell::new(OnceLock::new()));
+
 /// The environment variable that configures [`Sim::from_env`].
 const ENV_VAR: &str = "CUDA_SIM_DEVICES";
 /// The environment variable that scripts faults for [`Sim::from_env`] (see [`Fault`]).
@@ -632,13 +642,25 @@ impl Sim {
     /// As [`Sim::global`], reading the variables through `var` if this call
     /// creates the instance (see [`Sim::from_vars`]).
     pub fn global_from(var: &dyn Fn(&str) -> Option<OsString>) -> &'static Sim {
-        static GLOBAL: OnceLock<Sim> = OnceLock::new();
-        GLOBAL.get_or_init(|| {
+        // SAFETY: the only `&mut` is made by `drop_global`, whose contract excludes this.
+        let global = unsafe { &*GLOBAL.0.get() };
+        global.get_or_init(|| {
             Sim::from_vars(var).unwrap_or_else(|message| Sim {
                 config_error: Some(message),
                 ..Sim::new(&[])
             })
         })
+    }
+
+    /// Drop the process-wide instance, for a library being unloaded (`dlclose`),
+    /// so that its memory does not outlive the library.
+    ///
+    /// # Safety
+    /// No reference from [`Sim::global`] is alive, and it will not be called
+    /// again: the library that holds the instance is being unloaded.
+    pub unsafe fn drop_global() {
+        // SAFETY: exclusive by the caller's contract.
+        drop(unsafe { (*GLOBAL.0.get()).take() });
     }
 
     /// Why the configuration was rejected, for an instance made by
