@@ -24,7 +24,7 @@
 
 #![warn(missing_docs)]
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -56,40 +56,53 @@ const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 
 type Status = Result<(), CUresult>;
 
-/// The deepest context stack a thread may build (programs push one or two).
-const STACK_MAX: usize = 64;
+/// The deepest context stack a thread may build while it is being torn down.
+const LATE_MAX: usize = 16;
 
 thread_local! {
-    /// The calling thread's context stack, as device ordinals, and its depth. Plain `Copy`
-    /// storage with no destructor: it stays usable while the thread's other locals are being
-    /// destroyed, so a driver call from a thread-exit destructor or an `atexit` handler works.
-    static CONTEXT_STACK: Cell<([CUdevice; STACK_MAX], usize)> =
-        const { Cell::new(([0; STACK_MAX], 0)) };
+    /// The calling thread's context stack, as device ordinals.
+    static CONTEXT_STACK: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
+    /// The stack once `CONTEXT_STACK` is destroyed (a call from a thread-exit destructor or an
+    /// `atexit` handler): plain `Copy` storage with no destructor, so always usable.
+    static LATE_STACK: Cell<([CUdevice; LATE_MAX], usize)> =
+        const { Cell::new(([0; LATE_MAX], 0)) };
 }
 
 /// The calling thread's current context's device, if any.
 fn stack_top() -> Option<CUdevice> {
-    let (stack, depth) = CONTEXT_STACK.get();
-    depth.checked_sub(1).map(|top| stack[top])
+    CONTEXT_STACK
+        .try_with(|s| s.borrow().last().copied())
+        .unwrap_or_else(|_| {
+            let (stack, depth) = LATE_STACK.get();
+            depth.checked_sub(1).map(|top| stack[top])
+        })
 }
 
-/// Push `dev` on the calling thread's context stack; `CUDA_ERROR_INVALID_VALUE` when full.
+/// Push `dev` on the calling thread's context stack (`CUDA_ERROR_INVALID_VALUE` if the late
+/// stack is full).
 fn stack_push(dev: CUdevice) -> Status {
-    let (mut stack, depth) = CONTEXT_STACK.get();
-    if depth == STACK_MAX {
+    if CONTEXT_STACK.try_with(|s| s.borrow_mut().push(dev)).is_ok() {
+        return Ok(());
+    }
+    let (mut stack, depth) = LATE_STACK.get();
+    if depth == LATE_MAX {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     stack[depth] = dev;
-    CONTEXT_STACK.set((stack, depth + 1));
+    LATE_STACK.set((stack, depth + 1));
     Ok(())
 }
 
 /// Pop the calling thread's current context; its device, if there was one.
 fn stack_pop() -> Option<CUdevice> {
-    let (stack, depth) = CONTEXT_STACK.get();
-    let top = depth.checked_sub(1)?;
-    CONTEXT_STACK.set((stack, top));
-    Some(stack[top])
+    CONTEXT_STACK
+        .try_with(|s| s.borrow_mut().pop())
+        .unwrap_or_else(|_| {
+            let (stack, depth) = LATE_STACK.get();
+            let top = depth.checked_sub(1)?;
+            LATE_STACK.set((stack, top));
+            Some(stack[top])
+        })
 }
 
 /// Primary-context reference counts per device.
