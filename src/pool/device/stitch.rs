@@ -42,8 +42,9 @@ pub(super) struct Chunk {
 }
 
 /// The address range of a segment whose build failed and whose undoing the driver refused:
-/// the chunks still mapped in it stay held and counted as reserved (they are not handed out),
-/// and `free_reusable` tries the undoing again, so that nothing the driver holds is forgotten.
+/// the chunks still mapped in it stay held and counted as reserved (and so in the reusable
+/// figure, though no block is made of them until they are unmapped), and `free_reusable` tries
+/// the undoing again, so that nothing the driver holds is forgotten.
 #[derive(Clone, Debug)]
 pub(super) struct Stranded {
     base: DevicePtr,
