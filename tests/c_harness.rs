@@ -323,6 +323,21 @@ fn every_export_works_from_thread_exit_destructors_and_atexit_handlers() {
 }
 
 #[test]
+fn one_thread_per_device_returning_memory_keeps_every_block_known() {
+    let exe = compile("devices", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        for conf in ["", "vmm:true"] {
+            let env = [("CUDA_SIM_DEVICES", "2GiB,2GiB"), ("RESMEM_CONF", conf)];
+            let out = run(&exe, &["5000"], driver.clone(), &env);
+            assert!(
+                out.contains("devices: 2 threads, 5000 rounds each; 0 failure(s)"),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
 fn loading_and_unloading_the_library_does_not_grow_the_process() {
     let exe = compile("unload", false, false);
     let library = artifacts().lib_dir.join("libresmem.so");
