@@ -77,10 +77,11 @@ thread_local! {
     static IN_BOUNDARY: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Keep panics caught at the boundary quiet (the library never prints unless asked); panics
-/// elsewhere in the host process go to the hook that was there before.
+/// Done once the quiet panic hook is installed.
 static QUIET_HOOK: Once = Once::new();
 
+/// Keep panics caught at the boundary quiet (the library never prints unless asked); panics
+/// elsewhere in the host process go to the hook that was there before.
 fn install_quiet_panic_hook() {
     QUIET_HOOK.call_once(|| {
         let previous = panic::take_hook();

@@ -114,9 +114,7 @@ impl Error {
             format!("{what}: {err}; the device may be in an error state (check earlier kernel launches)"),
         )
     }
-}
 
-impl Error {
     /// This error, noting that undoing the failed step failed too with `cleanup`: what could
     /// not be given back stays held by the pool, counted as reserved, for a later attempt.
     pub fn with_cleanup_failure(self, cleanup: &Error) -> Error {
