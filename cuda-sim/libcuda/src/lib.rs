@@ -56,53 +56,58 @@ const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 
 type Status = Result<(), CUresult>;
 
-/// The deepest context stack a thread may build while it is being torn down.
-const LATE_MAX: usize = 16;
+/// How many contexts of a thread's stack live in storage with no destructor.
+const FIXED: usize = 32;
 
 thread_local! {
-    /// The calling thread's context stack, as device ordinals.
-    static CONTEXT_STACK: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
-    /// The stack once `CONTEXT_STACK` is destroyed (a call from a thread-exit destructor or an
-    /// `atexit` handler): plain `Copy` storage with no destructor, so always usable.
-    static LATE_STACK: Cell<([CUdevice; LATE_MAX], usize)> =
-        const { Cell::new(([0; LATE_MAX], 0)) };
+    /// The calling thread's context stack, as device ordinals: the bottom `FIXED` entries and
+    /// the depth in plain `Copy` storage with no destructor, so that calls from a thread-exit
+    /// destructor or an `atexit` handler work (a thread-local with a destructor is gone then,
+    /// and one first touched then would never be freed).
+    static BOTTOM: Cell<[CUdevice; FIXED]> = const { Cell::new([0; FIXED]) };
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+    /// The entries above the first `FIXED`, touched only by stacks that deep.
+    static SPILL: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The calling thread's current context's device, if any.
 fn stack_top() -> Option<CUdevice> {
-    CONTEXT_STACK
-        .try_with(|s| s.borrow().last().copied())
-        .unwrap_or_else(|_| {
-            let (stack, depth) = LATE_STACK.get();
-            depth.checked_sub(1).map(|top| stack[top])
-        })
+    match DEPTH.get() {
+        0 => None,
+        depth if depth <= FIXED => Some(BOTTOM.get()[depth - 1]),
+        _ => SPILL
+            .try_with(|s| s.borrow().last().copied())
+            .ok()
+            .flatten(),
+    }
 }
 
-/// Push `dev` on the calling thread's context stack (`CUDA_ERROR_INVALID_VALUE` if the late
-/// stack is full).
+/// Push `dev` on the calling thread's context stack (`CUDA_ERROR_INVALID_VALUE` if a stack over
+/// `FIXED` deep grows while the thread is being torn down).
 fn stack_push(dev: CUdevice) -> Status {
-    if CONTEXT_STACK.try_with(|s| s.borrow_mut().push(dev)).is_ok() {
-        return Ok(());
+    let depth = DEPTH.get();
+    if depth < FIXED {
+        let mut bottom = BOTTOM.get();
+        bottom[depth] = dev;
+        BOTTOM.set(bottom);
+    } else {
+        SPILL
+            .try_with(|s| s.borrow_mut().push(dev))
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
     }
-    let (mut stack, depth) = LATE_STACK.get();
-    if depth == LATE_MAX {
-        return Err(CUDA_ERROR_INVALID_VALUE);
-    }
-    stack[depth] = dev;
-    LATE_STACK.set((stack, depth + 1));
+    DEPTH.set(depth + 1);
     Ok(())
 }
 
 /// Pop the calling thread's current context; its device, if there was one.
 fn stack_pop() -> Option<CUdevice> {
-    CONTEXT_STACK
-        .try_with(|s| s.borrow_mut().pop())
-        .unwrap_or_else(|_| {
-            let (stack, depth) = LATE_STACK.get();
-            let top = depth.checked_sub(1)?;
-            LATE_STACK.set((stack, top));
-            Some(stack[top])
-        })
+    let top = stack_top()?;
+    let depth = DEPTH.get();
+    if depth > FIXED {
+        let _ = SPILL.try_with(|s| s.borrow_mut().pop());
+    }
+    DEPTH.set(depth - 1);
+    Some(top)
 }
 
 /// Primary-context reference counts per device.
