@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=target/debug/c_examples
 sim_lib="$PWD/target/debug/libcuda_sim.so"
-for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$sim_lib"; do
+for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$dir/exit" \
+  "$dir/unload" "$sim_lib"; do
   [ -e "$need" ] || { echo "missing $need: run cargo test first"; exit 1; }
 done
 vg=(valgrind --tool=memcheck --error-exitcode=99 --leak-check=full
@@ -33,6 +34,9 @@ for driver in sim library; do
   EXTRA="RESMEM_TEST_PANIC=rm_reserve" check "$driver" "$dir/hostile" panic
   EXTRA="CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,cuMemAlloc_v2@3=2" \
     check "$driver" "$dir/hostile" faults
+  check "$driver" "$dir/exit"
+  EXTRA="RESMEM_CONF=vmm:true" check "$driver" "$dir/exit"
+  check "$driver" "$dir/unload" "$PWD/target/debug/libresmem.so" 30
 done
 EXTRA="RESMEM_CONF=no_such_key:1" check sim "$dir/errors" bad-conf
 echo "valgrind: $runs programs, 0 errors, 0 definitely lost"

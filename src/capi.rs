@@ -77,11 +77,13 @@ thread_local! {
     static IN_BOUNDARY: Cell<bool> = const { Cell::new(false) };
 }
 
+/// Done once the quiet panic hook is installed.
+static QUIET_HOOK: Once = Once::new();
+
 /// Keep panics caught at the boundary quiet (the library never prints unless asked); panics
 /// elsewhere in the host process go to the hook that was there before.
 fn install_quiet_panic_hook() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
+    QUIET_HOOK.call_once(|| {
         let previous = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
             if !IN_BOUNDARY.with(Cell::get) {
@@ -91,8 +93,21 @@ fn install_quiet_panic_hook() {
     });
 }
 
+/// Put back the panic hook that was there before (the library is being unloaded).
+pub(crate) fn drop_panic_hook() {
+    if QUIET_HOOK.is_completed() {
+        // Ours wraps the previous one: dropping it drops that too, leaving the default.
+        drop(panic::take_hook());
+    }
+}
+
 /// Run an export's body: its error becomes a status and this thread's last-error message,
 /// prefixed with the function's name; a panic becomes `RM_ERROR_INTERNAL`.
+///
+/// Nothing here may unwind into C, even when called from a thread-exit destructor or an
+/// `atexit` handler, after the thread's locals are gone: `IN_BOUNDARY` has no destructor (always
+/// usable), and the last-error storage is reached with `try_with` (see [`set_last_error`]),
+/// inside a catch of its own.
 pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
     install_quiet_panic_hook();
     let outer = IN_BOUNDARY.with(|b| b.replace(true));
@@ -115,7 +130,9 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_
             ))
         }
     };
-    set_last_error(&format!("{function}: {}", error.message));
+    let message = format!("{function}: {}", error.message);
+    // A panic here could only lose the message, never the status.
+    let _stored = panic::catch_unwind(|| set_last_error(&message));
     error.status
 }
 
@@ -123,7 +140,7 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_
 /// can check that a panic becomes `RM_ERROR_INTERNAL` and the library stays usable.
 fn test_panic(function: &str) {
     #[cfg(debug_assertions)]
-    if std::env::var_os("RESMEM_TEST_PANIC").is_some_and(|f| f == function) {
+    if runtime::var_os("RESMEM_TEST_PANIC").is_some_and(|f| f == function) {
         panic!("RESMEM_TEST_PANIC={function}");
     }
     #[cfg(not(debug_assertions))]

@@ -114,6 +114,19 @@ impl Error {
             format!("{what}: {err}; the device may be in an error state (check earlier kernel launches)"),
         )
     }
+
+    /// This error, noting that undoing the failed step failed too with `cleanup`: what could
+    /// not be given back stays held by the pool, counted as reserved, for a later attempt.
+    pub fn with_cleanup_failure(self, cleanup: &Error) -> Error {
+        Error::new(
+            self.status,
+            format!(
+                "{}; undoing it failed too ({}), so that memory stays reserved by the pool and \
+                 rm_free_reusable returns it once the driver allows",
+                self.message, cleanup.message
+            ),
+        )
+    }
 }
 
 impl fmt::Display for Error {
@@ -131,22 +144,34 @@ thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
 
-/// Remember `message` as this thread's last failure.
+/// What `rm_last_error()` says on a thread whose locals are being destroyed (a call from a
+/// thread-exit destructor, or from an `atexit` handler after the main thread's locals went).
+const GONE: &std::ffi::CStr = c"no message: this thread is exiting and its message storage is \
+    gone; the status code the call returned says what failed";
+
+/// Remember `message` as this thread's last failure. While the thread's locals are being
+/// destroyed the message has nowhere to go and is dropped (never a panic): the failing call
+/// still returns its status.
 pub fn set_last_error(message: &str) {
     // Interior NULs cannot cross into C; replace them rather than lose the message.
     let text = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
+    let _stored = LAST_ERROR.try_with(|slot| *slot.borrow_mut() = text);
 }
 
 /// This thread's last failure message as a C string; `""` if none. The pointer stays valid until
-/// the next failing resmem call on this thread.
+/// the next failing resmem call on this thread. While the thread's locals are being destroyed, a
+/// static message that says so.
 pub fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|slot| slot.borrow().as_ptr())
+        .unwrap_or(GONE.as_ptr())
 }
 
 /// This thread's last failure message.
 pub fn last_error() -> String {
-    LAST_ERROR.with(|slot| slot.borrow().to_string_lossy().into_owned())
+    LAST_ERROR
+        .try_with(|slot| slot.borrow().to_string_lossy().into_owned())
+        .unwrap_or_else(|_| GONE.to_string_lossy().into_owned())
 }
 
 #[cfg(test)]

@@ -17,7 +17,8 @@
 //! - [`driver`]: the trait, the CUDA driver loaded at run time, the simulated driver;
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
 //! - [`runtime`]: the process-wide pool built from the environment on first use;
-//! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`).
+//! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`);
+//! - `unload`: what the process-wide state gives back when the library is unloaded.
 
 pub mod capi;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod error;
 pub mod pool;
 pub mod runtime;
 pub mod torch;
+mod unload;
 
 pub use driver::{Driver, DriverError};
 pub use error::{rm_status, Error, Result};

@@ -5,14 +5,16 @@
 //! and returned, with its message, by every later call.
 //!
 //! Two guards protect the process:
-//! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY` and
-//!   `RESMEM_CONF` are ignored, as `secure_getenv` would, so that whoever runs the program cannot
-//!   make it load a library of their choosing;
+//! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY`,
+//!   `RESMEM_CONF` and any variable not known to load nothing are ignored, as `secure_getenv`
+//!   would, so that whoever runs the program cannot make it load a library of their choosing.
+//!   Every variable both objects read goes through the one guarded reader, [`var_os`];
 //! - CUDA driver state does not survive `fork()`: a child of the process that started the pool
 //!   gets `RM_ERROR_NO_DRIVER` with advice, instead of the parent's contexts and pointers.
 
+use std::ffi::OsString;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use crate::config::{DriverChoice, Settings};
 use crate::driver::cuda::CudaDriver;
@@ -20,6 +22,7 @@ use crate::driver::sim::SimDriver;
 use crate::driver::Driver;
 use crate::error::{rm_status, Error};
 use crate::pool::Pool;
+use crate::unload::{self, Unloadable};
 
 /// The pool, or why it could not start, and the process that built it.
 struct Started {
@@ -27,8 +30,8 @@ struct Started {
     pool: Result<Pool, Error>,
 }
 
-static SETTINGS: OnceLock<Result<Settings, Error>> = OnceLock::new();
-static POOL: OnceLock<Started> = OnceLock::new();
+static SETTINGS: Unloadable<Result<Settings, Error>> = Unloadable::new();
+static POOL: Unloadable<Started> = Unloadable::new();
 
 /// Whether the process runs with elevated privileges (setuid, setgid or file capabilities).
 pub fn is_secure() -> bool {
@@ -36,20 +39,59 @@ pub fn is_secure() -> bool {
     unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
 }
 
-/// The variable's value; `None` when it is unset, or when `secure` and it names a variable
-/// that could make a privileged program load or behave as its caller chooses.
-pub fn var(name: &str, secure: bool) -> Option<String> {
-    if secure && matches!(name, "RESMEM_CUDA_LIBRARY" | "RESMEM_CONF") {
+/// Every environment variable `libresmem.so` and `libresmem_preload.so` read, and whether a
+/// privileged process reads it. All of them are read through [`var_os`] (or [`var`]), never
+/// `std::env` directly; a name not listed here is never read in a privileged process.
+pub const VARIABLES: [(&str, bool); 7] = [
+    // Picks the real driver or the built-in simulator: nothing the caller names is loaded.
+    ("RESMEM_DRIVER", true),
+    // Names a library to load, which would run with the program's privileges.
+    ("RESMEM_CUDA_LIBRARY", false),
+    // Changes what the pool (and the preload object's routing) does.
+    ("RESMEM_CONF", false),
+    // Makes an export panic on purpose (debug builds only).
+    ("RESMEM_TEST_PANIC", false),
+    // Shape the built-in simulator (RESMEM_DRIVER=sim): capacities, no virtual-memory API,
+    // scripted failures of simulated calls. Nothing is loaded and no real device is touched.
+    ("CUDA_SIM_DEVICES", true),
+    ("CUDA_SIM_VMM", true),
+    ("CUDA_SIM_FAULTS", true),
+];
+
+/// Whether a privileged process may read `name` (see [`VARIABLES`]); `false` for any other name.
+pub fn read_when_secure(name: &str) -> bool {
+    VARIABLES.iter().any(|&(n, read)| n == name && read)
+}
+
+/// The variable's value as `environ` holds it, read through `lookup`; `None` when it is unset,
+/// or when `secure` and [`read_when_secure`] refuses it (as `secure_getenv` would).
+pub fn var_os_with(
+    name: &str,
+    secure: bool,
+    lookup: impl FnOnce(&str) -> Option<OsString>,
+) -> Option<OsString> {
+    if secure && !read_when_secure(name) {
         return None;
     }
-    std::env::var_os(name).map(|v| v.to_string_lossy().into_owned())
+    lookup(name)
+}
+
+/// The variable's value, or `None` when unset or refused in a privileged process: the one
+/// guarded reader of the environment.
+pub fn var_os(name: &str) -> Option<OsString> {
+    var_os_with(name, is_secure(), |n| std::env::var_os(n))
+}
+
+/// [`var_os`], as text (invalid UTF-8 replaced).
+pub fn var(name: &str) -> Option<String> {
+    var_os(name).map(|v| v.to_string_lossy().into_owned())
 }
 
 /// Build a pool from settings.
 pub fn build(settings: &Settings) -> Result<Pool, Error> {
     let driver: Arc<dyn Driver> = match &settings.driver {
         DriverChoice::Cuda(library) => Arc::new(CudaDriver::load(library)?),
-        DriverChoice::Sim => Arc::new(SimDriver::new(cuda_sim::Sim::global())?),
+        DriverChoice::Sim => Arc::new(SimDriver::new(cuda_sim::Sim::global_from(&var_os))?),
     };
     Ok(Pool::new(driver, settings.pool))
 }
@@ -58,12 +100,13 @@ pub fn build(settings: &Settings) -> Result<Pool, Error> {
 /// `RESMEM_CONF` (the last two ignored in a privileged process). Reading them loads nothing.
 pub fn settings() -> Result<&'static Settings, Error> {
     SETTINGS
+        .get()
         .get_or_init(|| {
-            let secure = is_secure();
+            unload::watch_exit();
             let (driver, library, conf) = (
-                var("RESMEM_DRIVER", secure),
-                var("RESMEM_CUDA_LIBRARY", secure),
-                var("RESMEM_CONF", secure),
+                var("RESMEM_DRIVER"),
+                var("RESMEM_CUDA_LIBRARY"),
+                var("RESMEM_CONF"),
             );
             Settings::from_vars(driver.as_deref(), library.as_deref(), conf.as_deref())
         })
@@ -87,7 +130,8 @@ pub fn forked_error(parent: u32, child: u32) -> Error {
 /// The process-wide pool, created on first use from [`settings`]. In a child forked after it
 /// started, an error that says what to do instead.
 pub fn pool() -> Result<&'static Pool, Error> {
-    let started = POOL.get_or_init(|| {
+    let started = POOL.get().get_or_init(|| {
+        unload::watch_exit();
         // SAFETY: the handler only stores to an atomic, which is safe in a forked child; it is
         // registered once, here, for the life of the process.
         unsafe { libc::pthread_atfork(None, None, Some(note_fork)) };
@@ -115,8 +159,30 @@ extern "C" fn note_fork() {
 /// (nothing is loaded).
 pub fn started() -> Option<&'static Pool> {
     POOL.get()
+        .get()
         .filter(|_| !FORKED.load(Ordering::Relaxed))
         .and_then(|started| started.pool.as_ref().ok())
+}
+
+/// Return the pool's cache to the driver and drop the process-wide state (the library is being
+/// unloaded).
+///
+/// # Safety
+/// No reference to the pool or the settings is alive, and no call will be made into the library.
+pub(crate) unsafe fn drop_state() {
+    // SAFETY: the caller's contract.
+    let started = unsafe { POOL.take() };
+    if let Some(Started { pool: Ok(pool), .. }) = &started {
+        if !FORKED.load(Ordering::Relaxed) {
+            // Nobody is left to hear of a failure: what cannot go back stays with the driver.
+            let _returned = pool.free_reusable(None);
+        }
+    }
+    drop(started);
+    // SAFETY: the caller's contract.
+    drop(unsafe { SETTINGS.take() });
+    // SAFETY: the caller's contract; the simulator is reached only through the pool.
+    unsafe { cuda_sim::Sim::drop_global() };
 }
 
 #[cfg(test)]
@@ -124,15 +190,71 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_privileged_process_ignores_the_library_and_conf_variables() {
-        // PATH is set in any test run; it stands for a variable a privileged process may read.
-        assert!(var("PATH", true).is_some());
-        assert_eq!(var("PATH", true), var("PATH", false));
-        for name in ["RESMEM_CONF", "RESMEM_CUDA_LIBRARY"] {
-            assert_eq!(var(name, true), None, "{name}");
+    fn a_privileged_process_reads_only_the_variables_that_load_nothing() {
+        let set = |_: &str| Some(OsString::from("value"));
+        let refused = [
+            "RESMEM_CUDA_LIBRARY",
+            "RESMEM_CONF",
+            "RESMEM_TEST_PANIC",
+            "LD_LIBRARY_PATH",
+            "RESMEM_UNKNOWN",
+            "",
+        ];
+        for name in refused {
+            assert!(!read_when_secure(name), "{name}");
+            assert_eq!(var_os_with(name, true, set), None, "{name}");
+            assert_eq!(var_os_with(name, false, set), set(name), "{name}");
         }
-        // A test binary is not setuid; the C harness checks a setuid program.
+        let read = [
+            "RESMEM_DRIVER",
+            "CUDA_SIM_DEVICES",
+            "CUDA_SIM_VMM",
+            "CUDA_SIM_FAULTS",
+        ];
+        for name in read {
+            assert!(read_when_secure(name), "{name}");
+            assert_eq!(var_os_with(name, true, set), set(name), "{name}");
+            assert_eq!(var_os_with(name, false, set), set(name), "{name}");
+        }
+        // Every listed variable is decided above, and an unset one is None either way.
+        assert_eq!(VARIABLES.len(), read.len() + 3);
+        for (name, _) in VARIABLES {
+            assert!(read.contains(&name) || refused.contains(&name), "{name}");
+            assert_eq!(var_os_with(name, false, |_| None), None);
+        }
+        // A test binary is not setuid; the C harness checks a setuid and a setgid program.
         assert!(!is_secure());
+    }
+
+    /// Both objects read the environment only through the guarded reader: no `std::env` read
+    /// anywhere else in their sources.
+    #[test]
+    fn no_source_reads_the_environment_around_the_guard() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut files = Vec::new();
+        let mut dirs = vec![root.join("src"), root.join("preload/src")];
+        while let Some(dir) = dirs.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    dirs.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    files.push(path);
+                }
+            }
+        }
+        assert!(files.len() > 20, "{files:?}");
+        let this = root.join("src/runtime.rs");
+        for file in files.iter().filter(|f| **f != this) {
+            let text = std::fs::read_to_string(file).unwrap();
+            for needle in ["env::var", "getenv", "env::vars"] {
+                assert!(
+                    !text.contains(needle),
+                    "{} reads the environment with {needle}: use resmem::runtime::var",
+                    file.display()
+                );
+            }
+        }
     }
 
     #[test]

@@ -295,6 +295,70 @@ fn a_setuid_program_ignores_resmem_conf() {
 }
 
 #[test]
+fn every_export_works_from_thread_exit_destructors_and_atexit_handlers() {
+    let exe = compile("exit", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        for conf in ["", "vmm:true"] {
+            let out = spawn(
+                &exe,
+                &[],
+                driver.clone(),
+                &[("RESMEM_CONF", OsStr::new(conf))],
+            );
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+            );
+            let what = format!("{driver:?} {conf:?}: {}\n{stdout}{stderr}", out.status);
+            assert!(out.status.success(), "{what}");
+            assert!(
+                stdout.contains("exit in thread destructor: 0 failure(s)")
+                    && stdout.contains("exit in atexit handler: 0 failure(s)"),
+                "{what}"
+            );
+            // Neither the library nor the simulated driver says anything.
+            assert_eq!(stderr, "", "{what}");
+        }
+    }
+}
+
+#[test]
+fn one_thread_per_device_returning_memory_keeps_every_block_known() {
+    let exe = compile("devices", false, false);
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        for conf in ["", "vmm:true"] {
+            let env = [("CUDA_SIM_DEVICES", "2GiB,2GiB"), ("RESMEM_CONF", conf)];
+            let out = run(&exe, &["5000"], driver.clone(), &env);
+            assert!(
+                out.contains("devices: 2 threads, 5000 rounds each; 0 failure(s)"),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn loading_and_unloading_the_library_does_not_grow_the_process() {
+    let exe = compile("unload", false, false);
+    let library = artifacts().lib_dir.join("libresmem.so");
+    let library = library.to_str().unwrap();
+    for driver in [Driver::InProcess, Driver::SimLibrary] {
+        for conf in ["", "vmm:true"] {
+            let out = run(
+                &exe,
+                &[library, "220"],
+                driver.clone(),
+                &[("RESMEM_CONF", conf)],
+            );
+            assert!(
+                out.contains("unload: 220 cycles") && out.contains("; 0 failure(s)"),
+                "{out}"
+            );
+        }
+    }
+}
+
+#[test]
 fn a_forked_child_gets_a_clear_error_and_the_parent_goes_on() {
     let exe = compile("fork", false, false);
     for driver in [Driver::InProcess, Driver::SimLibrary] {

@@ -3,7 +3,8 @@
 //! `cuCtxPopCurrent_v2`. Each driver function the workload reaches fails at each of its calls in
 //! turn (once, and from there on), through the library's `cudasim_inject_faults`. Every failure
 //! must come back as `RM_ERROR_DRIVER` naming the call (or `RM_ERROR_OUT_OF_MEMORY`), the books
-//! must match what the driver holds, and once the fault is cleared nothing may leak.
+//! must match what the driver holds, and once the fault is cleared nothing may leak. With
+//! stitching, a failed segment build whose undoing fails too must leak nothing either.
 
 mod common;
 
@@ -290,4 +291,45 @@ fn every_call_through_the_loaded_driver_failing_at_every_position() {
          failures injected, {failed_total} operations failed with the right status",
         calls.len()
     );
+    // In the same test: the simulator in the loaded library is one per process.
+    undoing_a_failed_segment_build_can_fail_too(&driver, &hooks);
+}
+
+/// With stitching, a segment build breaks and undoing it fails too (an unmap or an address free
+/// refused): the memory stays counted as reserved, the pool works on, and once the driver
+/// allows, `free_reusable` returns everything.
+fn undoing_a_failed_segment_build_can_fail_too(driver: &Arc<CudaDriver>, hooks: &Hooks) {
+    for spec in [
+        "cuMemMap@2=999,cuMemUnmap@1=999",
+        "cuMemSetAccess@1=999,cuMemUnmap@1=999",
+        "cuMemSetAccess@1=999,cuMemAddressFree@1=999",
+    ] {
+        let config = PoolConfig {
+            vmm: true,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::new(driver.clone(), config);
+        assert_eq!(
+            hooks.used(),
+            0,
+            "{spec}: the previous run left memory behind"
+        );
+        let injected = hooks.injected();
+        hooks.inject(spec);
+        let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
+        assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "{spec}: {e}");
+        assert_eq!(hooks.injected() - injected, 2, "{spec}");
+        hooks.clear();
+        pool.check().unwrap();
+        assert_eq!(
+            pool.stats(0).unwrap().reserved_bytes,
+            hooks.used(),
+            "{spec}"
+        );
+        let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+        pool.release(p).unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0, "{spec}");
+        assert_eq!(hooks.used(), 0, "{spec}: leaked");
+    }
 }

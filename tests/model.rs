@@ -525,10 +525,17 @@ fn run_sequences(config: PoolConfig) {
         model.check_books()?;
         for d in 0..CAPACITIES.len() as i32 {
             ensure!(
-                model.sim.used_bytes(d) == 0,
+                model.sim.used_bytes(d) == 0
+                    && model.sim.live_allocations(d) == 0
+                    && model.sim.physical_allocations(d) == 0,
                 "device {d} still holds memory"
             );
         }
+        ensure!(
+            model.sim.reserved_ranges() == 0,
+            "{} address ranges are still reserved",
+            model.sim.reserved_ranges()
+        );
         Ok(())
     });
     if let Err(e) = result {

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -201,4 +202,61 @@ fn a_program_that_never_touches_cuda_loads_nothing() {
         assert!(maps.contains("libresmem_preload.so"), "{maps}");
         assert!(!maps.contains("libcuda"), "{maps}");
     }
+}
+
+/// `RESMEM_CUDA_LIBRARY` in a privileged program that loads the preload object: a setgid
+/// program (the kernel sets `AT_SECURE`; setgid to another group keeps root's file access, so
+/// the program can still read the build tree) must not load the library it names, while the
+/// same program unprivileged does.
+#[test]
+fn a_privileged_program_ignores_resmem_cuda_library() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: making a setgid program needs root");
+        return;
+    }
+    let a = artifacts();
+    let dir = a.work.join("preload-secure");
+    std::fs::create_dir_all(&dir).unwrap();
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let src = root().join("tests/preload");
+    let hostile = dir.join("libhostile.so");
+    gcc(&[
+        "-shared",
+        "-fPIC",
+        &s(&src.join("hostile_driver.c")),
+        "-o",
+        &s(&hostile),
+    ]);
+    let exe = dir.join("secure");
+    gcc(&[
+        "-std=c99",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        &s(&src.join("secure.c")),
+        "-ldl",
+        "-o",
+        &s(&exe),
+    ]);
+    let setgid = dir.join("secure-setgid");
+    std::fs::copy(&exe, &setgid).unwrap();
+    std::os::unix::fs::chown(&setgid, None, Some(65534)).unwrap();
+    std::fs::set_permissions(&setgid, std::fs::Permissions::from_mode(0o2755)).unwrap();
+    let run = |exe: &Path| {
+        let out = Command::new(exe)
+            .arg(a.lib_dir.join("libresmem_preload.so"))
+            .env_clear()
+            .env("RESMEM_CUDA_LIBRARY", &hostile)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let plain = run(&exe);
+    assert!(plain.contains("hostile library loaded"), "{plain}");
+    assert!(plain.contains("secure 0,"), "{plain}");
+    let privileged = run(&setgid);
+    assert!(privileged.contains("secure 1,"), "{privileged}");
+    assert!(!privileged.contains("hostile"), "{privileged}");
 }

@@ -1,11 +1,18 @@
 //! Concurrency: 8 threads share one pool over two simulated devices with three streams each,
 //! doing mixed operations and handing blocks to each other, so that most blocks are released by
-//! another thread than the one that reserved them. Every block handed out is checked against all
-//! other live blocks (no two overlap), and at the end the books are exact and, once the cache is
-//! returned, the driver holds nothing. A watchdog fails the test if the threads stop making
-//! progress (a deadlock) instead of hanging.
+//! another thread than the one that reserved them, with classic segments and with stitched ones
+//! (`vmm:true`). Every block handed out is checked against all other live blocks (no two
+//! overlap), and at the end the books are exact and, once the cache is returned, the driver
+//! holds nothing: no allocation, no physical memory, no address range. A watchdog fails the test
+//! if the threads stop making progress (a deadlock) instead of hanging.
 //!
-//! `RESMEM_STRESS_OPS` sets the operations per thread (default 100000: 800000 in all).
+//! Two more tests hold the invariant that every live block stays known to the pool while
+//! another device returns memory: one thread per device cycling a 64 MiB block through
+//! `record_stream`, release and `free_reusable`, and the same interleaving forced exactly (a
+//! device grows inside the very driver call in which another frees its segment).
+//!
+//! `RESMEM_STRESS_OPS` sets the operations per thread (default 100000: 800000 in all; a quarter
+//! of that with stitching, whose driver calls cost more).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -14,6 +21,7 @@ use std::time::Duration;
 
 use cuda_sim::Sim;
 use resmem::driver::sim::SimDriver;
+use resmem::driver::{DevicePtr, Driver, DriverResult, EventHandle, PhysHandle, StreamHandle};
 use resmem::{rm_status, Pool, PoolConfig};
 
 const MIB: u64 = 1 << 20;
@@ -65,11 +73,21 @@ fn ops_per_thread() -> u64 {
 
 #[test]
 fn eight_threads_exchanging_blocks_keep_the_books_exact() {
+    eight_threads(false);
+}
+
+#[test]
+fn eight_threads_exchanging_blocks_keep_the_books_exact_with_stitching() {
+    eight_threads(true);
+}
+
+fn eight_threads(stitched: bool) {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[16 * GIB, 16 * GIB])));
-    let pool = Arc::new(Pool::new(
-        Arc::new(SimDriver::new(sim).unwrap()),
-        PoolConfig::default(),
-    ));
+    let config = PoolConfig {
+        vmm: stitched,
+        ..PoolConfig::default()
+    };
+    let pool = Arc::new(Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config));
     let streams: Arc<Vec<Vec<u64>>> = Arc::new(
         (0..DEVICES)
             .map(|d| {
@@ -86,7 +104,11 @@ fn eight_threads_exchanging_blocks_keep_the_books_exact() {
     let exchange: Arc<Mutex<Vec<(u64, i32)>>> = Arc::default();
     let done = Arc::new(AtomicU64::new(0));
     let foreign_releases = Arc::new(AtomicU64::new(0));
-    let per_thread = ops_per_thread();
+    let per_thread = if stitched {
+        ops_per_thread() / 4
+    } else {
+        ops_per_thread()
+    };
 
     let (finished_tx, finished_rx) = mpsc::channel();
     let mut handles = Vec::new();
@@ -210,7 +232,7 @@ fn eight_threads_exchanging_blocks_keep_the_books_exact() {
     }
     assert!(ledger.0.lock().unwrap().is_empty());
     pool.check().unwrap();
-    let (mut allocs, mut frees) = (0, 0);
+    let mut allocs = 0;
     for d in 0..DEVICES {
         let s = pool.stats(d).unwrap();
         assert_eq!(
@@ -220,20 +242,233 @@ fn eight_threads_exchanging_blocks_keep_the_books_exact() {
         assert_eq!(s.reserved_bytes, sim.used_bytes(d));
         assert_eq!(s.reusable_bytes, s.reserved_bytes);
         allocs += s.driver_allocs;
-        frees += s.driver_frees;
     }
-    assert_eq!((allocs, frees), (sim.alloc_calls(), sim.free_calls()));
+    assert_driver_agrees(&pool, sim, stitched);
     pool.free_reusable(None).unwrap();
-    for d in 0..DEVICES {
-        assert_eq!(sim.used_bytes(d), 0, "device {d}");
-        assert_eq!(pool.stats(d).unwrap().reserved_bytes, 0);
-    }
+    assert_returned(&pool, sim);
     eprintln!(
-        "stress: {THREADS} threads, {} operations, {} blocks released by another thread, \
+        "stress{}: {THREADS} threads, {} operations, {} blocks released by another thread, \
          {allocs} driver allocations",
+        if stitched { " (stitched)" } else { "" },
         done.load(Relaxed),
         foreign_releases.load(Relaxed)
     );
+}
+
+/// The driver's successful allocations and frees are the pool's (chunks with stitching).
+fn assert_driver_agrees(pool: &Pool, sim: &Sim, stitched: bool) {
+    let (mut allocs, mut frees) = (0, 0);
+    for d in 0..DEVICES {
+        let s = pool.stats(d).unwrap();
+        allocs += s.driver_allocs;
+        frees += s.driver_frees;
+    }
+    let made = if stitched {
+        sim.vmm_calls()
+    } else {
+        (sim.alloc_calls(), sim.free_calls())
+    };
+    assert_eq!((allocs, frees), made);
+}
+
+/// After `free_reusable(-1)` with no block live, the books are exact and the driver holds
+/// nothing on any device: no allocation, no physical memory, no address range.
+fn assert_returned(pool: &Pool, sim: &Sim) {
+    pool.check().unwrap();
+    for d in 0..DEVICES {
+        let s = pool.stats(d).unwrap();
+        assert_eq!((s.reserved_bytes, s.live_blocks, s.segments), (0, 0, 0));
+        assert_eq!(sim.used_bytes(d), 0, "device {d}");
+        assert_eq!(sim.live_allocations(d), 0, "device {d}");
+        assert_eq!(sim.physical_allocations(d), 0, "device {d}");
+    }
+    assert_eq!(sim.reserved_ranges(), 0);
+}
+
+/// The scenario of a live block becoming unknown: one thread per device, each cycling a 64 MiB
+/// block through `record_stream`, release and `free_reusable` on its own device, so that one
+/// device returns a segment while the other grows. Every call must succeed.
+#[test]
+fn one_thread_per_device_returning_memory_keeps_every_block_known() {
+    for stitched in [false, true] {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
+        let config = PoolConfig {
+            vmm: stitched,
+            ..PoolConfig::default()
+        };
+        let pool = Arc::new(Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config));
+        let rounds = (ops_per_thread() / 20).max(100);
+        let threads: Vec<_> = (0..DEVICES)
+            .map(|d| {
+                let pool = pool.clone();
+                let other = sim.stream_create(d).unwrap();
+                std::thread::spawn(move || {
+                    for round in 0..rounds {
+                        let ptr = pool.reserve(d, 64 * MIB, 0).unwrap();
+                        let known = pool
+                            .record_stream(ptr, other)
+                            .and_then(|()| pool.release(ptr));
+                        if let Err(e) = known {
+                            panic!("device {d}, round {round}: {ptr:#x}: {e}");
+                        }
+                        pool.free_reusable(Some(d)).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_driver_agrees(&pool, sim, stitched);
+        pool.free_reusable(None).unwrap();
+        assert_returned(&pool, sim);
+    }
+}
+
+/// A driver that, once armed, runs a hook right after device 0 frees memory (`cuMemFree` or
+/// `cuMemAddressFree`), inside that call, while the pool still holds device 0's lock.
+struct FreeHook {
+    sim: SimDriver,
+    hook: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl FreeHook {
+    fn after_free(&self, device: i32) {
+        if device == 0 {
+            let hook = self.hook.lock().unwrap().take();
+            if let Some(hook) = hook {
+                hook();
+            }
+        }
+    }
+}
+
+impl Driver for FreeHook {
+    fn describe(&self) -> String {
+        self.sim.describe()
+    }
+    fn device_count(&self) -> i32 {
+        self.sim.device_count()
+    }
+    fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)> {
+        self.sim.mem_get_info(device)
+    }
+    fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
+        self.sim.mem_alloc(device, bytes)
+    }
+    fn mem_free(&self, device: i32, ptr: DevicePtr) -> DriverResult<()> {
+        self.sim.mem_free(device, ptr)?;
+        self.after_free(device);
+        Ok(())
+    }
+    fn event_create(&self, device: i32) -> DriverResult<EventHandle> {
+        self.sim.event_create(device)
+    }
+    fn event_destroy(&self, device: i32, event: EventHandle) -> DriverResult<()> {
+        self.sim.event_destroy(device, event)
+    }
+    fn event_record(
+        &self,
+        device: i32,
+        event: EventHandle,
+        stream: StreamHandle,
+    ) -> DriverResult<()> {
+        self.sim.event_record(device, event, stream)
+    }
+    fn event_query(&self, device: i32, event: EventHandle) -> DriverResult<bool> {
+        self.sim.event_query(device, event)
+    }
+    fn event_synchronize(&self, device: i32, event: EventHandle) -> DriverResult<()> {
+        self.sim.event_synchronize(device, event)
+    }
+    fn stream_wait_event(
+        &self,
+        device: i32,
+        stream: StreamHandle,
+        event: EventHandle,
+    ) -> DriverResult<()> {
+        self.sim.stream_wait_event(device, stream, event)
+    }
+    fn synchronize(&self, device: i32) -> DriverResult<()> {
+        self.sim.synchronize(device)
+    }
+    fn vmm_granularity(&self, device: i32) -> Option<u64> {
+        self.sim.vmm_granularity(device)
+    }
+    fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr> {
+        self.sim.vmm_reserve(device, size)
+    }
+    fn vmm_free(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.sim.vmm_free(device, ptr, size)?;
+        self.after_free(device);
+        Ok(())
+    }
+    fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle> {
+        self.sim.vmm_create(device, size)
+    }
+    fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()> {
+        self.sim.vmm_release(device, handle)
+    }
+    fn vmm_map(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        handle: PhysHandle,
+    ) -> DriverResult<()> {
+        self.sim.vmm_map(device, ptr, size, handle)
+    }
+    fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.sim.vmm_unmap(device, ptr, size)
+    }
+    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.sim.vmm_set_access(device, ptr, size)
+    }
+}
+
+/// The interleaving behind the lost block, forced: device 1 grows inside the driver call in
+/// which device 0 frees its segment, so (with stitching, whose address ranges all devices
+/// share) device 1's new segment gets the very base device 0 just freed. Device 1's block must
+/// stay known, and both devices must return everything afterwards.
+#[test]
+fn a_device_growing_while_another_frees_keeps_its_block_known() {
+    for stitched in [false, true] {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
+        let driver = Arc::new(FreeHook {
+            sim: SimDriver::new(sim).unwrap(),
+            hook: Mutex::new(None),
+        });
+        let config = PoolConfig {
+            vmm: stitched,
+            ..PoolConfig::default()
+        };
+        let pool = Arc::new(Pool::new(driver.clone(), config));
+        let freed = pool.reserve(0, 64 * MIB, 0).unwrap();
+        pool.release(freed).unwrap();
+        let grown: Arc<Mutex<Option<u64>>> = Arc::default();
+        {
+            let (pool, grown) = (Arc::downgrade(&pool), grown.clone());
+            *driver.hook.lock().unwrap() = Some(Box::new(move || {
+                let pool = pool.upgrade().unwrap();
+                *grown.lock().unwrap() = Some(pool.reserve(1, 64 * MIB, 0).unwrap());
+            }));
+        }
+        assert_eq!(pool.free_reusable(Some(0)).unwrap(), 64 * MIB);
+        let grown = grown
+            .lock()
+            .unwrap()
+            .expect("device 1 grew inside the free");
+        if stitched {
+            assert_eq!(grown, freed, "the sim reuses the freed range at once");
+        }
+        let other = sim.stream_create(1).unwrap();
+        pool.record_stream(grown, other)
+            .unwrap_or_else(|e| panic!("stitched {stitched}: {e}"));
+        pool.release(grown).unwrap();
+        pool.check().unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_returned(&pool, sim);
+    }
 }
 
 fn pop_random<T>(v: &mut Vec<T>, rng: &mut Rng) -> Option<T> {

@@ -34,6 +34,7 @@
 #![warn(missing_docs)]
 
 use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -185,6 +186,16 @@ const FIRST_STREAM: u64 = 0x5000_0001;
 const FIRST_EVENT: u64 = 0xE000_0001;
 /// The CUDA version `driver_version` reports (12.4).
 const DRIVER_VERSION: i32 = 12040;
+/// The process-wide instance behind [`Sim::global`], which
+/// [`Sim::drop_global`] may empty.
+struct Global(std::cell::UnsafeCell<OnceLock<Sim>>);
+
+// SAFETY: shared access goes through the `OnceLock` (`Sim` is `Sync`); only
+// `Sim::drop_global` takes it exclusively, under a contract excluding all else.
+unsafe impl Sync for Global {}
+
+static GLOBAL: Global = Global(std::cell::UnsafeCell::new(OnceLock::new()));
+
 /// The environment variable that configures [`Sim::from_env`].
 const ENV_VAR: &str = "CUDA_SIM_DEVICES";
 /// The environment variable that scripts faults for [`Sim::from_env`] (see [`Fault`]).
@@ -564,27 +575,30 @@ impl Sim {
     /// faults that `CUDA_SIM_FAULTS` lists (see [`Fault::parse_list`]) are
     /// injected, counting calls from creation.
     pub fn from_env() -> Result<Sim, String> {
-        let spec = match std::env::var(ENV_VAR) {
-            Ok(v) => v,
-            Err(std::env::VarError::NotPresent) => DEFAULT_DEVICES.to_string(),
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(format!("{ENV_VAR} is not valid UTF-8"))
-            }
+        Sim::from_vars(&|name| std::env::var_os(name))
+    }
+
+    /// As [`Sim::from_env`], with each variable read through `var` (a program
+    /// that filters its environment, in a privileged process say, passes its
+    /// own reader).
+    pub fn from_vars(var: &dyn Fn(&str) -> Option<OsString>) -> Result<Sim, String> {
+        let text = |name: &str| match var(name) {
+            None => Ok(None),
+            Some(v) => v
+                .into_string()
+                .map(Some)
+                .map_err(|_| format!("{name} is not valid UTF-8")),
         };
+        let spec = text(ENV_VAR)?.unwrap_or_else(|| DEFAULT_DEVICES.to_string());
         let sim = parse_devices(&spec)
             .map(|caps| Sim::new(&caps))
             .map_err(|e| format!("{ENV_VAR}={spec:?}: {e}"))?;
-        if std::env::var("CUDA_SIM_VMM").is_ok_and(|v| v.trim() == "0") {
+        if var("CUDA_SIM_VMM").is_some_and(|v| v.to_str().is_some_and(|v| v.trim() == "0")) {
             sim.disable_vmm();
         }
-        match std::env::var(FAULTS_VAR) {
-            Ok(faults) => sim
-                .inject_faults(&faults)
-                .map_err(|e| format!("{FAULTS_VAR}={faults:?}: {e}"))?,
-            Err(std::env::VarError::NotPresent) => {}
-            Err(std::env::VarError::NotUnicode(_)) => {
-                return Err(format!("{FAULTS_VAR} is not valid UTF-8"))
-            }
+        if let Some(faults) = text(FAULTS_VAR)? {
+            sim.inject_faults(&faults)
+                .map_err(|e| format!("{FAULTS_VAR}={faults:?}: {e}"))?;
         }
         Ok(sim)
     }
@@ -642,13 +656,31 @@ impl Sim {
     /// devices, [`Sim::init`] fails with `CUDA_ERROR_INVALID_VALUE`, and
     /// [`Sim::config_error`] holds the parse message.
     pub fn global() -> &'static Sim {
-        static GLOBAL: OnceLock<Sim> = OnceLock::new();
-        GLOBAL.get_or_init(|| {
-            Sim::from_env().unwrap_or_else(|message| Sim {
+        Sim::global_from(&|name| std::env::var_os(name))
+    }
+
+    /// As [`Sim::global`], reading the variables through `var` if this call
+    /// creates the instance (see [`Sim::from_vars`]).
+    pub fn global_from(var: &dyn Fn(&str) -> Option<OsString>) -> &'static Sim {
+        // SAFETY: the only `&mut` is made by `drop_global`, whose contract excludes this.
+        let global = unsafe { &*GLOBAL.0.get() };
+        global.get_or_init(|| {
+            Sim::from_vars(var).unwrap_or_else(|message| Sim {
                 config_error: Some(message),
                 ..Sim::new(&[])
             })
         })
+    }
+
+    /// Drop the process-wide instance, for a library being unloaded (`dlclose`),
+    /// so that its memory does not outlive the library.
+    ///
+    /// # Safety
+    /// No reference from [`Sim::global`] is alive, and it will not be called
+    /// again: the library that holds the instance is being unloaded.
+    pub unsafe fn drop_global() {
+        // SAFETY: exclusive by the caller's contract.
+        drop(unsafe { (*GLOBAL.0.get()).take() });
     }
 
     /// Why the configuration was rejected, for an instance made by

@@ -3,8 +3,9 @@
 //!
 //! - the runtime (`libcudart.so.*`): the copy the program has already loaded, found among the
 //!   loaded objects with `dl_iterate_phdr` and opened with `RTLD_NOLOAD` (nothing new is loaded);
-//! - the driver: `RESMEM_CUDA_LIBRARY`, or `libcuda.so.1`, opened with `dlopen` (the program that
-//!   calls a driver function has it loaded already, so this returns that copy).
+//! - the driver: `RESMEM_CUDA_LIBRARY` (ignored in setuid and setgid programs), or
+//!   `libcuda.so.1`, opened with `dlopen` (the program that calls a driver function has it loaded
+//!   already, so this returns that copy).
 //!
 //! Both are looked up on the first call of a hooked function, never before, and kept once found.
 
@@ -106,8 +107,8 @@ fn runtime_from_loaded() -> Option<Runtime> {
 }
 
 fn driver_from_library() -> Option<Driver> {
-    let library = std::env::var("RESMEM_CUDA_LIBRARY")
-        .ok()
+    // Through the guarded reader: ignored in a privileged (AT_SECURE) process.
+    let library = resmem::runtime::var("RESMEM_CUDA_LIBRARY")
         .filter(|l| !l.is_empty())
         .unwrap_or_else(|| resmem::config::DEFAULT_CUDA_LIBRARY.to_string());
     let name = CString::new(library).ok()?;

@@ -23,7 +23,7 @@ use super::hash::IntMap;
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
-use stitch::{Chunk, VmmMode};
+use stitch::{Chunk, Stranded, VmmMode};
 
 mod stitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
@@ -104,6 +104,8 @@ pub struct DevicePool {
     vmm: VmmMode,
     /// Physical chunks held but mapped nowhere (virtual-memory mode): reserved and reusable.
     spare: Vec<Chunk>,
+    /// Failed segment builds the driver would not let the pool undo yet (virtual-memory mode).
+    stranded: Vec<Stranded>,
 }
 
 impl DevicePool {
@@ -128,6 +130,7 @@ impl DevicePool {
             limit: None,
             vmm: VmmMode::Undecided,
             spare: Vec::new(),
+            stranded: Vec::new(),
         }
     }
 
@@ -280,8 +283,13 @@ impl DevicePool {
     pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
         self.flush_parked();
         self.collect_pending(cx, true)?;
+        let stitching = matches!(self.vmm, VmmMode::On(_));
+        if stitching {
+            // Clean-up the driver refused earlier first, so that its chunks go back too.
+            self.retry_cleanup(cx)?;
+        }
         let mut released = self.release_idle(cx, u64::MAX)?;
-        if matches!(self.vmm, VmmMode::On(_)) {
+        if stitching {
             // Chunks under free blocks of segments still in use go back too.
             let chunks = self.harvest(cx, u64::MAX)?;
             released += chunks.iter().map(|c| c.size).sum::<u64>();
@@ -635,10 +643,16 @@ impl DevicePool {
             self.segments[seg as usize].size,
         );
         if !self.segments[seg as usize].stitched {
-            cx.driver.mem_free(self.device, base).map_err(|e| {
-                Error::driver(&format!("returning segment {base:#x} to the driver"), &e)
-            })?;
-            self.forget_segment(cx, seg);
+            // Out of the directory before the driver can hand the addresses to another device.
+            cx.directory.remove(base, self.device);
+            if let Err(e) = cx.driver.mem_free(self.device, base) {
+                cx.directory.insert(base, size, self.device);
+                return Err(Error::driver(
+                    &format!("returning segment {base:#x} to the driver"),
+                    &e,
+                ));
+            }
+            self.forget_segment(seg);
             self.stats.remove_reserved(size, 1);
             return Ok(());
         }
@@ -646,12 +660,13 @@ impl DevicePool {
         self.release_chunks(cx, chunks)
     }
 
-    /// Drop a segment with no block in use from the books (not its memory); returns the
+    /// Drop a segment with no block in use from the books (not its memory, and not its
+    /// directory entry, which the caller removed before freeing its addresses); returns the
     /// chunks still mapped in it.
-    fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) -> Vec<Chunk> {
-        let (base, slot, class, mut id, idle_at) = {
+    fn forget_segment(&mut self, seg: u32) -> Vec<Chunk> {
+        let (slot, class, mut id, idle_at) = {
             let s = &self.segments[seg as usize];
-            (s.base, s.slot, s.class, s.first, s.idle_at)
+            (s.slot, s.class, s.first, s.idle_at)
         };
         while id != NIL {
             let next = self.blocks[id].next;
@@ -668,7 +683,6 @@ impl DevicePool {
         self.leave_slot(slot);
         self.segments[seg as usize].in_use = false;
         self.vacant_segments.push(seg);
-        cx.directory.remove(base);
         self.stats.segments -= 1;
         std::mem::take(&mut self.segments[seg as usize].chunks)
             .into_iter()
@@ -1224,7 +1238,7 @@ impl DevicePool {
                 self.parked
             ));
         }
-        reserved += self.spare_bytes();
+        reserved += self.spare_bytes() + self.stranded_bytes();
         let s = &self.stats;
         let books = (
             s.reserved_bytes,

@@ -78,11 +78,14 @@ impl Directory {
             .insert(base, (size, device));
     }
 
-    fn remove(&self, base: DevicePtr) {
-        self.0
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&base);
+    /// Forget `device`'s segment at `base`. Called *before* the driver frees the segment's
+    /// addresses: once freed they can be handed to another device at once, and its segment
+    /// then has the same base. An entry of another device is left alone.
+    fn remove(&self, base: DevicePtr, device: i32) {
+        let mut map = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if map.get(&base).is_some_and(|&(_, d)| d == device) {
+            map.remove(&base);
+        }
     }
 
     /// The device whose segment contains `ptr`.

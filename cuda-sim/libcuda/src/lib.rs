@@ -24,7 +24,7 @@
 
 #![warn(missing_docs)]
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -56,9 +56,58 @@ const EVENT_FLAGS: c_uint = 0x1 | 0x2;
 
 type Status = Result<(), CUresult>;
 
+/// How many contexts of a thread's stack live in storage with no destructor.
+const FIXED: usize = 32;
+
 thread_local! {
-    /// The calling thread's context stack, as device ordinals.
-    static CONTEXT_STACK: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
+    /// The calling thread's context stack, as device ordinals: the bottom `FIXED` entries and
+    /// the depth in plain `Copy` storage with no destructor, so that calls from a thread-exit
+    /// destructor or an `atexit` handler work (a thread-local with a destructor is gone then,
+    /// and one first touched then would never be freed).
+    static BOTTOM: Cell<[CUdevice; FIXED]> = const { Cell::new([0; FIXED]) };
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+    /// The entries above the first `FIXED`, touched only by stacks that deep.
+    static SPILL: RefCell<Vec<CUdevice>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The calling thread's current context's device, if any.
+fn stack_top() -> Option<CUdevice> {
+    match DEPTH.get() {
+        0 => None,
+        depth if depth <= FIXED => Some(BOTTOM.get()[depth - 1]),
+        _ => SPILL
+            .try_with(|s| s.borrow().last().copied())
+            .ok()
+            .flatten(),
+    }
+}
+
+/// Push `dev` on the calling thread's context stack (`CUDA_ERROR_INVALID_VALUE` if a stack over
+/// `FIXED` deep grows while the thread is being torn down).
+fn stack_push(dev: CUdevice) -> Status {
+    let depth = DEPTH.get();
+    if depth < FIXED {
+        let mut bottom = BOTTOM.get();
+        bottom[depth] = dev;
+        BOTTOM.set(bottom);
+    } else {
+        SPILL
+            .try_with(|s| s.borrow_mut().push(dev))
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+    }
+    DEPTH.set(depth + 1);
+    Ok(())
+}
+
+/// Pop the calling thread's current context; its device, if there was one.
+fn stack_pop() -> Option<CUdevice> {
+    let top = stack_top()?;
+    let depth = DEPTH.get();
+    if depth > FIXED {
+        let _ = SPILL.try_with(|s| s.borrow_mut().pop());
+    }
+    DEPTH.set(depth - 1);
+    Some(top)
 }
 
 /// Primary-context reference counts per device.
@@ -130,7 +179,7 @@ fn ctx_device(ctx: CUcontext) -> Result<CUdevice, CUresult> {
 /// The device of the calling thread's current context.
 fn current_device() -> Result<CUdevice, CUresult> {
     initialized()?;
-    let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
+    let top = stack_top();
     match top {
         Some(dev) if retain_count(dev) > 0 => Ok(dev),
         _ => Err(CUDA_ERROR_INVALID_CONTEXT),
@@ -366,8 +415,7 @@ pub unsafe extern "C" fn cuCtxPushCurrent_v2(ctx: CUcontext) -> CUresult {
     guard(|| {
         fault_point(Call::CtxPushCurrent)?;
         let dev = ctx_device(ctx)?;
-        CONTEXT_STACK.with(|s| s.borrow_mut().push(dev));
-        Ok(())
+        stack_push(dev)
     })
 }
 
@@ -382,9 +430,7 @@ pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut CUcontext) -> CUresult {
     guard(|| {
         fault_point(Call::CtxPopCurrent)?;
         initialized()?;
-        let dev = CONTEXT_STACK
-            .with(|s| s.borrow_mut().pop())
-            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        let dev = stack_pop().ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
         if !pctx.is_null() {
             // SAFETY: the caller's contract on `pctx`.
             unsafe { write_out(pctx, ctx_handle(dev)) }?;
@@ -403,7 +449,7 @@ pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut CUcontext) -> CUresult {
     guard(|| {
         fault_point(Call::CtxGetCurrent)?;
         initialized()?;
-        let top = CONTEXT_STACK.with(|s| s.borrow().last().copied());
+        let top = stack_top();
         let ctx = top.map_or(std::ptr::null_mut(), ctx_handle);
         // SAFETY: the caller's contract on `pctx`.
         unsafe { write_out(pctx, ctx) }
@@ -421,16 +467,12 @@ pub unsafe extern "C" fn cuCtxSetCurrent(ctx: CUcontext) -> CUresult {
         fault_point(Call::CtxSetCurrent)?;
         initialized()?;
         if ctx.is_null() {
-            CONTEXT_STACK.with(|s| s.borrow_mut().pop());
+            stack_pop();
             return Ok(());
         }
         let dev = ctx_device(ctx)?;
-        CONTEXT_STACK.with(|s| {
-            let mut s = s.borrow_mut();
-            s.pop();
-            s.push(dev);
-        });
-        Ok(())
+        stack_pop();
+        stack_push(dev)
     })
 }
 

@@ -23,7 +23,11 @@
 //!
 //! Every step that unmaps memory records it as it goes (an unmapped chunk becomes a hole and goes
 //! to the spare chunks), so a driver failure midway is reported with the books still exact; the
-//! fault sweep in `tests/faults.rs` fails every driver call at every position to hold that.
+//! fault sweep in `tests/faults.rs` fails every driver call at every position to hold that. When
+//! undoing a failed segment build fails too (an unmap or an address free refused), the range and
+//! the chunks still mapped in it stay held as *stranded*, counted as reserved, and
+//! `free_reusable` tries again, as it does for a segment whose address range could not be freed:
+//! what the driver holds is never forgotten (the second sweep in `tests/faults.rs`).
 
 use super::{Context, DevicePool, Grow, State, NIL};
 use crate::driver::{DevicePtr, PhysHandle};
@@ -35,6 +39,18 @@ use crate::pool::size::{human, Class};
 pub(super) struct Chunk {
     pub(super) handle: PhysHandle,
     pub(super) size: u64,
+}
+
+/// The address range of a segment whose build failed and whose undoing the driver refused:
+/// the chunks still mapped in it stay held and counted as reserved (and so in the reusable
+/// figure, though no block is made of them until they are unmapped), and `free_reusable` tries
+/// the undoing again, so that nothing the driver holds is forgotten.
+#[derive(Clone, Debug)]
+pub(super) struct Stranded {
+    base: DevicePtr,
+    size: u64,
+    /// The chunks still mapped, by offset from `base`.
+    mapped: Vec<(u64, Chunk)>,
 }
 
 /// Whether a device pool stitches.
@@ -122,20 +138,13 @@ impl DevicePool {
         };
         let reused = picked.len();
         picked.extend(created);
-        match self.map_chunks(cx, size, &picked) {
-            Ok(base) => {
-                self.log(format_args!(
-                    "stitched a {} segment from {reused} cached and {} new chunks",
-                    human(size),
-                    picked.len() - reused
-                ));
-                Ok((base, picked))
-            }
-            Err(err) => {
-                self.spare.extend(picked);
-                Err(err)
-            }
-        }
+        let (base, picked) = self.map_chunks(cx, size, picked)?;
+        self.log(format_args!(
+            "stitched a {} segment from {reused} cached and {} new chunks",
+            human(size),
+            picked.len() - reused
+        ));
+        Ok((base, picked))
     }
 
     /// Pick reusable chunks for `size` bytes into `picked`: spare ones, then those of idle
@@ -233,15 +242,19 @@ impl DevicePool {
             self.segments[seg as usize].base,
             self.segments[seg as usize].size,
         );
+        // Out of the directory before the range is freed: address ranges are shared by all
+        // devices, and another one can be given this base as soon as it is free.
+        cx.directory.remove(base, self.device);
         if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
             // The segment stays, all holes, until a later attempt frees its range.
+            cx.directory.insert(base, size, self.device);
             self.spare.append(&mut taken);
             return Err(Error::driver(
                 &format!("freeing the address range of segment {base:#x}"),
                 &e,
             ));
         }
-        let left = self.forget_segment(cx, seg);
+        let left = self.forget_segment(seg);
         debug_assert!(left.is_empty());
         Ok(taken)
     }
@@ -461,8 +474,14 @@ impl DevicePool {
                     }
                 }
                 Err(err) => {
-                    self.release_chunks(cx, created)?;
-                    return Err(self.alloc_failure(cx, err, requested, need));
+                    // Chunks that cannot go back stay held, as spare (see `release_chunks`);
+                    // released first, so that the message's figures are those left.
+                    let released = self.release_chunks(cx, created);
+                    let err = self.alloc_failure(cx, err, requested, need);
+                    return Err(match released {
+                        Ok(()) => err,
+                        Err(cleanup) => err.with_cleanup_failure(&cleanup),
+                    });
                 }
             }
         }
@@ -470,23 +489,39 @@ impl DevicePool {
     }
 
     /// Reserve an address range of `size` bytes and map `chunks` back to back into it, with
-    /// read-write access. On failure everything done here is undone.
-    fn map_chunks(&mut self, cx: &Context<'_>, size: u64, chunks: &[Chunk]) -> Result<DevicePtr> {
+    /// read-write access; returns its base and the chunks. On failure what was done is undone:
+    /// the chunks go to the spare chunks, except where the driver refuses to unmap them or to
+    /// free the range, which then stays [`Stranded`] (held, and retried by `free_reusable`).
+    fn map_chunks(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        mut chunks: Vec<Chunk>,
+    ) -> Result<(DevicePtr, Vec<Chunk>)> {
         let device = self.device;
-        let base = cx.driver.vmm_reserve(device, size).map_err(|e| {
-            Error::driver(&format!("reserving {} of address space", human(size)), &e)
-        })?;
-        let mut mapped = 0;
+        let base = match cx.driver.vmm_reserve(device, size) {
+            Ok(base) => base,
+            Err(e) => {
+                self.spare.append(&mut chunks);
+                return Err(Error::driver(
+                    &format!("reserving {} of address space", human(size)),
+                    &e,
+                ));
+            }
+        };
+        let mut mapped = Vec::new();
+        let mut offset = 0;
         let mut result = Ok(());
-        for chunk in chunks {
+        for &chunk in &chunks {
             if let Err(e) = cx
                 .driver
-                .vmm_map(device, base + mapped, chunk.size, chunk.handle)
+                .vmm_map(device, base + offset, chunk.size, chunk.handle)
             {
                 result = Err(Error::driver("mapping a chunk into a new segment", &e));
                 break;
             }
-            mapped += chunk.size;
+            mapped.push((offset, chunk));
+            offset += chunk.size;
         }
         if result.is_ok() {
             result = cx
@@ -494,14 +529,61 @@ impl DevicePool {
                 .vmm_set_access(device, base, size)
                 .map_err(|e| Error::driver("setting access to a new segment", &e));
         }
-        if let Err(err) = result {
-            if mapped > 0 {
-                let _ = cx.driver.vmm_unmap(device, base, mapped);
-            }
-            let _ = cx.driver.vmm_free(device, base, size);
-            return Err(err);
+        let Err(err) = result else {
+            return Ok((base, chunks));
+        };
+        // The chunks never mapped are spare at once; the rest wait for their unmapping.
+        self.spare.extend_from_slice(&chunks[mapped.len()..]);
+        self.stranded.push(Stranded { base, size, mapped });
+        match self.undo_stranded(cx, self.stranded.len() - 1) {
+            Ok(()) => Err(err),
+            Err(cleanup) => Err(err.with_cleanup_failure(&cleanup)),
         }
-        Ok(base)
+    }
+
+    /// Undo stranded segment `i`: unmap its chunks one by one (each becoming spare as it goes),
+    /// then free its address range and forget it. A failure leaves it stranded, with exact
+    /// books, for a later attempt.
+    fn undo_stranded(&mut self, cx: &Context<'_>, i: usize) -> Result<()> {
+        let (base, size) = (self.stranded[i].base, self.stranded[i].size);
+        while let Some(&(offset, chunk)) = self.stranded[i].mapped.last() {
+            cx.driver
+                .vmm_unmap(self.device, base + offset, chunk.size)
+                .map_err(|e| {
+                    Error::driver(
+                        &format!("unmapping a chunk of the failed segment {base:#x}"),
+                        &e,
+                    )
+                })?;
+            self.stranded[i].mapped.pop();
+            self.spare.push(chunk);
+        }
+        cx.driver.vmm_free(self.device, base, size).map_err(|e| {
+            Error::driver(
+                &format!("freeing the address range of the failed segment {base:#x}"),
+                &e,
+            )
+        })?;
+        self.stranded.swap_remove(i);
+        Ok(())
+    }
+
+    /// Try again to undo every stranded segment, and to free the address range of stitched
+    /// segments left all holes by an earlier failure; the first failure is returned.
+    pub(super) fn retry_cleanup(&mut self, cx: &Context<'_>) -> Result<()> {
+        for i in (0..self.stranded.len()).rev() {
+            self.undo_stranded(cx, i)?;
+        }
+        self.free_hollow_segments(cx)
+    }
+
+    /// Bytes held in chunks still mapped in stranded segments.
+    pub(super) fn stranded_bytes(&self) -> u64 {
+        self.stranded
+            .iter()
+            .flat_map(|s| s.mapped.iter())
+            .map(|(_, c)| c.size)
+            .sum()
     }
 
     /// Release spare chunks to the driver, largest first, until at least `needed` bytes went
