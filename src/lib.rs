@@ -13,12 +13,13 @@
 //! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
 //! - [`allocator`]: the [`Allocator`] trait every allocation policy implements;
 //! - [`baseline`]: reference policies (PyTorch's caching allocator) for comparisons;
-//! - [`capi`]: every exported `rm_*` function and the panic boundary;
+//! - [`capi`]: the core `rm_*` exports and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
 //! - [`driver`]: the trait, the CUDA driver loaded at run time, the simulated driver;
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
 //! - [`runtime`]: the process-wide pool built from the environment on first use;
+//! - [`record`]: `RESMEM_CONF=record:PATH`, every call written as a replayable trace;
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`).
 
 pub mod allocator;
@@ -28,6 +29,7 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod pool;
+pub mod record;
 pub mod runtime;
 pub mod torch;
 

@@ -54,7 +54,7 @@ enum Command {
         /// The simulated device's memory (default: the trace's own, else 80GiB).
         #[arg(long, value_parser = parse_size)]
         device_memory: Option<u64>,
-        /// For PyTorch snapshots: whose device trace to take.
+        /// Which device's operations to replay (PyTorch snapshots and recorded traces).
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// Draw reserved and allocated memory over the trace to this SVG file.
