@@ -2,9 +2,10 @@
 //! `LD_PRELOAD` hooks) written to PATH as a trace in `resmem replay`'s JSON-lines format
 //! (`traces/README.md`), so that the policies can be compared on exactly this workload.
 //!
-//! - Lines go into one buffer under one lock and reach the file with one `write(2)` per batch of
-//!   whole lines (every 64 KiB, and at exit), opened with `O_APPEND`: lines of several threads or
-//!   processes never interleave. `%p` in PATH becomes the process id: one file per process.
+//! - Calls go, binary, into one buffer under one lock (which orders them); every 2048 calls, and
+//!   at exit, a writer thread formats the batch and writes it with one `write(2)` to the file,
+//!   opened with `O_APPEND`: lines of several threads or processes never interleave. `%p` in
+//!   PATH becomes the process id: one file per process.
 //! - A release (and a `record_stream`) is recorded under that lock together with the pool call,
 //!   so a block's `free` line always precedes the `alloc` line of whoever gets its address next.
 //!   Block ids are the addresses, which CUDA keeps distinct across devices.
@@ -17,169 +18,198 @@ use std::fs::File;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Result;
 use crate::runtime;
 
-/// The buffer is written out when it holds this many bytes.
-const BATCH: usize = 64 << 10;
+/// Calls are handed to the writer thread this many at a time.
+const BATCH: usize = 2048;
 
-/// A trace being written to one file.
-pub struct Recorder {
+/// One recorded call, kept binary until the writer thread formats it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Call {
+    Alloc {
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+        ptr: DevicePtr,
+    },
+    Free {
+        ptr: DevicePtr,
+    },
+    RecordStream {
+        ptr: DevicePtr,
+        stream: StreamHandle,
+    },
+    Warmup {
+        device: i32,
+        bytes: u64,
+    },
+    EmptyCache {
+        device: Option<i32>,
+    },
+    OutOfMemory {
+        device: i32,
+        size: u64,
+    },
+}
+
+enum Message {
+    /// Lines already formatted (the `meta` line).
+    Text(Vec<u8>),
+    Calls(Vec<Call>),
+    /// Answer once everything sent before has been written.
+    Flush(SyncSender<()>),
+}
+
+/// What the callers and the writer thread share.
+struct Shared {
     path: String,
-    /// The process that opened the file: a forked child drops the parent's buffered lines
-    /// instead of writing them a second time.
-    pid: u32,
     /// False once recording stopped (a write failed): calls then skip the lock.
     on: AtomicBool,
+}
+
+/// A trace being written to one file: callers append calls to a buffer under one lock (which
+/// also orders them), and a writer thread formats each full buffer and writes it with one
+/// `write(2)`, so that formatting and the system call stay off the callers' path.
+pub struct Recorder {
+    shared: Arc<Shared>,
+    /// The process that opened the file: a forked child (which has no writer thread) drops the
+    /// parent's buffered calls instead of writing them a second time.
+    pid: u32,
     state: Mutex<State>,
 }
 
 struct State {
-    /// `None` once recording stopped.
-    file: Option<File>,
-    buf: Vec<u8>,
+    calls: Vec<Call>,
+    to_writer: SyncSender<Message>,
 }
 
 impl Recorder {
-    /// Open `path` (`%p` replaced by the process id) for appending, and start the trace with a
-    /// `meta` line when the file is new; `device_memory` is device 0's total. On failure, the
-    /// message to print.
+    /// Open `path` (`%p` replaced by the process id) for appending, start the trace with a
+    /// `meta` line when the file is new (`device_memory`: device 0's total), and start the
+    /// writer thread. On failure, the message to print.
     pub fn open(path: &str, device_memory: Option<u64>) -> std::result::Result<Recorder, String> {
         let pid = std::process::id();
         let path = path.replace("%p", &pid.to_string());
+        let cannot = |e: std::io::Error| format!("resmem: cannot record to {path}: {e}; not recording");
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
-            .map_err(|e| format!("resmem: cannot record to {path}: {e}; not recording"))?;
-        let fresh = file.metadata().map(|m| m.len() == 0).unwrap_or(false);
-        let mut buf = Vec::with_capacity(BATCH + 256);
-        if fresh {
-            buf.extend_from_slice(br#"{"op":"meta","name":"recorded""#);
+            .map_err(cannot)?;
+        let mut meta = Vec::new();
+        if file.metadata().map(|m| m.len() == 0).unwrap_or(false) {
+            meta.extend_from_slice(br#"{"op":"meta","name":"recorded""#);
             if let Some(bytes) = device_memory {
-                buf.extend_from_slice(br#","device_memory":"#);
-                push_u64(&mut buf, bytes);
+                meta.extend_from_slice(br#","device_memory":"#);
+                push_u64(&mut meta, bytes);
             }
-            buf.extend_from_slice(br#","description":"recorded by resmem from process "#);
-            push_u64(&mut buf, pid.into());
-            buf.extend_from_slice(b"\"}\n");
+            meta.extend_from_slice(br#","description":"recorded by resmem from process "#);
+            push_u64(&mut meta, pid.into());
+            meta.extend_from_slice(b"\"}\n");
+        }
+        let shared = Arc::new(Shared {
+            path: path.clone(),
+            on: AtomicBool::new(true),
+        });
+        let (to_writer, from_callers) = sync_channel(4);
+        let writer = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("resmem-record".into())
+            .spawn(move || write_batches(file, &writer, from_callers))
+            .map_err(cannot)?;
+        if !meta.is_empty() {
+            let _ = to_writer.send(Message::Text(meta));
         }
         Ok(Recorder {
-            path,
+            shared,
             pid,
-            on: AtomicBool::new(true),
             state: Mutex::new(State {
-                file: Some(file),
-                buf,
+                calls: Vec::with_capacity(BATCH),
+                to_writer,
             }),
         })
     }
 
     /// The file being written.
     pub fn path(&self) -> &str {
-        &self.path
+        &self.shared.path
     }
 
-    /// Whether lines are still being recorded.
+    /// Whether calls are still being recorded.
     pub fn is_recording(&self) -> bool {
-        self.on.load(Ordering::Relaxed)
+        self.shared.on.load(Ordering::Relaxed)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Append one line (built by `line` into the buffer) and write the batch when it is full.
-    fn line(&self, state: &mut State, line: impl FnOnce(&mut Vec<u8>)) {
-        if state.file.is_none() {
-            return;
-        }
-        line(&mut state.buf);
-        if state.buf.len() >= BATCH {
-            self.write_out(state);
-        }
-    }
-
-    /// One `write(2)` of the buffered lines; a failure stops the recording with one line.
-    fn write_out(&self, state: &mut State) {
-        if std::process::id() != self.pid {
-            // A forked child: the lines are the parent's to write.
-            state.buf.clear();
-            state.file = None;
-            self.on.store(false, Ordering::Relaxed);
-            return;
-        }
-        let Some(file) = state.file.as_mut() else {
-            return;
-        };
-        if state.buf.is_empty() {
-            return;
-        }
-        let result = file.write_all(&state.buf);
-        state.buf.clear();
-        if let Err(e) = result {
-            state.file = None;
-            state.buf = Vec::new();
-            self.on.store(false, Ordering::Relaxed);
-            let _ = writeln!(
-                std::io::stderr(),
-                "resmem: recording to {} stopped: {e}; the program goes on unrecorded",
-                self.path
-            );
+    /// Append a call; hand the buffer to the writer when it is full.
+    fn push(&self, state: &mut State, call: Call) {
+        state.calls.push(call);
+        if state.calls.len() >= BATCH {
+            let calls = std::mem::replace(&mut state.calls, Vec::with_capacity(BATCH));
+            // The writer only goes away when recording stopped; then the calls are dropped.
+            let _ = state.to_writer.send(Message::Calls(calls));
         }
     }
 
-    /// Write what is buffered.
+    /// Write everything recorded so far, and return once it is in the file.
     pub fn flush(&self) {
-        let mut state = self.lock();
-        self.write_out(&mut state);
+        let (done, wait) = sync_channel(1);
+        {
+            let mut state = self.lock();
+            if std::process::id() != self.pid {
+                // A forked child: the calls are the parent's to write, and no writer runs here.
+                state.calls.clear();
+                self.shared.on.store(false, Ordering::Relaxed);
+                return;
+            }
+            let calls = std::mem::take(&mut state.calls);
+            if state.to_writer.send(Message::Calls(calls)).is_err()
+                || state.to_writer.send(Message::Flush(done)).is_err()
+            {
+                return;
+            }
+        }
+        let _ = wait.recv();
     }
 
     /// A successful reservation of `size` bytes at `ptr` (0 for size 0: nothing is recorded).
     pub fn alloc(&self, device: i32, size: u64, stream: StreamHandle, ptr: DevicePtr) {
-        if ptr == 0 || !self.is_recording() {
-            return;
+        if ptr != 0 && self.is_recording() {
+            let call = Call::Alloc {
+                device,
+                size,
+                stream,
+                ptr,
+            };
+            self.push(&mut self.lock(), call);
         }
-        self.line(&mut self.lock(), |b| {
-            b.extend_from_slice(br#"{"op":"alloc","id":"#);
-            push_u64(b, ptr);
-            b.extend_from_slice(br#","size":"#);
-            push_u64(b, size);
-            b.extend_from_slice(br#","stream":"#);
-            push_u64(b, stream);
-            push_device(b, device);
-            b.extend_from_slice(b"}\n");
-        });
     }
 
     /// A reservation that failed with out-of-memory, as a `mark` (the replay has no block for it).
     pub fn out_of_memory(&self, device: i32, size: u64) {
-        if !self.is_recording() {
-            return;
+        if self.is_recording() {
+            self.push(&mut self.lock(), Call::OutOfMemory { device, size });
         }
-        self.line(&mut self.lock(), |b| {
-            b.extend_from_slice(br#"{"op":"mark","label":"out of memory: "#);
-            push_u64(b, size);
-            b.extend_from_slice(b" bytes on device ");
-            push_i64(b, device.into());
-            b.extend_from_slice(b"\"}\n");
-        });
     }
 
     /// Run the release of `ptr` and record it if it succeeds, under the recorder's lock.
     pub fn release(&self, ptr: DevicePtr, release: impl FnOnce() -> Result<()>) -> Result<()> {
+        if !self.is_recording() {
+            return release();
+        }
         let mut state = self.lock();
         let result = release();
         if result.is_ok() && ptr != 0 {
-            self.line(&mut state, |b| {
-                b.extend_from_slice(br#"{"op":"free","id":"#);
-                push_u64(b, ptr);
-                b.extend_from_slice(b"}\n");
-            });
+            self.push(&mut state, Call::Free { ptr });
         }
         result
     }
@@ -191,46 +221,110 @@ impl Recorder {
         stream: StreamHandle,
         call: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
+        if !self.is_recording() {
+            return call();
+        }
         let mut state = self.lock();
         let result = call();
         if result.is_ok() {
-            self.line(&mut state, |b| {
-                b.extend_from_slice(br#"{"op":"record_stream","id":"#);
-                push_u64(b, ptr);
-                b.extend_from_slice(br#","stream":"#);
-                push_u64(b, stream);
-                b.extend_from_slice(b"}\n");
-            });
+            self.push(&mut state, Call::RecordStream { ptr, stream });
         }
         result
     }
 
     /// A successful `rm_warmup(device, bytes)`.
     pub fn warmup(&self, device: i32, bytes: u64) {
-        if !self.is_recording() {
-            return;
+        if self.is_recording() {
+            self.push(&mut self.lock(), Call::Warmup { device, bytes });
         }
-        self.line(&mut self.lock(), |b| {
-            b.extend_from_slice(br#"{"op":"warmup","bytes":"#);
-            push_u64(b, bytes);
-            push_device(b, device);
-            b.extend_from_slice(b"}\n");
-        });
     }
 
     /// A successful `rm_free_reusable` (`None`: every device).
     pub fn empty_cache(&self, device: Option<i32>) {
-        if !self.is_recording() {
-            return;
+        if self.is_recording() {
+            self.push(&mut self.lock(), Call::EmptyCache { device });
         }
-        self.line(&mut self.lock(), |b| {
+    }
+}
+
+/// The writer thread: format each batch and write it with one `write(2)` (`O_APPEND`, so whole
+/// lines land together even with other writers); the first failure stops the recording with
+/// one line on stderr.
+fn write_batches(mut file: File, shared: &Shared, messages: Receiver<Message>) {
+    let mut text = Vec::with_capacity(BATCH * 96);
+    for message in messages {
+        text.clear();
+        match message {
+            Message::Text(lines) => text = lines,
+            Message::Calls(calls) => {
+                for call in &calls {
+                    format_line(&mut text, call);
+                }
+            }
+            Message::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+        if !text.is_empty() && shared.on.load(Ordering::Relaxed) {
+            if let Err(e) = file.write_all(&text) {
+                    shared.on.store(false, Ordering::Relaxed);
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "resmem: recording to {} stopped: {e}; the program goes on unrecorded",
+                    shared.path
+                );
+            }
+        }
+    }
+}
+
+/// `call` as one line of the replay format.
+fn format_line(b: &mut Vec<u8>, call: &Call) {
+    match *call {
+        Call::Alloc {
+            device,
+            size,
+            stream,
+            ptr,
+        } => {
+            b.extend_from_slice(br#"{"op":"alloc","id":"#);
+            push_u64(b, ptr);
+            b.extend_from_slice(br#","size":"#);
+            push_u64(b, size);
+            b.extend_from_slice(br#","stream":"#);
+            push_u64(b, stream);
+            push_device(b, device);
+        }
+        Call::Free { ptr } => {
+            b.extend_from_slice(br#"{"op":"free","id":"#);
+            push_u64(b, ptr);
+        }
+        Call::RecordStream { ptr, stream } => {
+            b.extend_from_slice(br#"{"op":"record_stream","id":"#);
+            push_u64(b, ptr);
+            b.extend_from_slice(br#","stream":"#);
+            push_u64(b, stream);
+        }
+        Call::Warmup { device, bytes } => {
+            b.extend_from_slice(br#"{"op":"warmup","bytes":"#);
+            push_u64(b, bytes);
+            push_device(b, device);
+        }
+        Call::EmptyCache { device } => {
             b.extend_from_slice(br#"{"op":"empty_cache""#);
             if let Some(device) = device {
                 push_device(b, device);
             }
-            b.extend_from_slice(b"}\n");
-        });
+        }
+        Call::OutOfMemory { device, size } => {
+            b.extend_from_slice(br#"{"op":"mark","label":"out of memory: "#);
+            push_u64(b, size);
+            b.extend_from_slice(b" bytes on device ");
+            push_i64(b, device.into());
+            b.push(b'"');
+        }
     }
+    b.extend_from_slice(b"}\n");
 }
 
 fn push_device(b: &mut Vec<u8>, device: i32) {
@@ -245,17 +339,26 @@ fn push_i64(b: &mut Vec<u8>, value: i64) {
     push_u64(b, value.unsigned_abs());
 }
 
-/// `value` in decimal, without going through `fmt`.
+/// The decimal digits of 0 to 99, two by two.
+const PAIRS: &[u8; 200] = b"00010203040506070809101112131415161718192021222324252627282930313233343536373839404142434445464748495051525354555657585960616263646566676869707172737475767778798081828384858687888990919293949596979899";
+
+/// `value` in decimal, two digits per division, without going through `fmt`.
 fn push_u64(b: &mut Vec<u8>, mut value: u64) {
     let mut digits = [0u8; 20];
     let mut i = digits.len();
-    loop {
+    while value >= 100 {
+        let pair = (value % 100) as usize * 2;
+        value /= 100;
+        i -= 2;
+        digits[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+    }
+    if value >= 10 {
+        let pair = value as usize * 2;
+        i -= 2;
+        digits[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
+    } else {
         i -= 1;
-        digits[i] = b'0' + (value % 10) as u8;
-        value /= 10;
-        if value == 0 {
-            break;
-        }
+        digits[i] = b'0' + value as u8;
     }
     b.extend_from_slice(&digits[i..]);
 }
@@ -404,20 +507,31 @@ mod tests {
     }
 
     #[test]
-    fn lines_reach_the_file_in_whole_batches() {
+    fn calls_reach_the_file_in_whole_batches() {
         let path = scratch("batches.jsonl");
         let r = Recorder::open(&path, None).unwrap();
-        let meta = std::fs::metadata(&path).unwrap().len();
-        assert_eq!(meta, 0, "nothing is written before the first batch fills");
-        let mut n = 0u64;
-        while std::fs::metadata(&path).unwrap().len() == 0 {
+        r.flush();
+        let meta = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(meta.lines().count(), 1, "{meta}");
+        for n in 0..BATCH as u64 - 1 {
             r.alloc(0, 512, 0, 512 * (n + 1));
-            n += 1;
         }
+        // One short of a batch: nothing handed to the writer yet.
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), meta);
+        for n in BATCH as u64 - 1..2 * BATCH as u64 + 10 {
+            r.alloc(0, 512, 0, 512 * (n + 1));
+        }
+        r.flush();
         let written = std::fs::read_to_string(&path).unwrap();
-        assert!(written.ends_with('\n'));
-        assert!(written.len() >= BATCH);
-        assert_eq!(written.lines().count() as u64, n + 1); // and the meta line
+        let lines: Vec<&str> = written.lines().collect();
+        assert_eq!(lines.len(), 1 + 2 * BATCH + 10);
+        assert_eq!(
+            lines[2 * BATCH + 10],
+            format!(
+                r#"{{"op":"alloc","id":{},"size":512,"stream":0,"device":0}}"#,
+                512 * (2 * BATCH + 10)
+            )
+        );
     }
 
     #[test]
@@ -436,8 +550,7 @@ mod tests {
         .unwrap();
         assert!(released);
         r.alloc(0, 512, 0, 1024);
-        r.flush();
-        assert!(r.lock().buf.is_empty());
+        assert!(r.lock().calls.is_empty());
     }
 
     #[test]
@@ -454,14 +567,14 @@ mod tests {
     #[test]
     fn numbers_are_written_in_decimal() {
         let mut b = Vec::new();
-        for v in [0, 7, 10, 512, u64::MAX] {
+        for v in [0, 7, 10, 99, 100, 512, 1000, u64::MAX] {
             push_u64(&mut b, v);
             b.push(b' ');
         }
         push_i64(&mut b, -1);
         assert_eq!(
             String::from_utf8(b).unwrap(),
-            "0 7 10 512 18446744073709551615 -1"
+            "0 7 10 99 100 512 1000 18446744073709551615 -1"
         );
     }
 }
