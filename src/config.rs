@@ -115,7 +115,8 @@ pub fn parse_conf(text: &str) -> Result<Conf, Error> {
         if key == "record" {
             if value.is_empty() {
                 return Err(Error::invalid_value(
-                    "RESMEM_CONF: record: needs a file, e.g. record:/tmp/trace-%p.jsonl".to_string(),
+                    "RESMEM_CONF: record: needs a file, e.g. record:/tmp/trace-%p.jsonl"
+                        .to_string(),
                 ));
             }
             config.record = Some(value.to_string());

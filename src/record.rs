@@ -95,7 +95,8 @@ impl Recorder {
     pub fn open(path: &str, device_memory: Option<u64>) -> std::result::Result<Recorder, String> {
         let pid = std::process::id();
         let path = path.replace("%p", &pid.to_string());
-        let cannot = |e: std::io::Error| format!("resmem: cannot record to {path}: {e}; not recording");
+        let cannot =
+            |e: std::io::Error| format!("resmem: cannot record to {path}: {e}; not recording");
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -267,10 +268,10 @@ fn write_batches(mut file: File, shared: &Shared, messages: Receiver<Message>) {
         }
         if !text.is_empty() && shared.on.load(Ordering::Relaxed) {
             if let Err(e) = file.write_all(&text) {
-                    shared.on.store(false, Ordering::Relaxed);
-                    let _ = writeln!(
-                        std::io::stderr(),
-                        "resmem: recording to {} stopped: {e}; the program goes on unrecorded",
+                shared.on.store(false, Ordering::Relaxed);
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "resmem: recording to {} stopped: {e}; the program goes on unrecorded",
                     shared.path
                 );
             }
@@ -460,7 +461,9 @@ mod tests {
     fn every_call_becomes_one_line_of_the_replay_format() {
         let path = scratch("calls-%p.jsonl");
         let r = Recorder::open(&path, Some(24 << 30)).unwrap();
-        assert!(r.path().ends_with(&format!("calls-{}.jsonl", std::process::id())));
+        assert!(r
+            .path()
+            .ends_with(&format!("calls-{}.jsonl", std::process::id())));
         r.alloc(0, 1000, 0, 0x7000_0000_0000);
         r.alloc(1, 0, 0, 0); // size 0: nothing
         r.alloc(1, 4096, 0x55, 0x7100_0000_0200);
@@ -502,7 +505,10 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3, "{text}");
         assert!(lines[0].starts_with(r#"{"op":"meta","name":"recorded","description""#));
-        assert_eq!(lines[1], r#"{"op":"alloc","id":512,"size":512,"stream":0,"device":0}"#);
+        assert_eq!(
+            lines[1],
+            r#"{"op":"alloc","id":512,"size":512,"stream":0,"device":0}"#
+        );
         assert_eq!(lines[2], r#"{"op":"free","id":512}"#);
     }
 

@@ -88,7 +88,9 @@ fn cmake_builds_the_cpp_engine_with_find_package() {
         .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix().display())));
     ok(Command::new("cmake").arg("--build").arg(&build));
     let engine = build.join("engine");
-    let ldd = ok(Command::new("ldd").arg(&engine).env_remove("LD_LIBRARY_PATH"));
+    let ldd = ok(Command::new("ldd")
+        .arg(&engine)
+        .env_remove("LD_LIBRARY_PATH"));
     let expected = format!(
         "libresmem.so.0 => {}",
         prefix().join("lib/libresmem.so.0").display()

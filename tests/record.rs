@@ -24,7 +24,14 @@ fn compile_workload() -> PathBuf {
     let a = artifacts();
     let exe = a.work.join("workload");
     let output = Command::new("gcc")
-        .args(["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-pthread"])
+        .args([
+            "-std=c99",
+            "-Wall",
+            "-Wextra",
+            "-pedantic",
+            "-Werror",
+            "-pthread",
+        ])
         .arg("-I")
         .arg(root().join("include"))
         .arg(root().join("c_examples/workload.c"))
@@ -95,7 +102,10 @@ fn a_c_program_and_the_pytorch_entry_points_are_recorded_and_replayed() {
     assert_eq!(files.len(), 1, "{files:?}");
     let trace = &files[0];
     let name = trace.file_name().unwrap().to_string_lossy().into_owned();
-    assert!(name.starts_with("trace-") && name.ends_with(".jsonl"), "{name}");
+    assert!(
+        name.starts_with("trace-") && name.ends_with(".jsonl"),
+        "{name}"
+    );
     assert_ne!(name, "trace-%p.jsonl");
 
     let text = std::fs::read_to_string(trace).unwrap();
@@ -140,9 +150,7 @@ fn a_c_program_and_the_pytorch_entry_points_are_recorded_and_replayed() {
     );
     // b (16 MiB) and the torch block (4 MiB) were live together on device 1.
     assert!(
-        one.contains(
-            "peak allocated                   20.00 MiB     20.00 MiB     20.00 MiB"
-        ),
+        one.contains("peak allocated                   20.00 MiB     20.00 MiB     20.00 MiB"),
         "{one}"
     );
     for out in [&zero, &one] {
@@ -150,7 +158,11 @@ fn a_c_program_and_the_pytorch_entry_points_are_recorded_and_replayed() {
             .lines()
             .find(|l| l.starts_with("out-of-memory events"))
             .unwrap();
-        assert_eq!(ooms.split_whitespace().skip(2).collect::<Vec<_>>(), ["0", "0", "0"], "{out}");
+        assert_eq!(
+            ooms.split_whitespace().skip(2).collect::<Vec<_>>(),
+            ["0", "0", "0"],
+            "{out}"
+        );
     }
 }
 

@@ -1,5 +1,7 @@
 //! The `resmem` command's logic, as a library so that its tests and benchmarks can call it:
 //!
+//! - [`env`]: the environment, validated the same way for every subcommand, and the device;
+//! - [`info`]: `resmem info`'s table;
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
 //! - [`demo`]: the seed scenario, four loads of a model under each policy;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
@@ -12,7 +14,9 @@
 //! (argument parsing, plots, progress bars, serialization), which the C library never links.
 
 pub mod demo;
+pub mod env;
 pub mod generate;
+pub mod info;
 pub mod model;
 pub mod plot;
 pub mod replay;

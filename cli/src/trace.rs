@@ -129,14 +129,14 @@ impl Trace {
             }
             let mut value: serde_json::Value =
                 serde_json::from_str(text).map_err(|e| format!("line {}: {e}", n + 1))?;
-            let on = match value.as_object_mut().and_then(|o| o.remove("device")) {
-                None => None,
-                Some(d) => Some(d.as_u64().ok_or_else(|| {
-                    format!("line {}: device {d} is not a device number", n + 1)
-                })?),
-            };
-            let event =
-                Event::deserialize(value).map_err(|e| format!("line {}: {e}", n + 1))?;
+            let on =
+                match value.as_object_mut().and_then(|o| o.remove("device")) {
+                    None => None,
+                    Some(d) => Some(d.as_u64().ok_or_else(|| {
+                        format!("line {}: device {d} is not a device number", n + 1)
+                    })?),
+                };
+            let event = Event::deserialize(value).map_err(|e| format!("line {}: {e}", n + 1))?;
             let mine = on.unwrap_or(0) == device as u64;
             match &event {
                 Event::Alloc { id, .. } if !mine => {
@@ -428,8 +428,8 @@ mod tests {
         let err = Trace::from_json_lines(&b"{\"op\":\"record_stream\",\"id\":4,\"stream\":1}"[..])
             .unwrap_err();
         assert_eq!(err, "line 1: record_stream of id 4, which is not live");
-        let err = Trace::from_json_lines(&b"{\"op\":\"empty_cache\",\"device\":-1}"[..])
-            .unwrap_err();
+        let err =
+            Trace::from_json_lines(&b"{\"op\":\"empty_cache\",\"device\":-1}"[..]).unwrap_err();
         assert_eq!(err, "line 1: device -1 is not a device number");
     }
 }
