@@ -201,3 +201,45 @@ fn a_file_that_cannot_be_written_leaves_the_program_running() {
          not recording\n"
     );
 }
+
+#[test]
+fn a_setuid_program_records_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: making a setuid program needs root");
+        return;
+    }
+    let setuid = workload().with_file_name("workload-setuid");
+    let _ = std::fs::remove_file(&setuid);
+    std::fs::copy(workload(), &setuid).unwrap();
+    std::os::unix::fs::chown(&setuid, Some(65534), None).unwrap();
+    std::fs::set_permissions(&setuid, std::fs::Permissions::from_mode(0o4755)).unwrap();
+    let dir = artifacts().work.join("recorded-setuid");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let conf = format!("record:{}/trace.jsonl", dir.display());
+    let out = run(
+        &setuid,
+        &[],
+        Driver::InProcess,
+        &[("RESMEM_CONF", &conf), ("CUDA_SIM_DEVICES", "1GiB,1GiB")],
+    );
+    assert_eq!(
+        out,
+        "4 threads x 5000 pairs, then a 1 PiB request: out of memory\n"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    // The program really ran privileged: a malformed RESMEM_CONF, an error otherwise, is ignored.
+    let out = run(
+        &setuid,
+        &[],
+        Driver::InProcess,
+        &[("RESMEM_CONF", "no_such_key:1"), ("CUDA_SIM_DEVICES", "1GiB,1GiB")],
+    );
+    assert_eq!(
+        out,
+        "4 threads x 5000 pairs, then a 1 PiB request: out of memory\n"
+    );
+}
