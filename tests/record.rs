@@ -236,7 +236,10 @@ fn a_setuid_program_records_nothing() {
         &setuid,
         &[],
         Driver::InProcess,
-        &[("RESMEM_CONF", "no_such_key:1"), ("CUDA_SIM_DEVICES", "1GiB,1GiB")],
+        &[
+            ("RESMEM_CONF", "no_such_key:1"),
+            ("CUDA_SIM_DEVICES", "1GiB,1GiB"),
+        ],
     );
     assert_eq!(
         out,
