@@ -1,8 +1,8 @@
 //! The C API: the exported `rm_*` functions of the core API (PyTorch's entry points are in
-//! [`crate::torch`]), and nothing else exported. Each one checks its
-//! arguments, runs its body behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`),
-//! returns an [`rm_status`], and leaves a message for `rm_last_error()` on failure. The logic
-//! lives in [`crate::pool`]; this file only translates.
+//! [`crate::torch`]), and nothing else exported. Each one checks its arguments, runs its body
+//! behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`), returns an [`rm_status`],
+//! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::pool`];
+//! this file only translates, and tells [`crate::record`] what was done.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
