@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use clap::error::ErrorKind;
 use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use resmem::driver::sim::SimDriver;
@@ -103,7 +104,13 @@ enum Which {
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) if !e.use_stderr() => e.exit(), // --help, --version
+        // --help, --version, and the help when no subcommand is given.
+        Err(e)
+            if !e.use_stderr()
+                || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand =>
+        {
+            e.exit()
+        }
         Err(e) => {
             eprintln!("resmem: {}", one_line(&e.render().to_string()));
             return ExitCode::from(2);
