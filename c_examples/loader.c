@@ -59,6 +59,8 @@ int main(void) {
   size_t count = model_params(sizes), i;
   unsigned long long params = 0, model_bytes;
   int load, failures = 0;
+  /* Line-buffered even into a pipe, so that an error on stderr follows the lines before it. */
+  setvbuf(stdout, NULL, _IOLBF, 0);
 
   for (i = 0; i < count; i++) params += sizes[i];
   model_bytes = params * BYTES_PER_PARAM;

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Measure and print BENCHMARKS.md.
 
-    scripts/benchmarks.py > BENCHMARKS.md               # runs `cargo bench -p resmem-cli --bench pool` first
+    scripts/benchmarks.py > BENCHMARKS.md               # runs `cargo bench -p resmem-cli --bench pool`
+                                                        # and `--bench record` first
     scripts/benchmarks.py --skip-run > BENCHMARKS.md    # reuses target/criterion
     scripts/benchmarks.py --replays-only                # the policy tables and the demo only
 
@@ -64,6 +65,22 @@ def policy_sections(w):
     w("```")
 
 
+def record_section(w):
+    """What recording (RESMEM_CONF=record:PATH) adds to a cache-hit pair (benches/record.rs)."""
+    w("## Recording (`RESMEM_CONF=record:PATH`): a cache-hit pair, recorded and not\n")
+    w("`cargo bench -p resmem-cli --bench record`: the C-ABI pair, and the same pair with the recorder calls its")
+    w("hooks make (into a recorder writing to `/dev/null`), in the same run. `recorder alone` is")
+    w("those recorder calls without the pair: at a steady full rate the writer thread, which")
+    w("formats the lines, sets the pace. The target is at most 10% more than the plain pair.\n")
+    w("| size | pair (ns) | recorded pair (ns) | recorded / pair |")
+    w("| ---: | ---: | ---: | ---: |")
+    for s in ("512B", "4MiB"):
+        p, r = median("record", "pair", s), median("record", "pair-recorded", s)
+        w(f"| {s} | {p:.1f} | {r:.1f} | {r / p:.2f} |")
+    w("")
+    w(f"Recorder alone (an `alloc` line and a `free` line): {median('record', 'recorder-alone'):.1f} ns.\n")
+
+
 def main():
     if "--replays-only" in sys.argv:
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT,
@@ -76,15 +93,17 @@ def main():
         print("\n".join(out))
         return
     if "--skip-run" not in sys.argv:
-        subprocess.run(["cargo", "bench", "-p", "resmem-cli", "--bench", "pool"], cwd=ROOT, check=True,
-                       stdout=sys.stderr)
+        for bench in ("pool", "record"):
+            subprocess.run(["cargo", "bench", "-p", "resmem-cli", "--bench", bench], cwd=ROOT,
+                           check=True, stdout=sys.stderr)
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT,
                    check=True, stdout=sys.stderr)
     out = []
     w = out.append
     w("# Benchmarks\n")
-    w("Measured with `scripts/benchmarks.py > BENCHMARKS.md` (which runs `cargo bench -p resmem-cli --bench pool`")
-    w("and `resmem replay` on every trace); `--skip-run` re-prints from `target/criterion`.\n")
+    w("Measured with `scripts/benchmarks.py > BENCHMARKS.md` (which runs `cargo bench -p resmem-cli")
+    w("--bench pool`, `cargo bench -p resmem-cli --bench record` and `resmem replay` on every trace);")
+    w("`--skip-run` re-prints from `target/criterion`.\n")
     w(f"- date: {datetime.date.today().isoformat()}")
     w(f"- machine: {cpu_model()}, {sh('nproc').strip()} CPUs (`nproc`), {platform.system()} "
       f"{platform.release()}")
@@ -121,6 +140,8 @@ def main():
         r, t, c = (median("pair-2-threads", who, s) for who in ("resmem", "torch", "glibc"))
         w(f"| {s} | {r:.1f} | {t:.1f} | {c:.1f} | {r / c:.2f} | {r / t:.2f} |")
     w("")
+
+    record_section(w)
 
     w("## `rm_mem_get_info` against the bare simulated driver call\n")
     r, d, t = (median("mem_get_info", who) for who in ("resmem", "sim-driver", "torch"))

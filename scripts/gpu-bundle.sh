@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build what scripts/gpu-check.sh runs into one folder (default target/gpu-bundle): the release
 # library, the cuda_driver test binary and the C examples, linked to find libresmem next to them,
-# and the Python package with python/tests/test_torch_gpu.py (it uses lib/libresmem.so.0).
+# and the Python package with python/tests/test_torch_gpu.py and test_torch_pool_gpu.py (they
+# use lib/libresmem.so.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/gpu-bundle}
@@ -25,5 +26,5 @@ done
 rm -rf "$out/python"
 mkdir -p "$out/python/tests"
 cp -r python/resmem "$out/python/"
-cp python/tests/test_torch_gpu.py "$out/python/tests/"
+cp python/tests/test_torch_gpu.py python/tests/test_torch_pool_gpu.py "$out/python/tests/"
 echo "bundle ready in $out"

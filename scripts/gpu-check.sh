@@ -14,7 +14,9 @@
 #      with classic segments and with RESMEM_CONF=vmm:true;
 #   3. resmem info, and resmem demo on the GPU under both policies;
 #   4. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
-#      with transformers' device_map="auto", with and without resmem as the allocator.
+#      with transformers' device_map="auto", with and without resmem as the allocator; and
+#      python/tests/test_torch_pool_gpu.py, resmem.torch.pool() through torch.cuda.MemPool
+#      (empty_cache, out-of-memory as torch.cuda.OutOfMemoryError, frees across devices).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,6 +48,9 @@ echo "== python/tests/test_torch_gpu.py"
 if python3 -c "import torch" 2>/dev/null; then
   RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \
     python3 "$bundle/python/tests/test_torch_gpu.py" || status=1
+  echo "== python/tests/test_torch_pool_gpu.py"
+  RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \
+    python3 "$bundle/python/tests/test_torch_pool_gpu.py" || status=1
 else
   echo "skipped: python3 has no torch"
 fi

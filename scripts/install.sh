@@ -4,6 +4,8 @@
 #   PREFIX/lib/libresmem.a, PREFIX/lib/libresmem_preload.so
 #   PREFIX/include/resmem.h
 #   PREFIX/lib/pkgconfig/resmem.pc                      pkg-config --cflags --libs resmem
+#                                                       (with -Wl,-rpath,PREFIX/lib: the
+#                                                       programs start with no variable set)
 #   PREFIX/lib/cmake/resmem/resmemConfig.cmake (+ ConfigVersion)
 #                                                       find_package(resmem) -> resmem::resmem
 #
@@ -48,7 +50,7 @@ includedir=\${prefix}/include
 Name: resmem
 Description: CUDA device-memory caching pool that counts reserved-but-unused memory as free
 Version: $version
-Libs: -L\${libdir} -lresmem
+Libs: -L\${libdir} -Wl,-rpath,\${libdir} -lresmem
 Libs.private: -lpthread -ldl -lm
 Cflags: -I\${includedir}
 PC

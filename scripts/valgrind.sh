@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 dir=target/debug/c_examples
 sim_lib="$PWD/target/debug/libcuda_sim.so"
 for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$dir/exit" \
-  "$dir/unload" "$sim_lib"; do
+  "$dir/unload" "$dir/workload" "$sim_lib"; do
   [ -e "$need" ] || { echo "missing $need: run cargo test first"; exit 1; }
 done
 vg=(valgrind --tool=memcheck --error-exitcode=99 --leak-check=full
@@ -39,4 +39,9 @@ for driver in sim library; do
   check "$driver" "$dir/unload" "$PWD/target/debug/libresmem.so" 30
 done
 EXTRA="RESMEM_CONF=no_such_key:1" check sim "$dir/errors" bad-conf
+# Recording: four threads' calls through the writer thread, flushed at exit.
+trace=$(mktemp -d)/trace.jsonl
+EXTRA="RESMEM_CONF=record:$trace CUDA_SIM_DEVICES=1GiB,1GiB" check sim "$dir/workload"
+[ "$(wc -l <"$trace")" -eq 40013 ] || { echo "valgrind: the recorded trace has $(wc -l <"$trace") lines, not 40013"; exit 1; }
+rm -r "$(dirname "$trace")"
 echo "valgrind: $runs programs, 0 errors, 0 definitely lost"

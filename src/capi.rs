@@ -1,7 +1,8 @@
-//! The C API: every exported `rm_*` function, and nothing else exported. Each one checks its
-//! arguments, runs its body behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`),
-//! returns an [`rm_status`], and leaves a message for `rm_last_error()` on failure. The logic
-//! lives in [`crate::pool`]; this file only translates.
+//! The C API: the exported `rm_*` functions of the core API (PyTorch's entry points are in
+//! [`crate::torch`]), and nothing else exported. Each one checks its arguments, runs its body
+//! behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`), returns an [`rm_status`],
+//! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::pool`];
+//! this file only translates, and tells [`crate::record`] what was done.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -11,7 +12,7 @@ use std::sync::Once;
 use crate::driver::DevicePtr;
 use crate::error::{last_error_ptr, rm_status, set_last_error, Error, Result};
 use crate::pool::{Pool, Stats};
-use crate::runtime;
+use crate::{record, runtime};
 
 /// A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
 /// the call.
@@ -229,7 +230,9 @@ pub unsafe extern "C" fn rm_reserve(
         }
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out_ptr, std::ptr::null_mut()) };
-        let ptr = pool()?.reserve(device, size_arg(size), stream as u64)?;
+        let outcome = pool()?.reserve(device, size_arg(size), stream as u64);
+        record::reserved(device, size_arg(size), stream as u64, &outcome);
+        let ptr = outcome?;
         // SAFETY: as above.
         unsafe { write_out(out_ptr, ptr as *mut c_void) };
         Ok(())
@@ -249,7 +252,8 @@ pub unsafe extern "C" fn rm_release(ptr: *mut c_void) -> rm_status {
         if ptr.is_null() {
             return Ok(());
         }
-        pool()?.release(ptr as DevicePtr)
+        let pool = pool()?;
+        record::release(ptr as DevicePtr, || pool.release(ptr as DevicePtr))
     })
 }
 
@@ -266,7 +270,10 @@ pub unsafe extern "C" fn rm_record_stream(ptr: *mut c_void, stream: *mut c_void)
                 "ptr is NULL; pass a block returned by rm_reserve",
             ));
         }
-        pool()?.record_stream(ptr as DevicePtr, stream as u64)
+        let pool = pool()?;
+        record::record_stream(ptr as DevicePtr, stream as u64, || {
+            pool.record_stream(ptr as DevicePtr, stream as u64)
+        })
     })
 }
 
@@ -281,7 +288,9 @@ pub unsafe extern "C" fn rm_free_reusable(device: c_int, released_bytes: *mut us
     boundary("rm_free_reusable", || {
         // SAFETY: NULL or valid by the caller's contract.
         unsafe { write_out(released_bytes, 0) };
-        let released = pool()?.free_reusable((device != -1).then_some(device))?;
+        let device = (device != -1).then_some(device);
+        let released = pool()?.free_reusable(device)?;
+        record::emptied(device);
         // SAFETY: as above.
         unsafe { write_out(released_bytes, usize_out(released)) };
         Ok(())
@@ -297,7 +306,9 @@ pub unsafe extern "C" fn rm_free_reusable(device: c_int, released_bytes: *mut us
 #[no_mangle]
 pub unsafe extern "C" fn rm_warmup(device: c_int, bytes: usize) -> rm_status {
     boundary("rm_warmup", || {
-        pool()?.warmup(device, size_arg(bytes)).map(drop)
+        pool()?.warmup(device, size_arg(bytes))?;
+        record::warmed_up(device, size_arg(bytes));
+        Ok(())
     })
 }
 

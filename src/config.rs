@@ -24,15 +24,19 @@ pub struct Settings {
     /// `cudaMalloc`/`cudaFree` and `cuMemAlloc_v2`/`cuMemFree_v2` through the pool (default
     /// off: it only makes the memory-info calls count reusable memory as free).
     pub preload_allocations: bool,
+    /// `RESMEM_CONF`'s `record:PATH`: where [`crate::record`] writes every call as a trace.
+    pub record: Option<String>,
 }
 
 /// Everything `RESMEM_CONF` says.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Conf {
     /// The pool's settings.
     pub pool: PoolConfig,
     /// See [`Settings::preload_allocations`].
     pub preload_allocations: bool,
+    /// See [`Settings::record`].
+    pub record: Option<String>,
 }
 
 /// The driver library loaded when `RESMEM_CUDA_LIBRARY` is unset.
@@ -54,7 +58,7 @@ fn quote(text: &str) -> String {
 
 /// The keys `RESMEM_CONF` accepts, with what they take, for messages.
 const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false, \
-                    preload_allocations:true|false";
+                    preload_allocations:true|false, record:PATH";
 
 impl Settings {
     /// Settings from the variables' values (`None`: unset).
@@ -83,6 +87,7 @@ impl Settings {
             driver,
             pool: conf.pool,
             preload_allocations: conf.preload_allocations,
+            record: conf.record,
         })
     }
 }
@@ -107,6 +112,16 @@ pub fn parse_conf(text: &str) -> Result<Conf, Error> {
             )));
         }
         seen.push(key);
+        if key == "record" {
+            if value.is_empty() {
+                return Err(Error::invalid_value(
+                    "RESMEM_CONF: record: needs a file, e.g. record:/tmp/trace-%p.jsonl"
+                        .to_string(),
+                ));
+            }
+            config.record = Some(value.to_string());
+            continue;
+        }
         let slot = match key {
             "release_before_grow" => &mut config.pool.release_before_grow,
             "logging" => &mut config.pool.logging,
@@ -190,6 +205,19 @@ mod tests {
         assert!(e
             .message
             .contains("preload_allocations:\"sometimes\" is not a boolean"));
+    }
+
+    #[test]
+    fn record_takes_a_path_with_colons() {
+        let c = parse_conf("logging:true, record:/tmp/a:b/trace-%p.jsonl").unwrap();
+        assert_eq!(c.record.as_deref(), Some("/tmp/a:b/trace-%p.jsonl"));
+        assert!(c.pool.logging);
+        assert_eq!(parse_conf("").unwrap().record, None);
+        let e = parse_conf("record:").unwrap_err();
+        assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+        assert!(e.message.contains("needs a file"), "{}", e.message);
+        let s = Settings::from_vars(Some("sim"), None, Some("record:t.jsonl")).unwrap();
+        assert_eq!(s.record.as_deref(), Some("t.jsonl"));
     }
 
     #[test]

@@ -11,12 +11,13 @@
 //! [`Pool`] over a [`Driver`] directly.
 //!
 //! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
-//! - [`capi`]: every exported `rm_*` function and the panic boundary;
+//! - [`capi`]: the core `rm_*` exports and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
 //! - [`driver`]: the trait, the CUDA driver loaded at run time, the simulated driver;
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
 //! - [`runtime`]: the process-wide pool built from the environment on first use;
+//! - [`record`]: `RESMEM_CONF=record:PATH`, every call written as a replayable trace;
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`);
 //! - `unload`: what the process-wide state gives back when the library is unloaded.
 
@@ -25,6 +26,7 @@ pub mod config;
 pub mod driver;
 pub mod error;
 pub mod pool;
+pub mod record;
 pub mod runtime;
 pub mod torch;
 mod unload;

@@ -20,6 +20,7 @@ use std::ffi::{c_double, c_int, c_void};
 use crate::capi::{boundary, pool};
 use crate::driver::DevicePtr;
 use crate::error::Error;
+use crate::record;
 
 /// `ssize_t`, the size type of PyTorch's allocation functions (declared by `<sys/types.h>`).
 #[allow(non_camel_case_types)]
@@ -44,7 +45,9 @@ pub unsafe extern "C" fn rm_torch_malloc(
                 "size {size} is negative; pass the number of bytes to allocate"
             ))
         })?;
-        ptr = pool()?.reserve(device, size, stream as u64)?;
+        let outcome = pool()?.reserve(device, size, stream as u64);
+        record::reserved(device, size, stream as u64, &outcome);
+        ptr = outcome?;
         Ok(())
     });
     ptr as *mut c_void
@@ -64,7 +67,10 @@ pub unsafe extern "C" fn rm_torch_free(
     stream: *mut c_void,
 ) {
     let _ = (size, device, stream);
-    boundary("rm_torch_free", || pool()?.release(ptr as DevicePtr));
+    boundary("rm_torch_free", || {
+        let pool = pool()?;
+        record::release(ptr as DevicePtr, || pool.release(ptr as DevicePtr))
+    });
 }
 
 /// PyTorch's `init_fn`, called with the number of devices: starts the pool (loads the driver)
@@ -86,7 +92,9 @@ pub unsafe extern "C" fn rm_torch_init(device_count: c_int) {
 #[no_mangle]
 pub unsafe extern "C" fn rm_torch_empty_cache() {
     boundary("rm_torch_empty_cache", || {
-        pool()?.free_reusable(None).map(drop)
+        pool()?.free_reusable(None)?;
+        record::emptied(None);
+        Ok(())
     });
 }
 
@@ -125,6 +133,9 @@ pub unsafe extern "C" fn rm_torch_record_stream(ptr: *mut c_void, stream: *mut c
                 "ptr is NULL; pass a block returned by rm_torch_malloc",
             ));
         }
-        pool()?.record_stream(ptr as DevicePtr, stream as u64)
+        let pool = pool()?;
+        record::record_stream(ptr as DevicePtr, stream as u64, || {
+            pool.record_stream(ptr as DevicePtr, stream as u64)
+        })
     });
 }

@@ -1,6 +1,8 @@
-//! `scripts/install.sh` lays out a prefix that C and C++ build systems find: the CMake package
-//! (`find_package(resmem)` → `resmem::resmem`) builds `c_examples/cpp` and the pkg-config file
-//! builds `c_examples/quickstart.c`; both programs run against the simulated devices.
+//! `scripts/install.sh` lays out a prefix that C and C++ build systems find, and the README's
+//! routes work exactly as written: the CMake package (`find_package(resmem)` →
+//! `resmem::resmem`) builds `examples/cpp` and the pkg-config line builds `examples/c/app.c`;
+//! both programs find `libresmem.so.0` through their run path and run, with no
+//! `LD_LIBRARY_PATH`, against the simulated devices.
 
 mod common;
 
@@ -80,13 +82,15 @@ fn cmake_builds_the_cpp_engine_with_find_package() {
     let _ = std::fs::remove_dir_all(&build);
     ok(Command::new("cmake")
         .arg("-S")
-        .arg(root().join("c_examples/cpp"))
+        .arg(root().join("examples/cpp"))
         .arg("-B")
         .arg(&build)
         .arg(format!("-DCMAKE_PREFIX_PATH={}", prefix().display())));
     ok(Command::new("cmake").arg("--build").arg(&build));
     let engine = build.join("engine");
-    let ldd = ok(Command::new("ldd").arg(&engine));
+    let ldd = ok(Command::new("ldd")
+        .arg(&engine)
+        .env_remove("LD_LIBRARY_PATH"));
     let expected = format!(
         "libresmem.so.0 => {}",
         prefix().join("lib/libresmem.so.0").display()
@@ -116,24 +120,39 @@ fn cmake_builds_the_cpp_engine_with_find_package() {
 }
 
 #[test]
-fn pkg_config_gives_the_flags_to_build_a_c_program() {
+fn pkg_config_gives_the_flags_to_build_and_start_a_c_program() {
     let flags = ok(Command::new("pkg-config")
         .args(["--cflags", "--libs", "resmem"])
         .env("PKG_CONFIG_PATH", prefix().join("lib/pkgconfig")));
     let p = prefix().display().to_string();
-    assert_eq!(flags.trim(), format!("-I{p}/include -L{p}/lib -lresmem"));
-    let exe = artifacts().work.join("quickstart-pkg-config");
-    let mut gcc = Command::new("gcc");
-    gcc.args(["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror"])
-        .arg(root().join("c_examples/quickstart.c"))
+    assert_eq!(
+        flags.trim(),
+        format!("-I{p}/include -L{p}/lib -Wl,-rpath,{p}/lib -lresmem")
+    );
+    // The README's line: `cc app.c $(pkg-config --cflags --libs resmem)`, nothing more.
+    let exe = artifacts().work.join("app-pkg-config");
+    ok(Command::new("cc")
+        .arg(root().join("examples/c/app.c"))
         .args(flags.split_whitespace())
-        .arg(format!("-Wl,-rpath,{p}/lib"))
         .arg("-o")
-        .arg(&exe);
-    ok(&mut gcc);
-    let out = run(&exe, &[], Driver::InProcess, &[]);
+        .arg(&exe));
+    let ldd = ok(Command::new("ldd").arg(&exe).env_remove("LD_LIBRARY_PATH"));
     assert!(
-        out.contains("returned 67108864 bytes to the driver"),
-        "{out}"
+        ldd.contains(&format!("libresmem.so.0 => {p}/lib/libresmem.so.0")),
+        "{ldd}"
+    );
+    let out = ok(Command::new(&exe)
+        .env_remove("LD_LIBRARY_PATH")
+        .env_remove("RESMEM_CONF")
+        .env_remove("RESMEM_CUDA_LIBRARY")
+        .env("RESMEM_DRIVER", "sim")
+        .env("CUDA_SIM_DEVICES", "24GiB"));
+    assert_eq!(
+        out,
+        format!(
+            "resmem {}: free 25769803776 of 25769803776 bytes, reserved 67108864, 1 driver \
+             allocation(s)\nreturned 67108864 bytes to the driver\n",
+            env!("CARGO_PKG_VERSION")
+        )
     );
 }

@@ -260,3 +260,44 @@ fn a_privileged_program_ignores_resmem_cuda_library() {
     assert!(privileged.contains("secure 1,"), "{privileged}");
     assert!(!privileged.contains("hostile"), "{privileged}");
 }
+
+#[test]
+fn an_unmodified_program_is_recorded_through_the_preload() {
+    let trace = artifacts()
+        .work
+        .join(format!("preload-trace-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&trace);
+    let conf = format!("preload_allocations:true,record:{}", trace.display());
+    let out = run(program(), &[], true, &conf);
+    assert!(out.contains("passed: 0 failure(s)"), "{out}");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    std::fs::remove_file(&trace).unwrap();
+    // Each line's operation and size: rm_reserve + rm_release of 64 MiB, then cuMemAlloc_v2 of
+    // 128 MiB and cudaMalloc of 32 MiB, each freed, all through the pool on device 0.
+    let ops: Vec<String> = text
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let op = l.split('"').nth(3).unwrap_or_default();
+            let size = l
+                .split("\"size\":")
+                .nth(1)
+                .map(|s| s.split(',').next().unwrap_or_default())
+                .unwrap_or("-");
+            format!("{op} {size}")
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            "alloc 67108864",
+            "free -",
+            "alloc 134217728",
+            "free -",
+            "alloc 33554432",
+            "free -"
+        ],
+        "{text}"
+    );
+    assert!(text.starts_with(r#"{"op":"meta","name":"recorded","device_memory":25769803776,"#));
+}

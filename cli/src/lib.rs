@@ -2,8 +2,9 @@
 //!
 //! - [`allocator`]: the [`allocator::Allocator`] trait every policy compared here implements;
 //! - [`baseline`]: PyTorch's caching-allocator policy, the reference resmem is measured against;
+//! - [`env`]: the environment, validated the same way for every subcommand, and the device;
+//! - [`info`]: `resmem info`'s table;
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
-//! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
 //! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
 //! - [`demo`]: the seed scenario under each policy, with a loader that offloads;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
@@ -21,7 +22,9 @@
 pub mod allocator;
 pub mod baseline;
 pub mod demo;
+pub mod env;
 pub mod generate;
+pub mod info;
 pub mod model;
 pub mod plot;
 pub mod replay;

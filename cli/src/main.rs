@@ -5,22 +5,28 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::error::ErrorKind;
+use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use resmem::driver::cuda::CudaDriver;
 use resmem::driver::sim::SimDriver;
 use resmem::Driver;
+use resmem_cli::env::{self, Device, Environment};
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
-use resmem_cli::units::{gib_or_mib, parse_size};
-use resmem_cli::{demo, generate, model, plot, report, seed};
+use resmem_cli::units::gib_or_mib;
+use resmem_cli::{demo, generate, info, model, plot, report, seed};
 
 #[derive(Parser)]
 #[command(
     name = "resmem",
     version,
     about = "resmem, a CUDA memory pool that counts its reusable memory as free: \
-    the seed demo, trace replay against PyTorch's caching allocator, and device figures"
+    the seed demo, trace replay against PyTorch's caching allocator, and device figures",
+    after_help = "Every subcommand first checks RESMEM_DRIVER, RESMEM_CUDA_LIBRARY, RESMEM_CONF \
+    and CUDA_SIM_DEVICES and refuses a bad value. demo and info run on the GPU when the CUDA \
+    driver finds one and on simulated devices otherwise (saying so); RESMEM_DRIVER=sim asks for \
+    simulated devices, RESMEM_DRIVER=cuda for the GPU or an error. replay always runs on fresh \
+    simulated devices."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -32,12 +38,12 @@ enum Command {
     /// The seed: consecutive loads of a bf16 model by transformers before PR #37920, each with
     /// generate() and the model deleted, by a loader that offloads what exceeds the reported free
     /// memory; PyTorch's policy and resmem get the same calls (on the GPU if the CUDA driver
-    /// finds one, else on a simulated device).
+    /// finds one, else on a simulated device, saying so).
     Demo {
         /// The simulated device's memory (ignored on a real GPU).
-        #[arg(long, default_value = "24GiB", value_parser = parse_size)]
+        #[arg(long, default_value = "24GiB", value_parser = env::device_memory)]
         device_memory: u64,
-        /// The model's shapes.
+        /// The model's shapes: qwen3-4b, llama-3-8b, mistral-7b or qwen3-0.6b.
         #[arg(long, default_value = "qwen3-4b", value_parser = model::preset)]
         model: model::Shape,
         /// How many loads.
@@ -56,9 +62,9 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Which::Both)]
         policy: Which,
         /// The simulated device's memory (default: the trace's own, else 80GiB).
-        #[arg(long, value_parser = parse_size)]
+        #[arg(long, value_parser = env::device_memory)]
         device_memory: Option<u64>,
-        /// For PyTorch snapshots: whose device trace to take.
+        /// Which device's operations to replay (PyTorch snapshots and recorded traces).
         #[arg(long, default_value_t = 0)]
         device: usize,
         /// Draw reserved and allocated memory over the trace to this SVG file.
@@ -72,16 +78,18 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Each device's total, driver-free and resmem-reusable memory and the pool's figures, from
-    /// the environment's settings (RESMEM_DRIVER, RESMEM_CUDA_LIBRARY, RESMEM_CONF).
+    /// Where the command finds devices, the pool's settings from RESMEM_CONF, and each
+    /// device's total, driver-free and resmem-reusable memory (on the GPU if the CUDA driver
+    /// finds one, else on the simulated devices of CUDA_SIM_DEVICES, saying so).
     Info,
-    /// Write a trace generated from real layer shapes (see traces/README.md).
+    /// Write a trace generated from real layer shapes (see traces/README.md): one KIND, or
+    /// --all of them.
+    #[command(group(ArgGroup::new("what").required(true).args(["kind", "all"])))]
     GenTrace {
-        /// The trace's kind (qwen3-4b-loads, llama-3-8b-decode, qwen3-0.6b-training,
-        /// transformers-37436).
-        #[arg(required_unless_present = "all")]
+        /// The trace's kind.
+        #[arg(value_parser = generate::KINDS)]
         kind: Option<String>,
-        /// Write every kind as DIR/KIND.jsonl.
+        /// Write every kind as DIR/KIND.jsonl (DIR is created if needed).
         #[arg(long, value_name = "DIR", conflicts_with = "kind")]
         all: Option<PathBuf>,
         /// Write to this file instead of standard output.
@@ -107,14 +115,50 @@ enum Which {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let result = match cli.command {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help, --version, and the help when no subcommand is given.
+        Err(e)
+            if !e.use_stderr()
+                || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand =>
+        {
+            e.exit()
+        }
+        Err(e) => {
+            eprintln!("resmem: {}", one_line(&e.render().to_string()));
+            return ExitCode::from(2);
+        }
+    };
+    let result = env::read().and_then(|env| run(cli.command, &env));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("resmem: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A command-line error as one line: clap's message up to its usage, without its `error: `.
+fn one_line(message: &str) -> String {
+    let text: Vec<&str> = message
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    let text = text.join(" ");
+    let text = text.strip_prefix("error: ").unwrap_or(&text);
+    format!("{text} (see resmem --help)")
+}
+
+fn run(command: Command, env: &Environment) -> Result<(), String> {
+    match command {
         Command::Demo {
             device_memory,
             model,
             loads,
             plot,
-        } => run_demo(device_memory, &model, loads, plot.as_deref()),
+        } => run_demo(env, device_memory, &model, loads, plot.as_deref()),
         Command::Replay {
             trace,
             policy,
@@ -131,35 +175,28 @@ fn main() -> ExitCode {
             plot.as_deref(),
             (min_device, json),
         ),
-        Command::Info => run_info(),
+        Command::Info => info::run(env),
         Command::GenTrace { kind, all, output } => run_gen(kind, all, output),
-    };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(message) => {
-            eprintln!("resmem: {message}");
-            ExitCode::FAILURE
-        }
     }
 }
 
 fn run_demo(
+    env: &Environment,
     device_memory: u64,
     shape: &model::Shape,
     loads: u32,
     plot_to: Option<&Path>,
 ) -> Result<(), String> {
-    let gpu = CudaDriver::load("libcuda.so.1")
-        .ok()
-        .filter(|d| d.device_count() > 0);
-    let place = match &gpu {
-        Some(d) => format!("device 0 through {}", d.describe()),
-        None => format!(
-            "a simulated {} device (no CUDA driver or GPU found)",
-            gib_or_mib(device_memory)
+    let (gpu, place) = match env.device()? {
+        Device::Gpu(d) => {
+            let place = format!("device 0 through {}", d.describe());
+            (Some(d), place)
+        }
+        Device::Simulated(why) => (
+            None,
+            format!("a simulated {} device ({why})", gib_or_mib(device_memory)),
         ),
     };
-    let gpu: Option<Arc<dyn Driver>> = gpu.map(|d| Arc::new(d) as Arc<dyn Driver>);
     let one_warmup = seed::warmup_bytes(shape, shape.parameters().len());
     print!("{}", demo::intro(shape, loads, &place));
     let policies = [Policy::Torch, Policy::Resmem];
@@ -274,31 +311,6 @@ fn run_replay(
     Ok(())
 }
 
-fn run_info() -> Result<(), String> {
-    let pool = resmem::runtime::pool().map_err(|e| e.message)?;
-    println!(
-        "{} with {} device(s)",
-        pool.driver().describe(),
-        pool.device_count()
-    );
-    for device in 0..pool.device_count() {
-        let (driver_free, total) = pool
-            .driver()
-            .mem_get_info(device)
-            .map_err(|e| e.to_string())?;
-        let s = pool.stats(device).map_err(|e| e.message)?;
-        println!(
-            "device {device}: total {}, driver free {}, resmem reusable {}, reported free {}",
-            gib_or_mib(total),
-            gib_or_mib(driver_free),
-            gib_or_mib(s.reusable_bytes),
-            gib_or_mib(driver_free + s.reusable_bytes)
-        );
-        println!("  {s:#?}");
-    }
-    Ok(())
-}
-
 fn run_gen(
     kind: Option<String>,
     all: Option<PathBuf>,
@@ -321,6 +333,8 @@ fn run_gen(
         }
     };
     if let Some(dir) = all {
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         for kind in generate::KINDS {
             let path = dir.join(format!("{kind}.jsonl"));
             write(&generate::by_name(kind)?, Some(&path))?;

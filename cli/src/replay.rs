@@ -178,16 +178,7 @@ pub fn replay(
         let fail = |e: resmem::Error| format!("operation {}: {}", n + 1, e.message);
         match event {
             Event::Alloc { id, size, stream } => {
-                let handle = match streams.get(stream) {
-                    Some(&h) => h,
-                    None => {
-                        let h = sim
-                            .stream_create(0)
-                            .map_err(|e| format!("creating stream {stream}: {}", e.name()))?;
-                        streams.insert(*stream, h);
-                        h
-                    }
-                };
+                let handle = stream_handle(sim, &mut streams, *stream)?;
                 match alloc.reserve(0, *size, handle) {
                     Ok(ptr) => {
                         live.insert(*id, (ptr, *size));
@@ -205,6 +196,12 @@ pub fn replay(
                 if let Some((ptr, size)) = live.remove(id) {
                     alloc.release(ptr).map_err(fail)?;
                     requested -= size;
+                }
+            }
+            Event::RecordStream { id, stream } => {
+                if let Some(&(ptr, _)) = live.get(id) {
+                    let handle = stream_handle(sim, &mut streams, *stream)?;
+                    alloc.record_stream(ptr, handle).map_err(fail)?;
                 }
             }
             Event::Warmup { bytes } => match alloc.warmup(0, *bytes) {
@@ -244,6 +241,18 @@ pub fn replay(
         })
         .collect();
     Ok(outcome)
+}
+
+/// The simulator's stream for a trace's stream number, created on first use (0: the default).
+fn stream_handle(sim: &Sim, streams: &mut HashMap<u64, u64>, stream: u64) -> Result<u64, String> {
+    if let Some(&h) = streams.get(&stream) {
+        return Ok(h);
+    }
+    let h = sim
+        .stream_create(0)
+        .map_err(|e| format!("creating stream {stream}: {}", e.name()))?;
+    streams.insert(stream, h);
+    Ok(h)
 }
 
 /// The granularity of [`min_device`]'s search.

@@ -42,6 +42,14 @@ pub enum Event {
         /// The block's name.
         id: u64,
     },
+    /// The live block `id` is also used on `stream` (`record_stream`): its reuse waits for
+    /// that stream's work.
+    RecordStream {
+        /// The block's name.
+        id: u64,
+        /// A stream number, as in `alloc`.
+        stream: u64,
+    },
     /// transformers' `caching_allocator_warmup` before a load of `bytes`.
     Warmup {
         /// The bytes about to be loaded.
@@ -78,7 +86,7 @@ pub struct Trace {
 
 impl Trace {
     /// Read a trace file, as JSON lines or, if it starts with a pickle's protocol marker, as a
-    /// PyTorch memory snapshot (device `device`'s events).
+    /// PyTorch memory snapshot: device `device`'s events either way.
     pub fn read(path: &std::path::Path, device: usize) -> Result<Trace, String> {
         let bytes =
             std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
@@ -89,7 +97,7 @@ impl Trace {
         let trace = if bytes.first() == Some(&0x80) {
             Trace::from_snapshot(&bytes, device)
         } else {
-            Trace::from_json_lines(&bytes[..])
+            Trace::from_json_lines_of(&bytes[..], device)
         };
         trace
             .map(|mut t| {
@@ -101,19 +109,49 @@ impl Trace {
             .map_err(|e| format!("{}: {e}", path.display()))
     }
 
-    /// Parse JSON lines; blank lines and lines starting with `#` are skipped. Checks that every
-    /// `free` names a live block and no `alloc` reuses a live id.
+    /// Parse JSON lines of device 0 (see [`Trace::from_json_lines_of`]).
     pub fn from_json_lines(reader: impl BufRead) -> Result<Trace, String> {
+        Trace::from_json_lines_of(reader, 0)
+    }
+
+    /// Parse JSON lines, keeping device `device`'s operations: those whose `device` field
+    /// (default 0) is that device, the `free`s and `record_stream`s of its blocks, and
+    /// `empty_cache`s without a device. Blank lines and lines starting with `#` are skipped.
+    /// Checks that every `free` names a live block and no `alloc` reuses a live id.
+    pub fn from_json_lines_of(reader: impl BufRead, device: usize) -> Result<Trace, String> {
         let mut trace = Trace::default();
         let mut live = std::collections::HashSet::new();
+        let mut elsewhere = std::collections::HashSet::new();
         for (n, line) in reader.lines().enumerate() {
             let line = line.map_err(|e| format!("line {}: {e}", n + 1))?;
             let text = line.trim();
             if text.is_empty() || text.starts_with('#') {
                 continue;
             }
-            let event: Event =
+            let mut value: serde_json::Value =
                 serde_json::from_str(text).map_err(|e| format!("line {}: {e}", n + 1))?;
+            let on =
+                match value.as_object_mut().and_then(|o| o.remove("device")) {
+                    None => None,
+                    Some(d) => Some(d.as_u64().ok_or_else(|| {
+                        format!("line {}: device {d} is not a device number", n + 1)
+                    })?),
+                };
+            let event = Event::deserialize(value).map_err(|e| format!("line {}: {e}", n + 1))?;
+            let mine = on.unwrap_or(0) == device as u64;
+            match &event {
+                Event::Alloc { id, .. } if !mine => {
+                    if live.contains(id) || !elsewhere.insert(*id) {
+                        return Err(format!("line {}: alloc of id {id}, which is live", n + 1));
+                    }
+                    continue;
+                }
+                Event::Free { id } if elsewhere.remove(id) => continue,
+                Event::RecordStream { id, .. } if elsewhere.contains(id) => continue,
+                Event::Warmup { .. } if !mine => continue,
+                Event::EmptyCache if on.is_some() && !mine => continue,
+                _ => {}
+            }
             match &event {
                 Event::Meta {
                     name,
@@ -125,12 +163,18 @@ impl Trace {
                     trace.description = description.clone();
                     continue;
                 }
-                Event::Alloc { id, .. } if !live.insert(*id) => {
+                Event::Alloc { id, .. } if elsewhere.contains(id) || !live.insert(*id) => {
                     return Err(format!("line {}: alloc of id {id}, which is live", n + 1));
                 }
                 Event::Free { id } if !live.remove(id) => {
                     return Err(format!(
                         "line {}: free of id {id}, which is not live",
+                        n + 1
+                    ));
+                }
+                Event::RecordStream { id, .. } if !live.contains(id) => {
+                    return Err(format!(
+                        "line {}: record_stream of id {id}, which is not live",
                         n + 1
                     ));
                 }
@@ -157,6 +201,10 @@ impl Trace {
                     r#"{{"op":"alloc","id":{id},"size":{size},"stream":{stream}}}"#
                 )?,
                 Event::Free { id } => writeln!(out, r#"{{"op":"free","id":{id}}}"#)?,
+                Event::RecordStream { id, stream } => writeln!(
+                    out,
+                    r#"{{"op":"record_stream","id":{id},"stream":{stream}}}"#
+                )?,
                 Event::Warmup { bytes } => writeln!(out, r#"{{"op":"warmup","bytes":{bytes}}}"#)?,
                 Event::EmptyCache => writeln!(out, r#"{{"op":"empty_cache"}}"#)?,
                 Event::Mark { label } => {
@@ -225,5 +273,58 @@ mod tests {
         assert_eq!(err, "line 2: alloc of id 3, which is live");
         let err = Trace::from_json_lines(&b"{\"op\":\"grow\"}"[..]).unwrap_err();
         assert!(err.starts_with("line 1: unknown variant `grow`"), "{err}");
+    }
+
+    #[test]
+    fn a_recorded_trace_gives_each_device_its_own_operations() {
+        let text = "{\"op\":\"meta\",\"name\":\"recorded\",\"device_memory\":4096}\n\
+            {\"op\":\"alloc\",\"id\":1,\"size\":512,\"stream\":7,\"device\":0}\n\
+            {\"op\":\"alloc\",\"id\":2,\"size\":1024,\"stream\":0,\"device\":1}\n\
+            {\"op\":\"record_stream\",\"id\":2,\"stream\":9}\n\
+            {\"op\":\"record_stream\",\"id\":1,\"stream\":8}\n\
+            {\"op\":\"warmup\",\"bytes\":2048,\"device\":1}\n\
+            {\"op\":\"free\",\"id\":2}\n\
+            {\"op\":\"free\",\"id\":1}\n\
+            {\"op\":\"empty_cache\",\"device\":1}\n\
+            {\"op\":\"empty_cache\"}\n";
+        let zero = Trace::from_json_lines_of(text.as_bytes(), 0).unwrap();
+        assert_eq!(
+            zero.events,
+            vec![
+                Event::Alloc {
+                    id: 1,
+                    size: 512,
+                    stream: 7
+                },
+                Event::RecordStream { id: 1, stream: 8 },
+                Event::Free { id: 1 },
+                Event::EmptyCache,
+            ]
+        );
+        let one = Trace::from_json_lines_of(text.as_bytes(), 1).unwrap();
+        assert_eq!(
+            one.events,
+            vec![
+                Event::Alloc {
+                    id: 2,
+                    size: 1024,
+                    stream: 0
+                },
+                Event::RecordStream { id: 2, stream: 9 },
+                Event::Warmup { bytes: 2048 },
+                Event::Free { id: 2 },
+                Event::EmptyCache,
+                Event::EmptyCache,
+            ]
+        );
+        let mut out = Vec::new();
+        one.write_json_lines(&mut out).unwrap();
+        assert_eq!(Trace::from_json_lines(&out[..]).unwrap().events, one.events);
+        let err = Trace::from_json_lines(&b"{\"op\":\"record_stream\",\"id\":4,\"stream\":1}"[..])
+            .unwrap_err();
+        assert_eq!(err, "line 1: record_stream of id 4, which is not live");
+        let err =
+            Trace::from_json_lines(&b"{\"op\":\"empty_cache\",\"device\":-1}"[..]).unwrap_err();
+        assert_eq!(err, "line 1: device -1 is not a device number");
     }
 }

@@ -1,17 +1,29 @@
-//! The `resmem` binary itself: help on every subcommand, replay with a plot, info, errors.
+//! The `resmem` binary itself: help on every subcommand, replay with a plot, info, errors, and
+//! the environment read the same way by every subcommand.
 
 use std::process::Command;
 
 fn resmem(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_resmem"))
-        .args(args)
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
-        .env("RESMEM_DRIVER", "sim")
-        .env("CUDA_SIM_DEVICES", "24GiB")
-        .output()
-        .unwrap();
+    let (code, out, err) = resmem_with(args, &[("RESMEM_DRIVER", "sim")]);
+    (code == 0, out, err)
+}
+
+/// Run the command with a clean resmem environment plus `env`: exit code, stdout, stderr.
+fn resmem_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_resmem"));
+    cmd.args(args)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."));
+    for var in [
+        "RESMEM_DRIVER",
+        "RESMEM_CONF",
+        "RESMEM_CUDA_LIBRARY",
+        "CUDA_SIM_DEVICES",
+    ] {
+        cmd.env_remove(var);
+    }
+    let out = cmd.envs(env.iter().copied()).output().unwrap();
     (
-        out.status.success(),
+        out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
@@ -49,13 +61,162 @@ fn replay_prints_the_table_and_draws_the_plot() {
 }
 
 #[test]
-fn info_reports_the_configured_devices() {
-    let (ok, out, err) = resmem(&["info"]);
-    assert!(ok, "{err}");
+fn info_prints_a_table_of_the_configured_devices() {
+    let (code, out, err) = resmem_with(
+        &["info"],
+        &[
+            ("RESMEM_DRIVER", "sim"),
+            ("CUDA_SIM_DEVICES", "24GiB,80GiB"),
+            ("RESMEM_CONF", "vmm:true"),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out,
+        format!(
+            "resmem {} on simulated devices from CUDA_SIM_DEVICES (RESMEM_DRIVER=sim)\n\
+             settings (RESMEM_CONF): release_before_grow true, vmm true, logging false, \
+             preload_allocations false, record off\n\
+             \n\
+             device           total   driver free      reusable   reported free\n\
+             0            24.00 GiB     24.00 GiB           0 B       24.00 GiB\n\
+             1            80.00 GiB     80.00 GiB           0 B       80.00 GiB\n",
+            env!("CARGO_PKG_VERSION")
+        )
+    );
+}
+
+#[test]
+fn without_a_gpu_demo_and_info_fall_back_to_simulated_devices_and_say_so() {
+    let no_driver = ("RESMEM_CUDA_LIBRARY", "/nonexistent/libcuda.so.1");
+    let (code, out, err) = resmem_with(&["demo", "--loads", "1"], &[no_driver]);
+    assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains("device 0: total 24.00 GiB, driver free 24.00 GiB, resmem reusable 0 B"),
+        out.lines().next().unwrap().contains(
+            "on a simulated 24.00 GiB device (no GPU: could not load the CUDA driver library \
+             \"/nonexistent/libcuda.so.1\""
+        ),
         "{out}"
     );
+    let (code, out, err) = resmem_with(&["info"], &[no_driver]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with(&format!(
+            "resmem {} on simulated devices from CUDA_SIM_DEVICES (no GPU: could not load",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{out}"
+    );
+    // Asked for the GPU explicitly: refused, in one line.
+    for sub in [&["demo"][..], &["info"]] {
+        let (code, out, err) = resmem_with(sub, &[no_driver, ("RESMEM_DRIVER", "cuda")]);
+        assert_eq!((code, out.as_str()), (1, ""), "{sub:?}");
+        assert!(
+            err.starts_with("resmem: RESMEM_DRIVER=cuda, but could not load the CUDA driver"),
+            "{err}"
+        );
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+}
+
+#[test]
+fn every_subcommand_refuses_a_bad_environment_in_one_line() {
+    let cases = [
+        (
+            ("RESMEM_DRIVER", "nvidia"),
+            "resmem: RESMEM_DRIVER=\"nvidia\" is not a driver: use cuda (the default) or sim\n",
+        ),
+        (
+            ("RESMEM_CONF", "bogus:true"),
+            "resmem: RESMEM_CONF: unknown key \"bogus\"; the keys are release_before_grow:true|false, \
+             logging:true|false, vmm:true|false, preload_allocations:true|false, record:PATH\n",
+        ),
+        (
+            ("CUDA_SIM_DEVICES", "banana"),
+            "resmem: CUDA_SIM_DEVICES: device 0: \"banana\" is not a size (examples: \"24GiB\", \
+             \"512MiB\", \"24GB\")\n",
+        ),
+    ];
+    let subcommands: [&[&str]; 4] = [
+        &["demo", "--loads", "1"],
+        &["replay", "traces/transformers-37436.jsonl"],
+        &["info"],
+        &["gen-trace", "transformers-37436"],
+    ];
+    for (var, message) in cases {
+        for args in subcommands {
+            let (code, out, err) = resmem_with(args, &[var]);
+            assert_eq!(
+                (code, out.as_str(), err.as_str()),
+                (1, "", message),
+                "{args:?} {var:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn bad_arguments_get_one_line_and_exit_code_2() {
+    for (args, message) in [
+        (
+            &["demo", "--device-memory", "0"][..],
+            "resmem: invalid value '0' for '--device-memory <DEVICE_MEMORY>': device 0: capacity \
+             \"0\" is smaller than one 2 MiB page (see resmem --help)\n",
+        ),
+        (
+            &[
+                "replay",
+                "traces/transformers-37436.jsonl",
+                "--device-memory",
+                "1MiB",
+            ],
+            "resmem: invalid value '1MiB' for '--device-memory <DEVICE_MEMORY>': device 0: \
+             capacity \"1MiB\" is smaller than one 2 MiB page (see resmem --help)\n",
+        ),
+        (
+            &["gen-trace"],
+            "resmem: the following required arguments were not provided: <KIND|--all <DIR>> \
+             (see resmem --help)\n",
+        ),
+        (
+            &["gen-trace", "mystery"],
+            "resmem: invalid value 'mystery' for '[KIND]' [possible values: qwen3-4b-seed, \
+             qwen3-4b-loads, llama-3-8b-decode, qwen3-0.6b-training, transformers-37436, interleaved-lifetimes] \
+             (see resmem --help)\n",
+        ),
+    ] {
+        let (code, out, err) = resmem_with(args, &[("RESMEM_DRIVER", "sim")]);
+        assert_eq!(
+            (code, out.as_str(), err.as_str()),
+            (2, "", message),
+            "{args:?}"
+        );
+    }
+}
+
+#[test]
+fn gen_trace_all_creates_its_folder() {
+    let dir = std::env::temp_dir().join(format!("resmem-gen-{}/a/b", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, _, err) = resmem_with(&["gen-trace", "--all", dir.to_str().unwrap()], &[]);
+    assert_eq!(code, 0, "{err}");
+    let mut files: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(
+        files,
+        [
+            "interleaved-lifetimes.jsonl",
+            "llama-3-8b-decode.jsonl",
+            "qwen3-0.6b-training.jsonl",
+            "qwen3-4b-loads.jsonl",
+            "qwen3-4b-seed.jsonl",
+            "transformers-37436.jsonl"
+        ]
+    );
+    std::fs::remove_dir_all(dir.parent().unwrap().parent().unwrap()).unwrap();
 }
 
 #[test]
@@ -63,7 +224,7 @@ fn bad_input_says_what_is_wrong() {
     let (ok, _, err) = resmem(&["demo", "--model", "gpt-5"]);
     assert!(!ok);
     assert!(
-        err.contains("the presets are qwen3-4b, llama-3-8b, mistral-7b"),
+        err.contains("the presets are qwen3-4b, llama-3-8b, mistral-7b, qwen3-0.6b"),
         "{err}"
     );
     let (ok, _, err) = resmem(&["replay", "no-such-trace.jsonl"]);

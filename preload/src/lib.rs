@@ -27,7 +27,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Once;
 
 use resmem::error::rm_status;
-use resmem::{runtime, Error};
+use resmem::{record, runtime, Error};
 
 const CUDA_SUCCESS: c_int = 0;
 /// `cudaErrorInvalidValue` and `CUDA_ERROR_INVALID_VALUE`.
@@ -187,7 +187,9 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
         if status != CUDA_SUCCESS {
             return status;
         }
-        match runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0)) {
+        let outcome = runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0));
+        record::reserved(device, size as u64, 0, &outcome);
+        match outcome {
             Ok(block) => {
                 // SAFETY: checked non-null; valid by the caller's contract.
                 unsafe { *ptr = block as *mut c_void };
@@ -220,7 +222,7 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
         if status != CUDA_SUCCESS {
             return status;
         }
-        match pool.release(ptr as u64) {
+        match record::release(ptr as u64, || pool.release(ptr as u64)) {
             Ok(()) => CUDA_SUCCESS,
             // SAFETY: the real function, with the caller's argument.
             Err(e) if e.status == rm_status::RM_ERROR_INVALID_POINTER => unsafe { (rt.free)(ptr) },
@@ -254,7 +256,9 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, size: usize) -> c_int {
         if status != CUDA_SUCCESS {
             return status;
         }
-        match runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0)) {
+        let outcome = runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0));
+        record::reserved(device, size as u64, 0, &outcome);
+        match outcome {
             Ok(block) => {
                 // SAFETY: checked non-null; valid by the caller's contract.
                 unsafe { *ptr = block };
@@ -286,7 +290,7 @@ pub unsafe extern "C" fn cuMemFree_v2(ptr: u64) -> c_int {
         if status != CUDA_SUCCESS {
             return status;
         }
-        match pool.release(ptr) {
+        match record::release(ptr, || pool.release(ptr)) {
             Ok(()) => CUDA_SUCCESS,
             // SAFETY: the real function, with the caller's argument.
             Err(e) if e.status == rm_status::RM_ERROR_INVALID_POINTER => unsafe {

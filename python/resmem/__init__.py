@@ -9,9 +9,9 @@ This package calls ``libresmem.so`` through ctypes and needs nothing else (no to
 ``resmem.torch.install()`` makes resmem PyTorch's CUDA allocator.
 
 The library is found, in order: the ``RESMEM_LIBRARY`` variable (a path); a copy already in the
-process (``LD_PRELOAD=libresmem_preload.so``); ``libresmem.so`` next to this package; the
-``target/release`` or ``target/debug`` folder of a resmem checkout above it; ``libresmem.so.0``
-on the system library path.
+process (``LD_PRELOAD=libresmem_preload.so``); ``libresmem.so`` inside this package (where
+``pip install ./python`` and the wheel put it); the ``target/release`` or ``target/debug``
+folder of a resmem checkout above it; ``libresmem.so.0`` on the system library path.
 """
 
 from ._lib import (

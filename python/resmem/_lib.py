@@ -101,9 +101,9 @@ def _load():
             _state["lib"], _state["path"] = lib, _resolve_path(lib, candidate)
             return lib
         raise OSError(
-            "libresmem.so was not found; set RESMEM_LIBRARY to its path (build it with "
-            "`cargo build --release`, or install it with scripts/install.sh). Tried: "
-            + "; ".join(tried)
+            "libresmem.so was not found: an installed resmem carries it, so reinstall the "
+            "package from a checkout with `pip install ./python` (it builds the library with "
+            "cargo), or set RESMEM_LIBRARY to a libresmem.so. Tried: " + "; ".join(tried)
         )
 
 

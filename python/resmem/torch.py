@@ -1,6 +1,7 @@
-"""resmem as PyTorch's CUDA allocator.
+"""resmem as PyTorch's CUDA allocator: for the whole program (``install()``), or for part of it
+through ``torch.cuda.MemPool`` (``pool()``).
 
-Call ``resmem.torch.install()`` before the first CUDA allocation::
+For the whole program, call ``resmem.torch.install()`` before the first CUDA allocation::
 
     import torch, resmem.torch
     resmem.torch.install()
@@ -24,9 +25,29 @@ load, and would count reusable memory twice if ``mem_get_info`` counted it too. 
 read only ``mem_get_info`` (plain accelerate ``device_map="auto"``), pass
 ``count_reusable_as_free=True``: it then returns ``rm_mem_get_info``, driver free plus the
 pool's reusable bytes.
+
+For part of a program, where the installed PyTorch has ``torch.cuda.MemPool`` (2.5 and later),
+and also after CUDA memory exists (PyTorch cannot swap its allocator then)::
+
+    with resmem.torch.pool():                    # tensors made here come from resmem
+        kv_cache = torch.empty(8 << 30, dtype=torch.uint8, device="cuda")
+    del kv_cache
+    resmem.torch.empty_cache()                   # back to resmem, and on to the driver
+
+PyTorch's caching allocator keeps managing the blocks of that pool; it takes its segments from
+resmem (``rm_torch_malloc``) and gives them back (``rm_torch_free``) on ``empty_cache``, after
+which ``resmem.torch.empty_cache()`` returns them to the driver. An out-of-memory inside
+``pool()`` is raised as ``torch.cuda.OutOfMemoryError`` with resmem's message added. Under
+``install()`` PyTorch does not check the allocation function's result (a failed allocation is
+a NULL it does not raise on), so an out-of-memory there cannot become an exception; read
+``resmem.last_error()``, or use ``pool()``.
+
+Frees reach the right device whatever the current device: resmem finds a block's device from
+its address, not from the device PyTorch passes.
 """
 
 import collections
+import contextlib
 import ctypes
 
 from . import _lib
@@ -97,12 +118,8 @@ def _address(lib, name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def install(count_reusable_as_free=False):
-    """Make resmem PyTorch's CUDA allocator; see the module's documentation. Call it before the
-    first CUDA allocation (PyTorch refuses to swap an allocator in use). Returns PyTorch's
-    allocator object."""
-    import torch
-
+def _pluggable(torch):
+    """PyTorch's allocator object over libresmem's entry points, with every hook wired."""
     lib = _lib.library()
     allocator = torch.cuda.memory.CUDAPluggableAllocator(
         _lib.library_path(), "rm_torch_malloc", "rm_torch_free"
@@ -110,6 +127,63 @@ def install(count_reusable_as_free=False):
     hooks = allocator.allocator()
     for setter, function in HOOKS.items():
         getattr(hooks, setter)(_address(lib, function))
+    return allocator
+
+
+def mem_pool():
+    """A ``torch.cuda.MemPool`` whose segments come from resmem. Raises ``RuntimeError`` when the
+    installed PyTorch has no ``MemPool`` (before 2.5): use ``install()`` there."""
+    import torch
+
+    mem_pool_class = getattr(torch.cuda, "MemPool", None) or getattr(
+        torch.cuda.memory, "MemPool", None
+    )
+    if mem_pool_class is None:
+        raise RuntimeError(
+            f"PyTorch {getattr(torch, '__version__', '(unknown version)')} has no "
+            "torch.cuda.MemPool (PyTorch 2.5 or later has it); call resmem.torch.install() "
+            "before the first CUDA allocation instead"
+        )
+    return mem_pool_class(_pluggable(torch).allocator())
+
+
+@contextlib.contextmanager
+def pool(device=None, mem_pool_object=None):
+    """Allocate the tensors made inside the ``with`` block on ``device`` from resmem, through a
+    ``torch.cuda.MemPool`` (``mem_pool_object``, or a new one from ``mem_pool()``); yields the
+    pool. An out-of-memory inside is re-raised as ``torch.cuda.OutOfMemoryError`` carrying
+    resmem's message (the requested, reserved, reusable and driver-free bytes)."""
+    import torch
+
+    chosen = mem_pool_object if mem_pool_object is not None else mem_pool()
+    index = _device_index(torch, device)
+    ooms = _lib.stats(index)["ooms"]
+    with torch.cuda.use_mem_pool(chosen, device):
+        try:
+            yield chosen
+        except torch.cuda.OutOfMemoryError as e:
+            if _lib.stats(index)["ooms"] == ooms:
+                raise  # not resmem's: PyTorch's own limit, or another device
+            raise torch.cuda.OutOfMemoryError(f"{e}\nresmem: {_lib.last_error()}") from e
+
+
+def empty_cache():
+    """``torch.cuda.empty_cache()`` (PyTorch gives the idle segments of its pools back to
+    resmem), then resmem's idle memory on every device back to the driver. Returns the bytes
+    resmem returned."""
+    import torch
+
+    torch.cuda.empty_cache()
+    return _lib.free_reusable(-1)
+
+
+def install(count_reusable_as_free=False):
+    """Make resmem PyTorch's CUDA allocator; see the module's documentation. Call it before the
+    first CUDA allocation (PyTorch refuses to swap an allocator in use; ``pool()`` works after).
+    Returns PyTorch's allocator object."""
+    import torch
+
+    allocator = _pluggable(torch)
     torch.cuda.memory.change_current_allocator(allocator)
 
     def memory_stats(device=None):

@@ -1,6 +1,11 @@
 """The ctypes layer against simulated devices: device 0 is used here (device 1 by the torch
 tests), and every test leaves it empty."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 import resmem
@@ -19,6 +24,35 @@ def empty_device():
 def test_version_and_library():
     assert resmem.version() == "0.1.0"
     assert resmem.library_path().endswith(".so") or ".so." in resmem.library_path()
+
+
+def test_an_installed_package_loads_the_library_it_carries():
+    package = os.path.dirname(os.path.abspath(resmem.__file__))
+    if os.environ.get("RESMEM_LIBRARY"):
+        assert resmem.library_path() == os.environ["RESMEM_LIBRARY"]
+    elif os.path.basename(os.path.dirname(package)) in ("site-packages", "dist-packages"):
+        assert resmem.library_path() == os.path.join(package, "libresmem.so")
+    else:  # the checkout's source folder: its target/ build
+        checkout = os.path.dirname(os.path.dirname(package))
+        assert resmem.library_path().startswith(os.path.join(checkout, "target", ""))
+
+
+def _in_a_new_process(tmp_path, env):
+    """resmem's library path and version, from a fresh interpreter with ``env``."""
+    code = "import resmem; print(resmem.library_path()); print(resmem.version())"
+    search = os.path.dirname(os.path.dirname(os.path.abspath(resmem.__file__)))
+    env = {**os.environ, "PYTHONPATH": search, **env}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_resmem_library_overrides_the_packaged_library(tmp_path):
+    copy = tmp_path / "libresmem-copy.so"
+    shutil.copy(resmem.library_path(), copy)
+    assert _in_a_new_process(tmp_path, {"RESMEM_LIBRARY": str(copy)}) == [str(copy), "0.1.0"]
 
 
 def test_mem_get_info_counts_reusable_memory():

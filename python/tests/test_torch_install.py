@@ -1,7 +1,10 @@
-"""resmem.torch.install() against a minimal stand-in for torch (torch is not needed): which
-functions it replaces, which hooks it wires, and the figures they report. The stand-in calls
-the allocation functions and hooks through the addresses it was given, as PyTorch does."""
+"""resmem.torch.install() and resmem.torch.pool() against a minimal stand-in for torch (torch is
+not needed): which functions install() replaces, which hooks it wires, the figures they report,
+the MemPool that pool() builds, its out-of-memory message, and frees reaching the block's
+device. The stand-in calls the allocation functions and hooks through the addresses it was
+given, as PyTorch does."""
 
+import contextlib
 import ctypes
 import sys
 import types
@@ -25,8 +28,14 @@ HOOK_TYPES = {
 }
 
 
-def fake_torch():
-    """torch, torch.cuda and torch.cuda.memory with what install() touches."""
+class FakeOutOfMemoryError(RuntimeError):
+    pass
+
+
+def fake_torch(with_mem_pool=True):
+    """torch, torch.cuda and torch.cuda.memory with what install() and pool() touch. Its MemPool
+    takes segments through the allocator object's raw_alloc, returning NULL as out-of-memory, as
+    PyTorch's caching allocator does for a pool with an allocator (allocPrimitive)."""
     torch = types.ModuleType("torch")
     cuda = types.ModuleType("torch.cuda")
     memory = types.ModuleType("torch.cuda.memory")
@@ -34,8 +43,15 @@ def fake_torch():
     state = {"current": None}
 
     class Hooks:
-        def __init__(self):
+        def __init__(self, owner):
             self.fns = {}
+            self.owner = owner
+
+        def raw_alloc(self, size):
+            return self.owner.malloc(size, cuda.current_device(), None)
+
+        def raw_delete(self, ptr):
+            self.owner.free(ptr, 0, cuda.current_device(), None)
 
         def __getattr__(self, name):
             if name in HOOK_TYPES:
@@ -49,7 +65,7 @@ def fake_torch():
             self.path = path
             self.malloc = MALLOC(address(alloc_fn_name))
             self.free = FREE(address(free_fn_name))
-            self._allocator = Hooks()
+            self._allocator = Hooks(self)
 
         def allocator(self):
             return self._allocator
@@ -63,6 +79,40 @@ def fake_torch():
     def unsupported(device=None):
         raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
 
+    class MemPool:
+        def __init__(self, allocator=None):
+            self.allocator = allocator
+            self.segments = []  # what PyTorch caches: freed tensors stay here until empty_cache
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        state["pool"], state["pool_device"] = pool, device
+        try:
+            yield
+        finally:
+            state["pool"] = None
+
+    def empty(size):
+        """A tensor's memory from the active pool (one segment per tensor, for simplicity)."""
+        ptr = state["pool"].allocator.raw_alloc(size)
+        if not ptr:
+            raise FakeOutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} bytes")
+        state["pool"].segments.append(ptr)
+        return ptr
+
+    def empty_cache():
+        state["emptied"] += 1
+        for pool in state["pools"]:
+            while pool.segments:
+                pool.allocator.raw_delete(pool.segments.pop())
+
+    state.update(pool=None, pools=[], emptied=0)
+    torch.empty = empty
+    cuda.OutOfMemoryError = FakeOutOfMemoryError
+    cuda.empty_cache = empty_cache
+    if with_mem_pool:
+        cuda.MemPool = MemPool
+        cuda.use_mem_pool = use_mem_pool
     memory.CUDAPluggableAllocator = CUDAPluggableAllocator
     memory.change_current_allocator = change_current_allocator
     cuda.current_device = lambda: DEVICE
@@ -153,3 +203,61 @@ def test_count_reusable_as_free_switches_mem_get_info(torch):
     allocator.free(ptr, 64 * MIB, DEVICE, None)
     assert torch.cuda.mem_get_info(DEVICE) == (24 * GIB, 24 * GIB)
     assert torch.cuda.memory.mem_get_info is torch.cuda.mem_get_info
+
+
+def test_pool_allocates_part_of_a_program_from_resmem_and_empty_cache_returns_it(torch):
+    before = resmem.stats(DEVICE)
+    with rtorch.pool() as mem_pool:
+        assert torch.state["pool"] is mem_pool
+        torch.state["pools"].append(mem_pool)
+        assert mem_pool.allocator.owner.path == resmem.library_path()
+        torch.empty(64 * MIB)
+        torch.empty(1000)
+    assert torch.state["pool"] is None
+    s = resmem.stats(DEVICE)
+    assert s["reserved_bytes"] - before["reserved_bytes"] == 64 * MIB + 2 * MIB
+    assert s["allocated_bytes"] - before["allocated_bytes"] == 64 * MIB + 1024
+    # PyTorch gives its cached segments back to resmem, and resmem gives them to the driver.
+    assert rtorch.empty_cache() == 64 * MIB + 2 * MIB
+    assert torch.state["emptied"] == 1
+    assert resmem.stats(DEVICE)["reserved_bytes"] == before["reserved_bytes"]
+
+
+def test_pool_raises_out_of_memory_with_resmems_message(torch):
+    with pytest.raises(FakeOutOfMemoryError) as raised:
+        with rtorch.pool(device=DEVICE):
+            torch.empty(1 << 50)
+    text = str(raised.value)
+    assert text.startswith(f"CUDA out of memory. Tried to allocate {1 << 50} bytes\nresmem: ")
+    assert "rm_torch_malloc: " in text
+    assert isinstance(raised.value.__cause__, FakeOutOfMemoryError)
+    # PyTorch's own out-of-memory (no resmem failure) passes through unchanged.
+    with pytest.raises(FakeOutOfMemoryError) as raised:
+        with rtorch.pool():
+            raise FakeOutOfMemoryError("over PyTorch's own fraction")
+    assert str(raised.value) == "over PyTorch's own fraction"
+
+
+def test_without_mem_pool_pool_says_to_install_instead(monkeypatch):
+    fake, _ = fake_torch(with_mem_pool=False)
+    fake.__version__ = "2.3.1"
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    with pytest.raises(RuntimeError) as raised:
+        rtorch.mem_pool()
+    assert str(raised.value) == (
+        "PyTorch 2.3.1 has no torch.cuda.MemPool (PyTorch 2.5 or later has it); call "
+        "resmem.torch.install() before the first CUDA allocation instead"
+    )
+
+
+def test_frees_reach_the_device_of_the_block_whatever_the_current_device(torch):
+    allocator = rtorch.install()
+    other = 1 - DEVICE
+    before = (resmem.stats(DEVICE)["allocated_bytes"], resmem.stats(other)["allocated_bytes"])
+    ptr = allocator.malloc(8 * MIB, DEVICE, None)
+    assert resmem.stats(DEVICE)["allocated_bytes"] == before[0] + 8 * MIB
+    # PyTorch passes the device current at free time; the block goes back to its own device.
+    allocator.free(ptr, 8 * MIB, other, None)
+    assert resmem.stats(DEVICE)["allocated_bytes"] == before[0]
+    assert resmem.stats(other)["allocated_bytes"] == before[1]
+    assert resmem.stats(DEVICE)["reusable_bytes"] >= 8 * MIB

@@ -64,7 +64,9 @@ pub type DriverResult<T> = Result<T, DriverError>;
 /// What the pool needs from a driver, per device ordinal.
 ///
 /// Implementations are thread-safe; the pool calls them while holding the lock of the device
-/// concerned, never of another device.
+/// concerned. One exception reaches other devices under that lock: when the driver rejects a
+/// stream that a released block was also used on (`record_stream` may name any device's stream),
+/// the pool calls `synchronize` on every device while holding the releasing device's lock.
 pub trait Driver: Send + Sync {
     /// A short description for messages and logs, e.g. `CUDA driver 12.4 (libcuda.so.1)`.
     fn describe(&self) -> String;

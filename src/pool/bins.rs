@@ -1,5 +1,6 @@
 //! The free-block index: two-level segregated bins with bitmasks (TLSF, as in offset-allocator),
-//! so finding a fitting block costs a few bit operations whatever the number of cached blocks.
+//! so finding a fitting block costs a few bit operations and a scan of at most
+//! [`OWN_BIN_SCAN`] blocks, whatever the number of cached blocks.
 //!
 //! Sizes are counted in 512-byte units. A size maps to a bin by its binary exponent (first
 //! level) and the next three bits below its leading one (second level): eight bins per power of
@@ -7,7 +8,8 @@
 //!
 //! Search first looks, boundedly, for the smallest fitting block in the request's own bin (so an
 //! exact-size block released a moment ago is found again), then takes the first block of the
-//! lowest non-empty higher bin, where every block fits: a good fit in O(1).
+//! lowest non-empty higher bin, where every block fits: a good fit in bounded time (the scan of
+//! the own bin stops after [`OWN_BIN_SCAN`] blocks; the higher bins cost O(1)).
 
 use super::blocks::{Blocks, State, NIL};
 use super::size::MIN_BLOCK;

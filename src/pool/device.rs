@@ -1,5 +1,7 @@
 //! One device's pool: its segments and blocks, the per-stream bins, and the reserved-reuse
-//! policy in the order DESIGN.md gives it.
+//! policy, in the order `rm_reserve`'s documentation gives it: a cached block on the stream, an
+//! idle segment of another stream, a new segment (idle ones returned first when the driver is
+//! short), then everything reusable returned and one retry.
 //!
 //! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
 //! stream is reusable there at once. A segment that is entirely free (*idle*) can move to another

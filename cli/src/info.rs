@@ -1,0 +1,113 @@
+//! `resmem info`: where the command finds devices, the settings the environment gives the pool,
+//! and each device's memory, as a table for people.
+
+use std::sync::Arc;
+
+use resmem::driver::sim::SimDriver;
+use resmem::{Driver, Pool};
+
+use crate::env::{Device, Environment};
+use crate::units::gib_or_mib;
+
+/// One device's line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Row {
+    /// The device's ordinal.
+    pub device: i32,
+    /// Its memory.
+    pub total: u64,
+    /// What the driver reports free.
+    pub driver_free: u64,
+    /// What this process's pool holds unused.
+    pub reusable: u64,
+}
+
+/// The devices as a table: total, driver-free, reusable, and the free memory resmem reports
+/// (driver free + reusable).
+pub fn table(rows: &[Row]) -> String {
+    let mut out = format!(
+        "{:<8}{:>14}{:>14}{:>14}{:>16}\n",
+        "device", "total", "driver free", "reusable", "reported free"
+    );
+    for r in rows {
+        out.push_str(&format!(
+            "{:<8}{:>14}{:>14}{:>14}{:>16}\n",
+            r.device,
+            gib_or_mib(r.total),
+            gib_or_mib(r.driver_free),
+            gib_or_mib(r.reusable),
+            gib_or_mib(r.driver_free + r.reusable)
+        ));
+    }
+    out
+}
+
+/// Print what `resmem info` shows.
+pub fn run(env: &Environment) -> Result<(), String> {
+    let (driver, place): (Arc<dyn Driver>, String) = match env.device()? {
+        Device::Gpu(driver) => {
+            let place = driver.describe();
+            (driver, place)
+        }
+        Device::Simulated(why) => {
+            let sim = Box::leak(Box::new(cuda_sim::Sim::new(&env.sim_devices)));
+            let driver = SimDriver::new(sim).map_err(|e| e.message)?;
+            let place = format!("simulated devices from CUDA_SIM_DEVICES ({why})");
+            (Arc::new(driver), place)
+        }
+    };
+    let pool = Pool::new(Arc::clone(&driver), env.settings.pool);
+    let c = env.settings.pool;
+    println!("resmem {} on {place}", env!("CARGO_PKG_VERSION"));
+    println!(
+        "settings (RESMEM_CONF): release_before_grow {}, vmm {}, logging {}, \
+         preload_allocations {}, record {}",
+        c.release_before_grow,
+        c.vmm,
+        c.logging,
+        env.settings.preload_allocations,
+        env.settings.record.as_deref().unwrap_or("off")
+    );
+    let mut rows = Vec::new();
+    for device in 0..pool.device_count() {
+        let (driver_free, total) = driver.mem_get_info(device).map_err(|e| e.to_string())?;
+        let s = pool.stats(device).map_err(|e| e.message)?;
+        rows.push(Row {
+            device,
+            total,
+            driver_free,
+            reusable: s.reusable_bytes,
+        });
+    }
+    print!("\n{}", table(&rows));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_lines_up_for_people() {
+        let rows = [
+            Row {
+                device: 0,
+                total: 24 << 30,
+                driver_free: 16 << 30,
+                reusable: 512 << 20,
+            },
+            Row {
+                device: 1,
+                total: 80 << 30,
+                driver_free: 80 << 30,
+                reusable: 0,
+            },
+        ];
+        assert_eq!(
+            table(&rows),
+            "device           total   driver free      reusable   reported free\n\
+             0            24.00 GiB     16.00 GiB    512.00 MiB       16.50 GiB\n\
+             1            80.00 GiB     80.00 GiB           0 B       80.00 GiB\n"
+        );
+    }
+}
