@@ -151,7 +151,7 @@ impl DevicePool {
                 return Ok(self.revive(id, size));
             }
             if let Some(id) =
-                self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
+                self.slots[slot as usize].bins[class as usize].find(block_size)
             {
                 self.stats.cache_hits += 1;
                 return Ok(self.take(id, block_size, size));
@@ -161,7 +161,7 @@ impl DevicePool {
             // Merged, the parked blocks may make room on this stream or an idle segment.
             self.flush_parked();
             let found = self.slot_of.get(&stream).and_then(|&slot| {
-                self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
+                self.slots[slot as usize].bins[class as usize].find(block_size)
             });
             if let Some(id) = found {
                 self.stats.cache_hits += 1;
@@ -332,8 +332,8 @@ impl DevicePool {
         stats.reusable_bytes = stats.reusable();
         let (mut small, mut large) = (0, 0);
         for slot in &self.slots {
-            small = small.max(slot.bins[Class::Small as usize].largest(&self.blocks));
-            large = large.max(slot.bins[Class::Large as usize].largest(&self.blocks));
+            small = small.max(slot.bins[Class::Small as usize].largest());
+            large = large.max(slot.bins[Class::Large as usize].largest());
         }
         // Small requests come only from small segments, large ones (over 1 MiB) only from large.
         let large = if large > SMALL_MAX { large } else { 0 };
@@ -515,8 +515,6 @@ impl DevicePool {
             segment: seg,
             prev: NIL,
             next: NIL,
-            bin_prev: NIL,
-            bin_next: NIL,
             state: State::Free,
             shared: false,
         });
@@ -743,8 +741,6 @@ impl DevicePool {
                 segment: seg,
                 prev,
                 next: id,
-                bin_prev: NIL,
-                bin_next: NIL,
                 state: State::Live,
                 shared: false,
             });
@@ -757,7 +753,7 @@ impl DevicePool {
             rest.prev = live_id;
             rest.ptr = ptr + block_size;
             rest.size = size - block_size;
-            self.bin_resized(slot, class, id, size);
+            self.bin_resized(slot, class, id, size, ptr);
             live_id
         };
         let block = &mut self.blocks[live_id];
@@ -791,28 +787,28 @@ impl DevicePool {
                 id
             }
             (true, false) => {
-                let old = self.blocks[prev].size;
+                let (old, old_ptr) = (self.blocks[prev].size, self.blocks[prev].ptr);
                 self.blocks[prev].size += size;
                 self.unlink(id);
-                self.bin_resized(slot, class, prev, old);
+                self.bin_resized(slot, class, prev, old, old_ptr);
                 prev
             }
             (false, true) => {
-                let old = self.blocks[next].size;
+                let (old, old_ptr) = (self.blocks[next].size, self.blocks[next].ptr);
                 let b = &mut self.blocks[next];
                 b.ptr = ptr;
                 b.size += size;
                 self.unlink(id);
-                self.bin_resized(slot, class, next, old);
+                self.bin_resized(slot, class, next, old, old_ptr);
                 next
             }
             (true, true) => {
                 self.bin_remove(slot, class, next);
-                let old = self.blocks[prev].size;
+                let (old, old_ptr) = (self.blocks[prev].size, self.blocks[prev].ptr);
                 self.blocks[prev].size += size + self.blocks[next].size;
                 self.unlink(id);
                 self.unlink(next);
-                self.bin_resized(slot, class, prev, old);
+                self.bin_resized(slot, class, prev, old, old_ptr);
                 prev
             }
         };
@@ -839,9 +835,9 @@ impl DevicePool {
         self.blocks.remove(id);
     }
 
-    /// Free block `id`, held in the bins, changed size from `old_size`: move it if its bin did.
-    fn bin_resized(&mut self, slot: u32, class: Class, id: u32, old_size: u64) {
-        self.slots[slot as usize].bins[class as usize].resized(&mut self.blocks, id, old_size);
+    /// Free block `id`, held in the bins under `old_size` at `old_ptr`, changed: refile it.
+    fn bin_resized(&mut self, slot: u32, class: Class, id: u32, old_size: u64, old_ptr: u64) {
+        self.slots[slot as usize].bins[class as usize].resized(&self.blocks, id, old_size, old_ptr);
     }
 
     /// Park released block `id` on its stream, unmerged; the oldest parked block is merged if
@@ -900,11 +896,11 @@ impl DevicePool {
     }
 
     fn bin_insert(&mut self, slot: u32, class: Class, id: u32) {
-        self.slots[slot as usize].bins[class as usize].insert(&mut self.blocks, id);
+        self.slots[slot as usize].bins[class as usize].insert(&self.blocks, id);
     }
 
     fn bin_remove(&mut self, slot: u32, class: Class, id: u32) {
-        self.slots[slot as usize].bins[class as usize].remove(&mut self.blocks, id);
+        self.slots[slot as usize].bins[class as usize].remove(&self.blocks, id);
     }
 
     /// The stream of block `id` (its segment's).

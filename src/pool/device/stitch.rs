@@ -374,8 +374,6 @@ impl DevicePool {
             segment,
             prev: after,
             next,
-            bin_prev: NIL,
-            bin_next: NIL,
             state,
             shared: false,
         });
