@@ -273,8 +273,15 @@ impl Driver for PanickingDriver {
     fn vmm_release(&self, d: i32, h: PhysHandle) -> DriverResult<()> {
         self.inner.vmm_release(d, h)
     }
-    fn vmm_map(&self, d: i32, p: DevicePtr, size: u64, h: PhysHandle) -> DriverResult<()> {
-        self.inner.vmm_map(d, p, size, h)
+    fn vmm_map(
+        &self,
+        d: i32,
+        p: DevicePtr,
+        size: u64,
+        h: PhysHandle,
+        offset: u64,
+    ) -> DriverResult<()> {
+        self.inner.vmm_map(d, p, size, h, offset)
     }
     fn vmm_unmap(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
         self.inner.vmm_unmap(d, p, size)

@@ -150,9 +150,7 @@ impl DevicePool {
                 self.stats.cache_hits += 1;
                 return Ok(self.revive(id, size));
             }
-            if let Some(id) =
-                self.slots[slot as usize].bins[class as usize].find(block_size)
-            {
+            if let Some(id) = self.slots[slot as usize].bins[class as usize].find(block_size) {
                 self.stats.cache_hits += 1;
                 return Ok(self.take(id, block_size, size));
             }
@@ -160,9 +158,10 @@ impl DevicePool {
         if self.parked > 0 {
             // Merged, the parked blocks may make room on this stream or an idle segment.
             self.flush_parked();
-            let found = self.slot_of.get(&stream).and_then(|&slot| {
-                self.slots[slot as usize].bins[class as usize].find(block_size)
-            });
+            let found = self
+                .slot_of
+                .get(&stream)
+                .and_then(|&slot| self.slots[slot as usize].bins[class as usize].find(block_size));
             if let Some(id) = found {
                 self.stats.cache_hits += 1;
                 return Ok(self.take(id, block_size, size));

@@ -479,7 +479,7 @@ impl DevicePool {
         for chunk in chunks {
             if let Err(e) = cx
                 .driver
-                .vmm_map(device, base + mapped, chunk.size, chunk.handle)
+                .vmm_map(device, base + mapped, chunk.size, chunk.handle, 0)
             {
                 result = Err(Error::driver("mapping a chunk into a new segment", &e));
                 break;
