@@ -23,8 +23,10 @@ use super::hash::IntMap;
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
-use stitch::{Chunk, VmmMode};
+use phys::Phys;
+use stitch::{Run, Stuck, VmmMode};
 
+mod phys;
 mod stitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
@@ -42,11 +44,10 @@ struct Segment {
     in_use: bool,
     /// Its index in `DevicePool::idle` while entirely free, else `NIL`.
     idle_at: u32,
-    /// For a stitched segment (virtual-memory mode), the physical chunks mapped in it, by
-    /// offset from `base`, in address order; the rest of it is holes. Empty for a segment from
-    /// `cuMemAlloc`.
-    chunks: Vec<(u64, Chunk)>,
-    /// Built from physical chunks (its `chunks` can become empty as they are taken).
+    /// For a stitched segment (virtual-memory mode), its mappings in address order, tiling it.
+    /// Empty for a segment from `cuMemAlloc`.
+    runs: Vec<Run>,
+    /// Built from physical memory mapped into a reserved address range.
     stitched: bool,
 }
 
@@ -100,10 +101,12 @@ pub struct DevicePool {
     stats: Stats,
     /// The most this pool may reserve, if capped.
     limit: Option<u64>,
-    /// Whether segments are stitched from physical chunks (decided at the first growth).
+    /// Whether segments are stitched from physical memory (decided at the first growth).
     vmm: VmmMode,
-    /// Physical chunks held but mapped nowhere (virtual-memory mode): reserved and reusable.
-    spare: Vec<Chunk>,
+    /// The physical handles held in virtual-memory mode, and their spare pages.
+    phys: Phys,
+    /// Address ranges whose unmapping or freeing failed, to retry.
+    stuck: Vec<Stuck>,
 }
 
 impl DevicePool {
@@ -127,7 +130,8 @@ impl DevicePool {
             stats: Stats::default(),
             limit: None,
             vmm: VmmMode::Undecided,
-            spare: Vec::new(),
+            phys: Phys::default(),
+            stuck: Vec::new(),
         }
     }
 
@@ -279,13 +283,8 @@ impl DevicePool {
     pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
         self.flush_parked();
         self.collect_pending(cx, true)?;
-        let mut released = self.release_idle(cx, u64::MAX)?;
-        if matches!(self.vmm, VmmMode::On(_)) {
-            // Chunks under free blocks of segments still in use go back too.
-            let chunks = self.harvest(cx, u64::MAX)?;
-            released += chunks.iter().map(|c| c.size).sum::<u64>();
-            self.release_chunks(cx, chunks)?;
-        }
+        let released = self.release_idle(cx, u64::MAX)?;
+        self.retry_stuck(cx)?;
         Ok(released)
     }
 
@@ -407,40 +406,56 @@ impl DevicePool {
             )));
         }
         if self.stitching(cx) {
-            let (base, chunks) = self.stitch(cx, segment, class, requested, mode, free)?;
-            let size = chunks.iter().map(|c| c.size).sum();
-            return Ok(self.install_segment(cx, base, size, class, stream, chunks));
+            let (base, runs) = self.stitch(cx, segment, requested, mode, free)?;
+            let size = runs.iter().map(|r| r.pages.size).sum();
+            return Ok(self.install_segment(cx, base, size, class, stream, runs));
         }
-        self.make_room_under_limit(cx, segment, requested, mode)?;
-        if mode == Grow::MayRelease && free < segment && self.config.release_before_grow {
-            let released = self.release_idle(cx, segment - free)?;
+        let device = self.device;
+        let ptr = self.obtain(cx, segment, requested, mode, free, |driver| {
+            driver.mem_alloc(device, segment)
+        })?;
+        self.stats.add_reserved(segment, 1);
+        Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
+    }
+
+    /// The growth policy, for every backing: `bytes` of new memory from `alloc`, within the cap
+    /// (returning idle cache to stay under it, if `mode` allows); if the driver's free memory
+    /// (`driver_free`) is short, idle cache goes back first; on out-of-memory, everything
+    /// reusable goes back and `alloc` is tried once more.
+    fn obtain<T>(
+        &mut self,
+        cx: &Context<'_>,
+        bytes: u64,
+        requested: u64,
+        mode: Grow,
+        driver_free: u64,
+        alloc: impl Fn(&dyn crate::driver::Driver) -> crate::driver::DriverResult<T>,
+    ) -> Result<T> {
+        self.make_room_under_limit(cx, bytes, requested, mode)?;
+        if mode == Grow::MayRelease && driver_free < bytes && self.config.release_before_grow {
+            let released = self.release_idle(cx, bytes - driver_free)?;
             self.log(format_args!(
                 "driver has {} free, {} needed: returned {} of idle cache first",
-                human(free),
-                human(segment),
+                human(driver_free),
+                human(bytes),
                 human(released)
             ));
         }
-        let ptr = match cx.driver.mem_alloc(self.device, segment) {
-            Ok(ptr) => ptr,
+        match alloc(cx.driver) {
+            Ok(got) => Ok(got),
             Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease => {
                 self.stats.oom_retries += 1;
                 self.collect_pending(cx, true)?;
                 let released = self.release_idle(cx, u64::MAX)?;
                 self.log(format_args!(
                     "driver out of memory for {}: returned all {} reusable, retrying once",
-                    human(segment),
+                    human(bytes),
                     human(released)
                 ));
-                match cx.driver.mem_alloc(self.device, segment) {
-                    Ok(ptr) => ptr,
-                    Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
-                }
+                alloc(cx.driver).map_err(|err| self.alloc_failure(cx, err, requested, bytes))
             }
-            Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
-        };
-        self.stats.add_reserved(segment, 1);
-        Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
+            Err(err) => Err(self.alloc_failure(cx, err, requested, bytes)),
+        }
     }
 
     /// Under a memory limit, make room for `bytes` more by returning idle cache (if `mode`
@@ -488,7 +503,7 @@ impl DevicePool {
         segment: u64,
         class: Class,
         stream: StreamHandle,
-        chunks: Vec<Chunk>,
+        runs: Vec<Run>,
     ) -> u32 {
         let seg = match self.vacant_segments.pop() {
             Some(seg) => seg,
@@ -501,7 +516,7 @@ impl DevicePool {
                     first: NIL,
                     in_use: false,
                     idle_at: NIL,
-                    chunks: Vec::new(),
+                    runs: Vec::new(),
                     stitched: false,
                 });
                 u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
@@ -518,15 +533,7 @@ impl DevicePool {
             shared: false,
         });
         let slot = self.join_slot(stream);
-        let stitched = !chunks.is_empty();
-        let mut offset = 0;
-        let chunks = chunks
-            .into_iter()
-            .map(|chunk| {
-                offset += chunk.size;
-                (offset - chunk.size, chunk)
-            })
-            .collect();
+        let stitched = !runs.is_empty();
         self.segments[seg as usize] = Segment {
             base: ptr,
             size: segment,
@@ -535,7 +542,7 @@ impl DevicePool {
             first: id,
             in_use: true,
             idle_at: NIL,
-            chunks,
+            runs,
             stitched,
         };
         self.bin_insert(slot, class, id);
@@ -584,18 +591,16 @@ impl DevicePool {
     /// Return idle segments to the driver until at least `needed` bytes are back (`u64::MAX`:
     /// all of them): the smallest single segment that covers it, else the largest first.
     fn release_idle(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        let spare = self.release_spare(cx, needed)?;
-        if spare >= needed {
-            return Ok(spare);
+        if matches!(self.vmm, VmmMode::On(_)) {
+            return self.release_idle_stitched(cx, needed);
         }
-        let needed = needed - spare;
         let mut idle: Vec<(u64, u32)> = self
             .idle
             .iter()
             .map(|&seg| (self.segments[seg as usize].size, seg))
             .collect();
         if idle.is_empty() {
-            return Ok(spare);
+            return Ok(0);
         }
         idle.sort_unstable();
         let chosen: Vec<(u64, u32)> = match idle.iter().find(|&&(size, _)| size >= needed) {
@@ -617,7 +622,7 @@ impl DevicePool {
         cx.driver.synchronize(self.device).map_err(|e| {
             Error::driver("waiting for the device before returning cached memory", &e)
         })?;
-        let mut released = spare;
+        let mut released = 0;
         for (size, seg) in chosen {
             self.free_segment(cx, seg)?;
             released += size;
@@ -639,13 +644,12 @@ impl DevicePool {
             self.stats.remove_reserved(size, 1);
             return Ok(());
         }
-        let chunks = self.dismantle(cx, seg)?;
-        self.release_chunks(cx, chunks)
+        self.dismantle(cx, seg)
     }
 
-    /// Drop a segment with no block in use from the books (not its memory); returns the
-    /// chunks still mapped in it.
-    fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) -> Vec<Chunk> {
+    /// Drop a segment with no block in use from the books (not its memory), its address out
+    /// of the directory.
+    fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) {
         let (base, slot, class, mut id, idle_at) = {
             let s = &self.segments[seg as usize];
             (s.base, s.slot, s.class, s.first, s.idle_at)
@@ -667,10 +671,7 @@ impl DevicePool {
         self.vacant_segments.push(seg);
         cx.directory.remove(base);
         self.stats.segments -= 1;
-        std::mem::take(&mut self.segments[seg as usize].chunks)
-            .into_iter()
-            .map(|(_, chunk)| chunk)
-            .collect()
+        self.segments[seg as usize].runs = Vec::new();
     }
 
     /// Free the pending blocks whose events have completed (all of them, waiting, if `wait`).
@@ -1131,14 +1132,8 @@ impl DevicePool {
                     State::Pending => prev_free = false,
                     State::Hole => {
                         holes += b.size;
-                        let (start, end) = (b.ptr - seg.base, b.ptr - seg.base + b.size);
-                        if !seg.stitched
-                            || seg
-                                .chunks
-                                .iter()
-                                .any(|&(o, c)| o < end && start < o + c.size)
-                        {
-                            return Err(format!("{here}: a hole where memory is mapped"));
+                        if !seg.stitched {
+                            return Err(format!("{here}: a hole in a classic segment"));
                         }
                         prev_free = false;
                     }
@@ -1150,16 +1145,6 @@ impl DevicePool {
             }
             if expect != seg.base + seg.size {
                 return Err(format!("segment {:#x}: blocks do not cover it", seg.base));
-            }
-            let mapped: u64 = seg.chunks.iter().map(|(_, c)| c.size).sum();
-            if seg.stitched && mapped + holes != seg.size {
-                return Err(format!(
-                    "segment {:#x}: chunks and holes do not cover it",
-                    seg.base
-                ));
-            }
-            if seg.chunks.windows(2).any(|w| w[0].0 + w[0].1.size > w[1].0) {
-                return Err(format!("segment {:#x}: chunks overlap", seg.base));
             }
             reserved -= holes;
             let first = &self.blocks[seg.first];
@@ -1219,7 +1204,16 @@ impl DevicePool {
                 self.parked
             ));
         }
-        reserved += self.spare_bytes();
+        reserved += self.phys.spare_bytes();
+        if matches!(self.vmm, VmmMode::On(_)) {
+            self.check_stitched()?;
+            if reserved != self.phys.held_bytes() {
+                return Err(format!(
+                    "{reserved} bytes owned or spare, {} in handles",
+                    self.phys.held_bytes()
+                ));
+            }
+        }
         let s = &self.stats;
         let books = (
             s.reserved_bytes,

@@ -50,9 +50,10 @@ pub struct PoolConfig {
     /// Write a line to standard error on every segment the pool allocates or returns, and on
     /// out-of-memory. Default: off.
     pub logging: bool,
-    /// Stitch segments from physical chunks with the CUDA virtual-memory API, so that any
-    /// request can use reserved-but-unused memory whatever its fragmentation. Devices or
-    /// drivers without the API keep classic segments. Default: off.
+    /// Build segments from physical memory mapped with the CUDA virtual-memory API, so that a
+    /// request can use cached pages wherever they lie (page-granular reuse, see
+    /// `device/stitch.rs`). Devices or drivers without the API keep classic segments.
+    /// Default: on.
     pub vmm: bool,
 }
 
@@ -61,7 +62,7 @@ impl Default for PoolConfig {
         PoolConfig {
             release_before_grow: true,
             logging: false,
-            vmm: false,
+            vmm: true,
         }
     }
 }
