@@ -110,8 +110,13 @@ impl Hooks {
 
 /// One run of the workload on a fresh pool; the number of faults that fired, and of operations
 /// that failed.
-fn run(driver: &Arc<CudaDriver>, hooks: &Hooks, fault: Option<&str>) -> (u64, u64) {
-    let pool = Pool::new(driver.clone(), PoolConfig::default());
+fn run(
+    driver: &Arc<CudaDriver>,
+    hooks: &Hooks,
+    config: PoolConfig,
+    fault: Option<&str>,
+) -> (u64, u64) {
+    let pool = Pool::new(driver.clone(), config);
     let [s1, s2] = hooks.streams;
     assert_eq!(
         hooks.used(),
@@ -240,29 +245,56 @@ fn run(driver: &Arc<CudaDriver>, hooks: &Hooks, fault: Option<&str>) -> (u64, u6
     (fired, failed)
 }
 
+/// The calls both backings reach.
+const COMMON: [&str; 9] = [
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuMemGetInfo_v2",
+    "cuCtxSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuStreamWaitEvent",
+];
+
 #[test]
 fn every_call_through_the_loaded_driver_failing_at_every_position() {
     let library = library();
     std::env::set_var("CUDA_SIM_DEVICES", "4GiB");
     let driver = Arc::new(CudaDriver::load(&library).expect("load libcuda_sim.so"));
     let hooks = hooks(&library);
-    assert_eq!(run(&driver, &hooks, None), (0, 0));
-    let calls = [
-        "cuCtxPushCurrent_v2",
-        "cuCtxPopCurrent_v2",
-        "cuMemAlloc_v2",
-        "cuMemFree_v2",
-        "cuMemGetInfo_v2",
-        "cuCtxSynchronize",
-        "cuEventCreate",
-        "cuEventRecord",
-        "cuEventQuery",
-        "cuEventSynchronize",
-        "cuStreamWaitEvent",
-    ];
+    let classic = PoolConfig {
+        vmm: false,
+        ..PoolConfig::default()
+    };
+    let mut calls: Vec<&str> = COMMON.to_vec();
+    calls.extend(["cuMemAlloc_v2", "cuMemFree_v2"]);
+    sweep(&driver, &hooks, classic, &calls, "classic segments");
+    let mut calls: Vec<&str> = COMMON.to_vec();
+    calls.extend([
+        "cuMemCreate",
+        "cuMemRelease",
+        "cuMemMap",
+        "cuMemUnmap",
+        "cuMemSetAccess",
+        "cuMemAddressReserve",
+        "cuMemAddressFree",
+    ]);
+    sweep(
+        &driver,
+        &hooks,
+        PoolConfig::default(),
+        &calls,
+        "the default",
+    );
+}
+
+fn sweep(driver: &Arc<CudaDriver>, hooks: &Hooks, config: PoolConfig, calls: &[&str], what: &str) {
+    assert_eq!(run(driver, hooks, config, None), (0, 0));
     let (mut runs, mut fired_total, mut failed_total) = (0, 0, 0);
-    for call in calls {
-        let codes: &[i32] = if call == "cuMemAlloc_v2" {
+    for &call in calls {
+        let codes: &[i32] = if call == "cuMemAlloc_v2" || call == "cuMemCreate" {
             &[2, 719]
         } else {
             &[719]
@@ -272,7 +304,7 @@ fn every_call_through_the_loaded_driver_failing_at_every_position() {
                 let mut nth = 1;
                 loop {
                     let spec = format!("{call}@{nth}{plus}={code}");
-                    let (fired, failed) = run(&driver, &hooks, Some(&spec));
+                    let (fired, failed) = run(driver, hooks, config, Some(&spec));
                     runs += 1;
                     fired_total += fired;
                     failed_total += failed;
@@ -281,13 +313,13 @@ fn every_call_through_the_loaded_driver_failing_at_every_position() {
                     }
                     nth += 1;
                 }
-                assert!(nth > 1, "{call} was never reached");
+                assert!(nth > 1, "{what}: {call} was never reached");
             }
         }
     }
     eprintln!(
-        "cuda faults: {runs} runs through libcuda_sim.so over {} driver functions; {fired_total} \
-         failures injected, {failed_total} operations failed with the right status",
+        "cuda faults, {what}: {runs} runs through libcuda_sim.so over {} driver functions; \
+         {fired_total} failures injected, {failed_total} operations failed with the right status",
         calls.len()
     );
 }
