@@ -158,24 +158,34 @@ impl Run {
         }
     }
 
-    /// After returning the cache, the driver holds exactly the segments of live blocks.
+    /// After returning the cache, the driver holds exactly the segments of live blocks, and
+    /// with the virtual-memory API the handles mapped in the ranges that hold a live block.
     fn check_nothing_leaks(&self) {
         self.pool.free_reusable(None).unwrap();
         self.check_books();
         for d in 0..2 {
-            // What live blocks need: the segments, and with stitching the chunks, they touch (a
-            // device whose VMM-support query failed keeps classic segments).
-            let mut held = self.sim.allocations(d);
-            held.extend(self.sim.mappings(d));
-            let needed: u64 = held
-                .iter()
-                .filter(|&&(base, len)| {
-                    self.live.values().any(|&(p, dev, size)| {
-                        dev == d && p < base + len && base < p + size.max(1).next_multiple_of(512)
-                    })
+            let touches = |base: u64, len: u64| {
+                self.live.values().any(|&(p, dev, size)| {
+                    dev == d && p < base + len && base < p + size.max(1).next_multiple_of(512)
                 })
+            };
+            let mut needed: u64 = self
+                .sim
+                .allocations(d)
+                .iter()
+                .filter(|&&(base, len)| touches(base, len))
                 .map(|&(_, len)| len)
                 .sum();
+            let mut handles: Vec<(u64, u64)> = self
+                .sim
+                .range_handles(d)
+                .into_iter()
+                .filter(|&((base, len), _)| touches(base, len))
+                .flat_map(|(_, handles)| handles)
+                .collect();
+            handles.sort_unstable();
+            handles.dedup();
+            needed += handles.iter().map(|&(_, size)| size).sum::<u64>();
             assert_eq!(self.sim.used_bytes(d), needed, "device {d} leaks");
         }
     }

@@ -365,6 +365,28 @@ impl Sim {
         maps
     }
 
+    /// Every reserved range holding a mapping of `dev`'s memory, as (base, size), with the
+    /// handles mapped in it and their sizes, for tests.
+    pub fn range_handles(&self, dev: i32) -> Vec<((u64, u64), Vec<(u64, u64)>)> {
+        let st = self.lock();
+        st.vmm
+            .ranges
+            .iter()
+            .map(|(&base, range)| {
+                let mut handles: Vec<(u64, u64)> = range
+                    .maps
+                    .values()
+                    .filter(|map| st.vmm.handles[&map.handle].device == dev)
+                    .map(|map| (map.handle, st.vmm.handles[&map.handle].size))
+                    .collect();
+                handles.sort_unstable();
+                handles.dedup();
+                ((base, range.size), handles)
+            })
+            .filter(|(_, handles)| !handles.is_empty())
+            .collect()
+    }
+
     /// Successful [`Sim::mem_create`] and [`Sim::mem_release`] calls, all devices.
     pub fn vmm_calls(&self) -> (u64, u64) {
         let st = self.lock();

@@ -107,6 +107,8 @@ pub struct DevicePool {
     phys: Phys,
     /// Address ranges whose unmapping or freeing failed, to retry.
     stuck: Vec<Stuck>,
+    /// Segments lending pages to a range being made (not taken apart meanwhile).
+    lending: Vec<u32>,
 }
 
 impl DevicePool {
@@ -132,6 +134,7 @@ impl DevicePool {
             vmm: VmmMode::Undecided,
             phys: Phys::default(),
             stuck: Vec::new(),
+            lending: Vec::new(),
         }
     }
 

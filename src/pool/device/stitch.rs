@@ -162,32 +162,14 @@ impl DevicePool {
         };
         let have: u64 = pieces.iter().map(|p| p.pages.size).sum();
         let mut all: Vec<Piece> = pieces.clone();
-        if have < size {
-            let need = size - have;
-            let device = self.device;
-            let created = self.obtain(cx, need, requested, mode, driver_free, |driver| {
-                driver.vmm_create(device, need)
-            });
-            match created {
-                Ok(handle) => {
-                    self.phys.add(handle, need);
-                    self.stats.add_reserved(need, 1);
-                    all.push(Piece {
-                        pages: Pages {
-                            handle,
-                            offset: 0,
-                            size: need,
-                        },
-                        lender: None,
-                    });
-                }
-                Err(err) => {
-                    self.give_back(&pieces);
-                    return Err(err);
-                }
-            }
-        }
-        match self.map_pieces(cx, size, &all) {
+        // The lenders of pieces in flight are not taken apart to make room meanwhile.
+        self.lending = pieces
+            .iter()
+            .filter_map(|p| p.lender.map(|l| l.0))
+            .collect();
+        let made = self.make_range(cx, size, requested, mode, driver_free, &mut all);
+        self.lending.clear();
+        match made {
             Ok(base) => {
                 let mut offset = 0;
                 let runs = all
@@ -215,6 +197,38 @@ impl DevicePool {
                 Err(err)
             }
         }
+    }
+
+    /// Create the shortfall of `pieces` (added to them) and map them into a new range.
+    fn make_range(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        requested: u64,
+        mode: Grow,
+        driver_free: u64,
+        all: &mut Vec<Piece>,
+    ) -> Result<DevicePtr> {
+        let have: u64 = all.iter().map(|p| p.pages.size).sum();
+        if have < size {
+            let need = size - have;
+            let device = self.device;
+            let created = self.obtain(cx, need, requested, mode, driver_free, |driver| {
+                driver.vmm_create(device, need)
+            });
+            let handle = created?;
+            self.phys.add(handle, need);
+            self.stats.add_reserved(need, 1);
+            all.push(Piece {
+                pages: Pages {
+                    handle,
+                    offset: 0,
+                    size: need,
+                },
+                lender: None,
+            });
+        }
+        self.map_pieces(cx, size, all)
     }
 
     /// Take cached pieces for up to `size` bytes out of the books: spare pages, and aligned
@@ -529,17 +543,14 @@ impl DevicePool {
     }
 
     /// Return cached memory until at least `needed` bytes went back to the driver (`u64::MAX`:
-    /// all): unused handles, then idle segments taken apart, largest first, and the handles that
-    /// leaves unused. Returns the bytes returned.
+    /// all): unused handles, then segments with no block in use (idle, or only free blocks and
+    /// holes) taken apart, largest first, and the handles that leaves unused. Returns the bytes
+    /// returned.
     pub(super) fn release_idle_stitched(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
         let mut released = self.release_unused(cx, needed)?;
         let mut waited = false;
         while released < needed {
-            let Some(&seg) = self
-                .idle
-                .iter()
-                .max_by_key(|&&seg| (self.segments[seg as usize].size, seg))
-            else {
+            let Some(seg) = self.unused_segment() else {
                 break;
             };
             if !waited {
@@ -553,6 +564,26 @@ impl DevicePool {
             released += self.release_unused(cx, needed - released)?;
         }
         Ok(released)
+    }
+
+    /// The largest stitched segment whose blocks are all free or holes.
+    fn unused_segment(&self) -> Option<u32> {
+        let unused = |s: &super::Segment| {
+            let mut id = s.first;
+            while id != NIL {
+                if !matches!(self.blocks[id].state, State::Free | State::Hole) {
+                    return false;
+                }
+                id = self.blocks[id].next;
+            }
+            true
+        };
+        (0..self.segments.len() as u32)
+            .filter(|&seg| {
+                let s = &self.segments[seg as usize];
+                s.in_use && s.stitched && !self.lending.contains(&seg) && unused(s)
+            })
+            .max_by_key(|&seg| (self.segments[seg as usize].size, seg))
     }
 
     /// Release handles mapped nowhere, largest first, until `needed` bytes went back.
