@@ -9,6 +9,9 @@ use std::collections::{BTreeMap, HashMap};
 use super::codes::*;
 use super::{Call, CuError, CuResult, Sim, State, PAGE};
 
+/// A reserved range as (base, size), with the (handle, size) of each allocation mapped in it.
+pub type RangeHandles = ((u64, u64), Vec<(u64, u64)>);
+
 /// The allocation granularity of every simulated device (minimum and recommended): one page.
 pub const GRANULARITY: u64 = PAGE;
 
@@ -367,7 +370,7 @@ impl Sim {
 
     /// Every reserved range holding a mapping of `dev`'s memory, as (base, size), with the
     /// handles mapped in it and their sizes, for tests.
-    pub fn range_handles(&self, dev: i32) -> Vec<((u64, u64), Vec<(u64, u64)>)> {
+    pub fn range_handles(&self, dev: i32) -> Vec<RangeHandles> {
         let st = self.lock();
         st.vmm
             .ranges
