@@ -13,10 +13,14 @@
 //!    `cuMemUnmap` takes whole mappings only.
 //!
 //! The piece chosen is the smallest single one that covers what is needed, else the largest
-//! pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece, and the
-//! rest is created instead. Only the shortfall is created, as one handle (one `cuMemCreate` per
-//! growth, through the growth policy shared with classic segments: a cap, release before
-//! growing, and release everything and retry once on out-of-memory).
+//! pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece. A range
+//! made from the cache is only as large as the request's pages. Where the cache covers the
+//! request only in part, it is used only when that matters ([`partial_pays`]): the driver lacks a
+//! segment of the request's size, or all but a sliver is cached; otherwise a segment is created
+//! whole, as PyTorch would, and the cache stays for the requests that reuse it. The shortfall is
+//! created as one handle sized like PyTorch's segment for it (one `cuMemCreate` per growth,
+//! through the growth policy shared with classic segments: a cap, release before growing, and
+//! release everything and retry once on out-of-memory).
 //!
 //! When a segment with no block in use is taken apart (returning memory, or an idle segment
 //! released), it is unmapped with one call and its pages go back where they came from: a lent
@@ -27,9 +31,7 @@
 //!
 //! The bound this keeps, checked after every operation of the property tests: after
 //! `free_reusable` every segment left holds a live block, and the driver holds exactly the
-//! handles the pool lists, each mapped in one of those segments; in between, memory is created
-//! only for the part of a request that spare pages and aligned free interiors could not cover
-//! with [`MAX_PIECES`] pieces.
+//! handles mapped in those segments.
 //!
 //! A failed driver call leaves the books exact: the cache's pieces go back, a created handle
 //! becomes spare, and a range that could not be unmapped or freed is kept (with the handles
@@ -38,8 +40,9 @@
 use super::phys::Pages;
 use super::{Context, DevicePool, Grow, State, NIL};
 use crate::driver::{DevicePtr, PhysHandle};
+use crate::error::rm_status;
 use crate::error::{Error, Result};
-use crate::pool::size::human;
+use crate::pool::size::{human, segment_size, SEGMENT_ROUND};
 
 /// One mapping in a stitched segment: `pages` at `offset` from its base.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -121,6 +124,17 @@ pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piec
     chosen
 }
 
+/// Whether a range only partly covered by the cache (`have` of `size` bytes) should still be
+/// made from it. Covered wholly, it always is: nothing is created. Covered partly, something is
+/// created anyway, and the free blocks lent are lost to the requests that would have reused
+/// them (replayed training snapshots made up to twice PyTorch's driver allocations that way).
+/// So partly only where it matters: when the driver lacks a segment of the request's size
+/// (PyTorch would run out of memory or return its cache), or when the cache covers all but a
+/// sliver (a sixteenth or less: a model's warm-up next to a block that outlived generation).
+pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
+    driver_free < segment_size(size) || (size - have) * 16 <= size
+}
+
 impl DevicePool {
     /// Whether this pool stitches; asks the driver once.
     pub(super) fn stitching(&mut self, cx: &Context<'_>) -> bool {
@@ -154,9 +168,16 @@ impl DevicePool {
         let VmmMode::On(granularity) = self.vmm else {
             return Err(Error::internal("stitching without the virtual-memory API"));
         };
-        let size = size.next_multiple_of(granularity);
+        // Built from the cache, a range needs only the request's pages; a segment's worth of
+        // memory (20 MiB for a request under 10 MiB) is created only where memory is created.
+        let segment = size.next_multiple_of(granularity);
+        let size = match crate::pool::size::block_size(requested) {
+            Ok(block) => block.next_multiple_of(granularity).min(size),
+            Err(_) => size,
+        }
+        .next_multiple_of(granularity);
         let pieces = if mode == Grow::MayRelease {
-            self.gather(cx, size, granularity)?
+            self.gather(cx, size, granularity, driver_free)?
         } else {
             Vec::new()
         };
@@ -167,7 +188,7 @@ impl DevicePool {
             .iter()
             .filter_map(|p| p.lender.map(|l| l.0))
             .collect();
-        let made = self.make_range(cx, size, requested, mode, driver_free, &mut all);
+        let made = self.make_range(cx, (size, segment), requested, mode, driver_free, &mut all);
         self.lending.clear();
         match made {
             Ok(base) => {
@@ -185,10 +206,10 @@ impl DevicePool {
                     .collect();
                 self.log(format_args!(
                     "stitched a {} segment from {} cached pieces ({}) and {} created",
-                    human(size),
+                    human(offset),
                     pieces.len(),
                     human(have),
-                    human(size - have)
+                    human(offset - have)
                 ));
                 Ok((base, runs))
             }
@@ -199,11 +220,12 @@ impl DevicePool {
         }
     }
 
-    /// Create the shortfall of `pieces` (added to them) and map them into a new range.
+    /// Create the shortfall of `all` for `size` bytes (added to them, at most `segment` bytes)
+    /// and map them into a new range.
     fn make_range(
         &mut self,
         cx: &Context<'_>,
-        size: u64,
+        (size, segment): (u64, u64),
         requested: u64,
         mode: Grow,
         driver_free: u64,
@@ -211,30 +233,60 @@ impl DevicePool {
     ) -> Result<DevicePtr> {
         let have: u64 = all.iter().map(|p| p.pages.size).sum();
         if have < size {
+            // The shortfall is created as PyTorch would size a segment for it (a 20 MiB handle
+            // for under 10 MiB), so that growth keeps pace with PyTorch's in driver calls; the
+            // excess stays free at the end of the new range. Where that much is not to be had,
+            // the bare shortfall.
             let need = size - have;
+            let granularity = match self.vmm {
+                VmmMode::On(g) => g,
+                _ => SEGMENT_ROUND,
+            };
+            let sized = segment_size(need)
+                .min(segment)
+                .max(need)
+                .next_multiple_of(granularity);
             let device = self.device;
-            let created = self.obtain(cx, need, requested, mode, driver_free, |driver| {
-                driver.vmm_create(device, need)
+            let mut created = self.obtain(cx, sized, requested, mode, driver_free, |driver| {
+                driver.vmm_create(device, sized)
             });
+            let mut made = sized;
+            if sized > need
+                && created
+                    .as_ref()
+                    .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY)
+            {
+                made = need;
+                created = self.obtain(cx, need, requested, mode, driver_free, |driver| {
+                    driver.vmm_create(device, need)
+                });
+            }
             let handle = created?;
-            self.phys.add(handle, need);
-            self.stats.add_reserved(need, 1);
+            self.phys.add(handle, made);
+            self.stats.add_reserved(made, 1);
             all.push(Piece {
                 pages: Pages {
                     handle,
                     offset: 0,
-                    size: need,
+                    size: made,
                 },
                 lender: None,
             });
         }
+        let size = all.iter().map(|p| p.pages.size).sum();
         self.map_pieces(cx, size, all)
     }
 
     /// Take cached pieces for up to `size` bytes out of the books: spare pages, and aligned
     /// interiors of free blocks lent as holes. Waits for the device first, as work queued before
     /// those blocks were released may still use them.
-    fn gather(&mut self, cx: &Context<'_>, size: u64, granularity: u64) -> Result<Vec<Piece>> {
+    fn gather(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        granularity: u64,
+        driver_free: u64,
+    ) -> Result<Vec<Piece>> {
         let spare: Vec<Piece> = self
             .phys
             .spare_pieces()
@@ -246,8 +298,9 @@ impl DevicePool {
             .collect();
         let lendable = self.lendable(granularity);
         let chosen = choose(&spare, &lendable, size);
-        if chosen.is_empty() {
-            return Ok(chosen);
+        let have: u64 = chosen.iter().map(|p| p.pages.size).sum();
+        if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
+            return Ok(Vec::new());
         }
         cx.driver.synchronize(self.device).map_err(|e| {
             Error::driver("waiting for the device before remapping cached memory", &e)
@@ -724,6 +777,27 @@ mod tests {
         let sizes: Vec<u64> = chosen.iter().map(|p| p.pages.size).collect();
         assert_eq!(sizes, vec![64 * MIB, 16 * MIB, 8 * MIB]);
         assert!(choose(&[], &[], 2 * MIB).is_empty());
+    }
+
+    #[test]
+    fn a_partly_covered_range_is_made_from_the_cache_only_where_it_matters() {
+        let gib = 1 << 30;
+        // The seed's next warm-up: 8.22 GiB, all but 10 MiB cached; the driver has plenty.
+        assert!(partial_pays(
+            8_824_815_616,
+            8_824_815_616 - 10 * MIB,
+            15 * gib
+        ));
+        // A 16 MiB request with 4 MiB cached and the driver roomy: create it whole instead.
+        assert!(!partial_pays(16 * MIB, 4 * MIB, 15 * gib));
+        // The same with the driver short of 16 MiB: the cache helps.
+        assert!(partial_pays(16 * MIB, 4 * MIB, 14 * MIB));
+        // Under 10 MiB a segment is 20 MiB: short of that, the cache helps.
+        assert!(partial_pays(4 * MIB, 2 * MIB, 18 * MIB));
+        assert!(!partial_pays(4 * MIB, 2 * MIB, 20 * MIB));
+        // A sixteenth short is a sliver; more is not.
+        assert!(partial_pays(32 * MIB, 30 * MIB, gib));
+        assert!(!partial_pays(32 * MIB, 28 * MIB, gib));
     }
 
     #[test]
