@@ -130,9 +130,12 @@ pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piec
 /// them (replayed training snapshots made up to twice PyTorch's driver allocations that way).
 /// So partly only where it matters: when the driver lacks a segment of the request's size
 /// (PyTorch would run out of memory or return its cache), or when the cache covers all but a
-/// sliver (a sixteenth or less: a model's warm-up next to a block that outlived generation).
+/// sliver (a sixteenth or less: a model's warm-up next to a block that outlived generation);
+/// and never where the driver cannot supply the rest, so that a request that cannot be met
+/// fails holding no cache back from the release that precedes the failure.
 pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
-    driver_free < segment_size(size) || (size - have) * 16 <= size
+    have.saturating_add(driver_free) >= size
+        && (driver_free < segment_size(size) || (size - have) * 16 <= size)
 }
 
 impl DevicePool {
@@ -795,6 +798,8 @@ mod tests {
         // Under 10 MiB a segment is 20 MiB: short of that, the cache helps.
         assert!(partial_pays(4 * MIB, 2 * MIB, 18 * MIB));
         assert!(!partial_pays(4 * MIB, 2 * MIB, 20 * MIB));
+        // Nor where the driver cannot supply the rest.
+        assert!(!partial_pays(5 * gib, 2 * MIB, 4 * gib));
         // A sixteenth short is a sliver; more is not.
         assert!(partial_pays(32 * MIB, 30 * MIB, gib));
         assert!(!partial_pays(32 * MIB, 28 * MIB, gib));
