@@ -54,11 +54,6 @@ impl Bins {
         self.set.last().map_or(0, |&(size, _, _)| size)
     }
 
-    /// Every free block held, smallest first.
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        self.set.iter().map(|&(_, _, id)| id)
-    }
-
     /// Number of free blocks held.
     pub fn len(&self) -> usize {
         self.set.len()

@@ -77,13 +77,9 @@ impl Blocks {
     }
 
     /// Number of blocks that exist (not vacant).
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.slots.len() - self.vacant.len()
-    }
-
-    /// Whether there are no blocks.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

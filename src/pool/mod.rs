@@ -3,8 +3,9 @@
 //!
 //! - [`size`]: rounding and the small/large classes;
 //! - [`blocks`]: the block arena with address-neighbour links;
-//! - [`bins`]: the O(1) good-fit free-block index (two-level bitmask bins);
-//! - [`device`]: one device's books and the reserved-reuse policy;
+//! - [`bins`]: the best-fit free-block index, by (size, address);
+//! - [`device`]: one device's books and the reserved-reuse policy (`device/stitch.rs`: the
+//!   page-granular reuse of the virtual-memory mode; `device/phys.rs`: its physical handles);
 //! - [`stats`]: the figures `rm_get_stats` reports;
 //! - this module: the multi-device [`Pool`], one lock per device, and the address directory that
 //!   finds a pointer's device for `release`.
@@ -26,9 +27,11 @@
 //! `release` and `record_stream` read the directory *before* taking a device mutex and drop the
 //! read lock first. A mutex poisoned by a panic is taken over (see `Pool::lock`).
 
-pub mod bins;
-pub mod blocks;
-pub mod device;
+// Public: what the command and the PyTorch-policy baseline use (sizes and their printing, the
+// integer map, the figures). The rest is the pool's own business.
+pub(crate) mod bins;
+pub(crate) mod blocks;
+pub(crate) mod device;
 pub mod hash;
 pub mod size;
 pub mod stats;
@@ -69,7 +72,7 @@ impl Default for PoolConfig {
 
 /// Which device holds each segment, by base address: how `release` finds a pointer's device.
 #[derive(Default)]
-pub struct Directory(RwLock<BTreeMap<DevicePtr, (u64, i32)>>);
+pub(crate) struct Directory(RwLock<BTreeMap<DevicePtr, (u64, i32)>>);
 
 impl Directory {
     fn insert(&self, base: DevicePtr, size: u64, device: i32) {
@@ -95,7 +98,7 @@ impl Directory {
 }
 
 /// What a device pool needs from outside while it works.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     driver: &'a dyn Driver,
     directory: &'a Directory,
 }
