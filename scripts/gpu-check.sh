@@ -9,7 +9,7 @@
 # What it runs, each against libcuda.so.1:
 #   1. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
 #      reuse ordered by events, record_stream, free_reusable, a cache-hit pair timing, and a
-#      1 GiB segment stitched from 512 cached 2 MiB chunks with the virtual-memory API (timed);
+#      1 GiB range made from 32 cached 32 MiB segments with the virtual-memory API (timed);
 #   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,
 #      with classic segments and with RESMEM_CONF=vmm:true;
 #   3. resmem info, and resmem demo on the GPU under both policies;

@@ -32,7 +32,9 @@ for driver in sim library; do
   check "$driver" "$dir/fork"
   EXTRA="CUDA_SIM_DEVICES=4GiB,4GiB" check "$driver" "$dir/hostile"
   EXTRA="RESMEM_TEST_PANIC=rm_reserve" check "$driver" "$dir/hostile" panic
-  EXTRA="CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,cuMemAlloc_v2@3=2" \
+  EXTRA="CUDA_SIM_FAULTS=cuMemCreate@1=719,cuMemCreate@2=2,cuMemCreate@3=2" \
+    check "$driver" "$dir/hostile" faults cuMemCreate
+  EXTRA="RESMEM_CONF=vmm:false CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,cuMemAlloc_v2@3=2" \
     check "$driver" "$dir/hostile" faults
   check "$driver" "$dir/exit"
   EXTRA="RESMEM_CONF=vmm:true" check "$driver" "$dir/exit"

@@ -182,8 +182,8 @@ mod tests {
         assert!(c.pool.logging);
         assert!(!c.pool.release_before_grow);
         assert!(!c.preload_allocations);
-        assert!(!c.pool.vmm);
-        assert!(parse_conf("vmm:true").unwrap().pool.vmm);
+        assert!(c.pool.vmm, "page-granular reuse is the default");
+        assert!(!parse_conf("vmm:false").unwrap().pool.vmm);
         assert_eq!(parse_conf("").unwrap(), Conf::default());
         assert_eq!(parse_conf(",,").unwrap(), Conf::default());
         assert!(parse_conf("logging:0").map(|c| !c.pool.logging).unwrap());

@@ -111,8 +111,13 @@ impl Hooks {
 
 /// One run of the workload on a fresh pool; the number of faults that fired, and of operations
 /// that failed.
-fn run(driver: &Arc<CudaDriver>, hooks: &Hooks, fault: Option<&str>) -> (u64, u64) {
-    let pool = Pool::new(driver.clone(), PoolConfig::default());
+fn run(
+    driver: &Arc<CudaDriver>,
+    hooks: &Hooks,
+    config: PoolConfig,
+    fault: Option<&str>,
+) -> (u64, u64) {
+    let pool = Pool::new(driver.clone(), config);
     let [s1, s2] = hooks.streams;
     assert_eq!(
         hooks.used(),
@@ -241,29 +246,56 @@ fn run(driver: &Arc<CudaDriver>, hooks: &Hooks, fault: Option<&str>) -> (u64, u6
     (fired, failed)
 }
 
+/// The calls both backings reach.
+const COMMON: [&str; 9] = [
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuMemGetInfo_v2",
+    "cuCtxSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
+    "cuStreamWaitEvent",
+];
+
 #[test]
 fn every_call_through_the_loaded_driver_failing_at_every_position() {
     let library = library();
     std::env::set_var("CUDA_SIM_DEVICES", "4GiB");
     let driver = Arc::new(CudaDriver::load(&library).expect("load libcuda_sim.so"));
     let hooks = hooks(&library);
-    assert_eq!(run(&driver, &hooks, None), (0, 0));
-    let calls = [
-        "cuCtxPushCurrent_v2",
-        "cuCtxPopCurrent_v2",
-        "cuMemAlloc_v2",
-        "cuMemFree_v2",
-        "cuMemGetInfo_v2",
-        "cuCtxSynchronize",
-        "cuEventCreate",
-        "cuEventRecord",
-        "cuEventQuery",
-        "cuEventSynchronize",
-        "cuStreamWaitEvent",
-    ];
+    let classic = PoolConfig {
+        vmm: false,
+        ..PoolConfig::default()
+    };
+    let mut calls: Vec<&str> = COMMON.to_vec();
+    calls.extend(["cuMemAlloc_v2", "cuMemFree_v2"]);
+    sweep(&driver, &hooks, classic, &calls, "classic segments");
+    let mut calls: Vec<&str> = COMMON.to_vec();
+    calls.extend([
+        "cuMemCreate",
+        "cuMemRelease",
+        "cuMemMap",
+        "cuMemUnmap",
+        "cuMemSetAccess",
+        "cuMemAddressReserve",
+        "cuMemAddressFree",
+    ]);
+    sweep(
+        &driver,
+        &hooks,
+        PoolConfig::default(),
+        &calls,
+        "the default",
+    );
+}
+
+fn sweep(driver: &Arc<CudaDriver>, hooks: &Hooks, config: PoolConfig, calls: &[&str], what: &str) {
+    assert_eq!(run(driver, hooks, config, None), (0, 0));
     let (mut runs, mut fired_total, mut failed_total) = (0, 0, 0);
-    for call in calls {
-        let codes: &[i32] = if call == "cuMemAlloc_v2" {
+    for &call in calls {
+        let codes: &[i32] = if call == "cuMemAlloc_v2" || call == "cuMemCreate" {
             &[2, 719]
         } else {
             &[719]
@@ -273,7 +305,7 @@ fn every_call_through_the_loaded_driver_failing_at_every_position() {
                 let mut nth = 1;
                 loop {
                     let spec = format!("{call}@{nth}{plus}={code}");
-                    let (fired, failed) = run(&driver, &hooks, Some(&spec));
+                    let (fired, failed) = run(driver, hooks, config, Some(&spec));
                     runs += 1;
                     fired_total += fired;
                     failed_total += failed;
@@ -282,27 +314,29 @@ fn every_call_through_the_loaded_driver_failing_at_every_position() {
                     }
                     nth += 1;
                 }
-                assert!(nth > 1, "{call} was never reached");
+                assert!(nth > 1, "{what}: {call} was never reached");
             }
         }
     }
     eprintln!(
-        "cuda faults: {runs} runs through libcuda_sim.so over {} driver functions; {fired_total} \
-         failures injected, {failed_total} operations failed with the right status",
+        "cuda faults, {what}: {runs} runs through libcuda_sim.so over {} driver functions; \
+         {fired_total} failures injected, {failed_total} operations failed with the right status",
         calls.len()
     );
     // In the same test: the simulator in the loaded library is one per process.
-    undoing_a_failed_segment_build_can_fail_too(&driver, &hooks);
+    undoing_a_failed_segment_build_can_fail_too(driver, hooks);
 }
 
 /// With stitching, a segment build breaks and undoing it fails too (an unmap or an address free
 /// refused): the memory stays counted as reserved, the pool works on, and once the driver
-/// allows, `free_reusable` returns everything.
+/// allows, `free_reusable` returns everything. The first build maps twelve 128 MiB holes of a
+/// 3 GiB warm-up into a 2 GiB segment (the 4 GiB device has 1 GiB free) and fails at its
+/// second map; the others fail a fresh 64 MiB segment.
 fn undoing_a_failed_segment_build_can_fail_too(driver: &Arc<CudaDriver>, hooks: &Hooks) {
-    for spec in [
-        "cuMemMap@2=999,cuMemUnmap@1=999",
-        "cuMemSetAccess@1=999,cuMemUnmap@1=999",
-        "cuMemSetAccess@1=999,cuMemAddressFree@1=999",
+    for (spec, holes) in [
+        ("cuMemMap@2=999,cuMemUnmap@1=999", true),
+        ("cuMemSetAccess@1=999,cuMemUnmap@1=999", false),
+        ("cuMemSetAccess@1=999,cuMemAddressFree@1=999", false),
     ] {
         let config = PoolConfig {
             vmm: true,
@@ -314,9 +348,24 @@ fn undoing_a_failed_segment_build_can_fail_too(driver: &Arc<CudaDriver>, hooks: 
             0,
             "{spec}: the previous run left memory behind"
         );
+        let mut kept = Vec::new();
+        let size = if holes {
+            pool.warmup(0, 3 * GIB).unwrap();
+            for i in 0..24 {
+                let p = pool.reserve(0, 128 * MIB, 0).unwrap();
+                if i % 2 == 0 {
+                    pool.release(p).unwrap();
+                } else {
+                    kept.push(p);
+                }
+            }
+            2 * GIB
+        } else {
+            64 * MIB
+        };
         let injected = hooks.injected();
         hooks.inject(spec);
-        let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
+        let e = pool.reserve(0, size, 0).unwrap_err();
         assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "{spec}: {e}");
         assert_eq!(hooks.injected() - injected, 2, "{spec}");
         hooks.clear();
@@ -326,8 +375,11 @@ fn undoing_a_failed_segment_build_can_fail_too(driver: &Arc<CudaDriver>, hooks: 
             hooks.used(),
             "{spec}"
         );
-        let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+        let p = pool.reserve(0, size, 0).unwrap();
         pool.release(p).unwrap();
+        for p in kept {
+            pool.release(p).unwrap();
+        }
         pool.free_reusable(None).unwrap();
         assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0, "{spec}");
         assert_eq!(hooks.used(), 0, "{spec}: leaked");

@@ -212,7 +212,7 @@ fn a_forced_panic_is_internal_and_the_library_stays_usable() {
     assert_eq!(unsafe { rm_release(p) }, rm_status::RM_SUCCESS);
 }
 
-/// The simulated driver, panicking in `mem_alloc` while armed.
+/// The simulated driver, panicking in `mem_alloc` and `vmm_create` while armed.
 struct PanickingDriver {
     inner: SimDriver,
     armed: AtomicBool,
@@ -268,13 +268,23 @@ impl Driver for PanickingDriver {
         self.inner.vmm_free(d, p, size)
     }
     fn vmm_create(&self, d: i32, size: u64) -> DriverResult<PhysHandle> {
+        if self.armed.load(Ordering::SeqCst) {
+            panic!("driver exploded");
+        }
         self.inner.vmm_create(d, size)
     }
     fn vmm_release(&self, d: i32, h: PhysHandle) -> DriverResult<()> {
         self.inner.vmm_release(d, h)
     }
-    fn vmm_map(&self, d: i32, p: DevicePtr, size: u64, h: PhysHandle) -> DriverResult<()> {
-        self.inner.vmm_map(d, p, size, h)
+    fn vmm_map(
+        &self,
+        d: i32,
+        p: DevicePtr,
+        size: u64,
+        h: PhysHandle,
+        offset: u64,
+    ) -> DriverResult<()> {
+        self.inner.vmm_map(d, p, size, h, offset)
     }
     fn vmm_unmap(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
         self.inner.vmm_unmap(d, p, size)

@@ -104,11 +104,7 @@ fn eight_threads(stitched: bool) {
     let exchange: Arc<Mutex<Vec<(u64, i32)>>> = Arc::default();
     let done = Arc::new(AtomicU64::new(0));
     let foreign_releases = Arc::new(AtomicU64::new(0));
-    let per_thread = if stitched {
-        ops_per_thread() / 4
-    } else {
-        ops_per_thread()
-    };
+    let per_thread = ops_per_thread();
 
     let (finished_tx, finished_rx) = mpsc::channel();
     let mut handles = Vec::new();
@@ -243,7 +239,7 @@ fn eight_threads(stitched: bool) {
         assert_eq!(s.reusable_bytes, s.reserved_bytes);
         allocs += s.driver_allocs;
     }
-    assert_driver_agrees(&pool, sim, stitched);
+    assert_driver_agrees(&pool, sim);
     pool.free_reusable(None).unwrap();
     assert_returned(&pool, sim);
     eprintln!(
@@ -256,19 +252,19 @@ fn eight_threads(stitched: bool) {
 }
 
 /// The driver's successful allocations and frees are the pool's (chunks with stitching).
-fn assert_driver_agrees(pool: &Pool, sim: &Sim, stitched: bool) {
+fn assert_driver_agrees(pool: &Pool, sim: &Sim) {
     let (mut allocs, mut frees) = (0, 0);
     for d in 0..DEVICES {
         let s = pool.stats(d).unwrap();
         allocs += s.driver_allocs;
         frees += s.driver_frees;
     }
-    let made = if stitched {
-        sim.vmm_calls()
-    } else {
-        (sim.alloc_calls(), sim.free_calls())
-    };
-    assert_eq!((allocs, frees), made);
+    // The default makes physical memory with cuMemCreate, classic segments with cuMemAlloc.
+    let (creates, releases) = sim.vmm_calls();
+    assert_eq!(
+        (allocs, frees),
+        (sim.alloc_calls() + creates, sim.free_calls() + releases)
+    );
 }
 
 /// After `free_reusable(-1)` with no block live, the books are exact and the driver holds
@@ -319,7 +315,7 @@ fn one_thread_per_device_returning_memory_keeps_every_block_known() {
         for t in threads {
             t.join().unwrap();
         }
-        assert_driver_agrees(&pool, sim, stitched);
+        assert_driver_agrees(&pool, sim);
         pool.free_reusable(None).unwrap();
         assert_returned(&pool, sim);
     }
@@ -415,8 +411,9 @@ impl Driver for FreeHook {
         ptr: DevicePtr,
         size: u64,
         handle: PhysHandle,
+        offset: u64,
     ) -> DriverResult<()> {
-        self.sim.vmm_map(device, ptr, size, handle)
+        self.sim.vmm_map(device, ptr, size, handle, offset)
     }
     fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
         self.sim.vmm_unmap(device, ptr, size)

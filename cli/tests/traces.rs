@@ -66,7 +66,7 @@ fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
     // PyTorch: 940 MiB reserved in 47 segments of 20 MiB, 748 MiB of it cached but in split
     // segments it cannot return; 736 MiB free on the driver; the 784 MiB request fails.
     assert_eq!(figures(&torch), (940 * MIB, 940 * MIB, 47, 0, 1));
-    let message = torch.first_oom.unwrap();
+    let message = torch.first_oom.clone().unwrap();
     assert!(message.contains("784.00 MiB"), "{message}");
     assert!(
         message.contains("of which 736.00 MiB (771751936 bytes) is free"),
@@ -76,21 +76,20 @@ fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
         message.contains("748.00 MiB (784334848 bytes) is reserved but unallocated"),
         "{message}"
     );
-    // resmem: every 4 MiB block has its own segment; 12 idle ones (48 MiB) go back to the driver
-    // and the request is met.
-    assert_eq!(
-        figures(&resmem),
-        ((192 + 784) * MIB, 1676 * MIB, 236, 12, 0)
-    );
-    assert_eq!(resmem.first_oom, None);
-    // resmem with stitching: the 748 MiB of idle chunks are remapped and 36 MiB created, so
-    // reserved never exceeds what is live; nothing goes back to the driver.
-    let vmm = replay(&trace, Policy::ResmemVmm, 1676 * MIB, |_| {}).unwrap();
-    assert_eq!(figures(&vmm), (976 * MIB, 976 * MIB, 475, 0, 0));
+    // resmem's classic segments are PyTorch's: the same 20 MiB segments, the same failure.
+    assert_eq!(figures(&resmem), figures(&torch));
+    // resmem's default maps the cached pages again and creates only the shortfall: the
+    // request is met.
+    let default = replay(&trace, Policy::Resmem, 1676 * MIB, |_| {}).unwrap();
+    assert_eq!(figures(&default), (976 * MIB, 1212 * MIB, 48, 0, 0));
+    assert_eq!(default.first_oom, None);
 }
 
+/// Interleaved lifetimes on 4 GiB: the one shipped trace where the default reserves more than
+/// PyTorch's policy (+2.1%; PyTorch empties its cache at an out-of-memory and grows again,
+/// which resmem never needs to). Exact figures, so that a change shows.
 #[test]
-fn stitching_keeps_interleaved_lifetimes_below_both_other_policies() {
+fn interleaved_lifetimes_figures() {
     let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), 0).unwrap();
     let memory = trace.device_memory.unwrap();
     assert_eq!(memory, 4 * GIB);
@@ -99,14 +98,13 @@ fn stitching_keeps_interleaved_lifetimes_below_both_other_policies() {
         assert_eq!(o.ooms, 0, "{}", policy.name());
         o.stats.peak_reserved_bytes
     };
-    let (resmem, vmm, torch) = (
-        peak(Policy::ResmemClassic),
-        peak(Policy::ResmemVmm),
-        peak(Policy::Torch),
-    );
-    assert!(
-        vmm < resmem && vmm < torch,
-        "vmm {vmm}, resmem {resmem}, torch {torch}"
+    assert_eq!(
+        (
+            peak(Policy::Torch),
+            peak(Policy::ResmemClassic),
+            peak(Policy::Resmem)
+        ),
+        (4_146_069_504, 4_196_401_152, 4_234_149_888)
     );
 }
 
@@ -123,16 +121,27 @@ fn the_seed_loads_keep_reserved_at_the_model_size_under_both() {
 
 #[test]
 fn decoding_and_training_figures() {
-    let (resmem, torch) = both(&generate::by_name("llama-3-8b-decode").unwrap());
-    assert_eq!(figures(&resmem), (17_016_823_808, 17_293_115_392, 74, 0, 0));
+    let default = |trace: &Trace| {
+        replay(trace, Policy::Resmem, trace.device_memory.unwrap(), |_| {}).unwrap()
+    };
+    let decode = generate::by_name("llama-3-8b-decode").unwrap();
+    let (resmem, torch) = both(&decode);
+    assert_eq!(figures(&resmem), (17_016_823_808, 17_259_560_960, 54, 0, 0));
     assert_eq!(figures(&torch), (17_016_823_808, 17_263_755_264, 54, 0, 0));
-    let (resmem, torch) = both(&generate::by_name("qwen3-0.6b-training").unwrap());
     assert_eq!(
-        figures(&resmem),
-        (15_426_009_600, 15_638_462_464, 515, 0, 0)
+        figures(&default(&decode)),
+        (17_016_823_808, 17_070_817_280, 22, 0, 0)
     );
+    let training = generate::by_name("qwen3-0.6b-training").unwrap();
+    let (resmem, torch) = both(&training);
+    assert_eq!(figures(&resmem), figures(&torch));
     assert_eq!(figures(&torch), (15_426_009_600, 16_015_949_824, 277, 0, 0));
-    assert!(resmem.fragmentation() < torch.fragmentation());
+    let default = default(&training);
+    assert_eq!(
+        figures(&default),
+        (15_426_009_600, 15_653_142_528, 255, 0, 0)
+    );
+    assert!(2.0 * default.fragmentation() < torch.fragmentation());
 }
 
 #[test]
@@ -219,10 +228,18 @@ fn the_seed_through_pytorchs_calls() {
     // resmem's default, fed the same calls, counts its cache as free: nothing is offloaded.
     let resmem = demo::run(&*Policy::Resmem.build(sim(24 * GIB)), &QWEN3_4B, 4).unwrap();
     assert_eq!(resmem.offloaded_loads(), Vec::<usize>::new());
+    // ... and reuses the cached pages for each warm-up: it stays within 2% of one warm-up.
+    let peak = resmem.stats.peak_reserved_bytes;
+    assert!(peak as f64 <= 1.02 * one as f64, "{peak}");
+    assert_eq!(peak, 8_856_272_896);
     // The shipped trace is the same calls with nothing offloaded: PyTorch's policy reaches the
     // same 16.44 GiB.
     let trace = Trace::read(&traces_dir().join("qwen3-4b-seed.jsonl"), 0).unwrap();
     let replayed = replay(&trace, Policy::Torch, 24 * GIB, |_| {}).unwrap();
     assert_eq!(replayed.stats.peak_reserved_bytes, 2 * one + 2 * MIB);
+    assert_eq!(replayed.ooms, 0);
+    let replayed = replay(&trace, Policy::Resmem, 24 * GIB, |_| {}).unwrap();
+    let peak = replayed.stats.peak_reserved_bytes;
+    assert!(peak as f64 <= 1.02 * one as f64, "{peak}");
     assert_eq!(replayed.ooms, 0);
 }

@@ -9,6 +9,9 @@ use std::collections::{BTreeMap, HashMap};
 use super::codes::*;
 use super::{Call, CuError, CuResult, Sim, State, PAGE};
 
+/// A reserved range as (base, size), with the (handle, size) of each allocation mapped in it.
+pub type RangeHandles = ((u64, u64), Vec<(u64, u64)>);
+
 /// The allocation granularity of every simulated device (minimum and recommended): one page.
 pub const GRANULARITY: u64 = PAGE;
 
@@ -243,14 +246,21 @@ impl Sim {
         Ok(())
     }
 
-    /// `cuMemMap` (offset 0): all of `handle`'s `size` bytes at `ptr`, a granularity-aligned
-    /// address inside a reserved range where nothing is mapped yet.
-    pub fn mem_map(&self, ptr: u64, size: u64, handle: u64) -> CuResult<()> {
+    /// `cuMemMap`: `size` bytes of `handle` from `offset` on, at `ptr`, a granularity-aligned
+    /// address inside a reserved range where nothing is mapped yet. Offset and size are
+    /// granularity multiples inside the allocation; one allocation may be mapped in any number
+    /// of places at once, each mapping counted until it is unmapped.
+    pub fn mem_map(&self, ptr: u64, size: u64, offset: u64, handle: u64) -> CuResult<()> {
         let mut st = self.lock();
         st.vmm_check(Call::MemMap, None)?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         match st.vmm.handles.get(&handle) {
-            Some(p) if !p.released && p.size == size => {}
+            Some(p)
+                if !p.released
+                    && size > 0
+                    && size % GRANULARITY == 0
+                    && offset % GRANULARITY == 0
+                    && offset.checked_add(size).is_some_and(|end| end <= p.size) => {}
             Some(_) => return Err(invalid),
             None => return Err(CuError(CUDA_ERROR_INVALID_HANDLE)),
         }
@@ -358,6 +368,28 @@ impl Sim {
         maps
     }
 
+    /// Every reserved range holding a mapping of `dev`'s memory, as (base, size), with the
+    /// handles mapped in it and their sizes, for tests.
+    pub fn range_handles(&self, dev: i32) -> Vec<RangeHandles> {
+        let st = self.lock();
+        st.vmm
+            .ranges
+            .iter()
+            .map(|(&base, range)| {
+                let mut handles: Vec<(u64, u64)> = range
+                    .maps
+                    .values()
+                    .filter(|map| st.vmm.handles[&map.handle].device == dev)
+                    .map(|map| (map.handle, st.vmm.handles[&map.handle].size))
+                    .collect();
+                handles.sort_unstable();
+                handles.dedup();
+                ((base, range.size), handles)
+            })
+            .filter(|(_, handles)| !handles.is_empty())
+            .collect()
+    }
+
     /// Successful [`Sim::mem_create`] and [`Sim::mem_release`] calls, all devices.
     pub fn vmm_calls(&self) -> (u64, u64) {
         let st = self.lock();
@@ -415,7 +447,7 @@ mod tests {
         );
         let va = sim.mem_address_reserve(64 * MIB, 0).unwrap();
         assert_eq!(va % (2 * MIB), 0);
-        sim.mem_map(va + 32 * MIB, 32 * MIB, h).unwrap();
+        sim.mem_map(va + 32 * MIB, 32 * MIB, 0, h).unwrap();
         assert_eq!(sim.is_accessible(va + 32 * MIB), Some(false));
         assert_eq!(sim.is_accessible(va), None);
         sim.mem_set_access(va + 32 * MIB, 32 * MIB, 0).unwrap();
@@ -445,29 +477,39 @@ mod tests {
         );
         let va = sim.mem_address_reserve(8 * MIB, 0).unwrap();
         let invalid = Err(err(CUDA_ERROR_INVALID_VALUE));
-        assert_eq!(sim.mem_map(va + MIB, 4 * MIB, a), invalid, "misaligned");
+        assert_eq!(sim.mem_map(va + MIB, 4 * MIB, 0, a), invalid, "misaligned");
         assert_eq!(
-            sim.mem_map(va + 6 * MIB, 4 * MIB, a),
+            sim.mem_map(va + 6 * MIB, 4 * MIB, 0, a),
             invalid,
             "past the range"
         );
         assert_eq!(
-            sim.mem_map(va, 2 * MIB, a),
+            sim.mem_map(va, 2 * MIB, 3 * MIB, a),
             invalid,
-            "not the whole allocation"
+            "past the allocation's end"
         );
         assert_eq!(
-            sim.mem_map(va, 4 * MIB, 12345),
+            sim.mem_map(va, 2 * MIB, MIB, a),
+            invalid,
+            "an offset off the granularity"
+        );
+        assert_eq!(sim.mem_map(va, 0, 0, a), invalid, "nothing");
+        assert_eq!(
+            sim.mem_map(va, 4 * MIB, 0, 12345),
             Err(err(CUDA_ERROR_INVALID_HANDLE))
         );
         assert_eq!(
-            sim.mem_map(0x1000, 4 * MIB, a),
+            sim.mem_map(0x1000, 4 * MIB, 0, a),
             invalid,
             "outside any range"
         );
-        sim.mem_map(va, 4 * MIB, a).unwrap();
-        assert_eq!(sim.mem_map(va + 2 * MIB, 2 * MIB, b), invalid, "overlaps");
-        sim.mem_map(va + 4 * MIB, 2 * MIB, b).unwrap();
+        sim.mem_map(va, 4 * MIB, 0, a).unwrap();
+        assert_eq!(
+            sim.mem_map(va + 2 * MIB, 2 * MIB, 0, b),
+            invalid,
+            "overlaps"
+        );
+        sim.mem_map(va + 4 * MIB, 2 * MIB, 0, b).unwrap();
         // Access and unmap take runs of whole mappings only.
         assert_eq!(
             sim.mem_set_access(va, 8 * MIB, 0),
@@ -485,7 +527,7 @@ mod tests {
         // The same physical memory maps again elsewhere.
         let other = sim.mem_address_reserve(4 * MIB, 0).unwrap();
         assert_ne!(other, va);
-        sim.mem_map(other, 4 * MIB, a).unwrap();
+        sim.mem_map(other, 4 * MIB, 0, a).unwrap();
         assert_eq!(
             sim.is_accessible(other),
             Some(false),
@@ -500,6 +542,44 @@ mod tests {
         assert_eq!(sim.mem_create(0, 3 * MIB), Err(invalid));
         assert_eq!(sim.mem_address_reserve(3 * MIB, 0), Err(invalid));
         assert_eq!(sim.mem_address_reserve(2 * MIB, 3 * MIB), Err(invalid));
+    }
+
+    #[test]
+    fn one_allocation_maps_at_offsets_in_several_places_and_frees_after_its_last_mapping() {
+        let sim = sim(64 * MIB);
+        let h = sim.mem_create(0, 8 * MIB).unwrap();
+        let (a, b) = (
+            sim.mem_address_reserve(8 * MIB, 0).unwrap(),
+            sim.mem_address_reserve(4 * MIB, 0).unwrap(),
+        );
+        // The whole allocation in one range, and its middle 4 MiB again in another.
+        sim.mem_map(a, 8 * MIB, 0, h).unwrap();
+        sim.mem_map(b, 2 * MIB, 4 * MIB, h).unwrap();
+        sim.mem_map(b + 2 * MIB, 2 * MIB, 2 * MIB, h).unwrap();
+        assert_eq!(
+            sim.mappings(0),
+            vec![(a, 8 * MIB), (b, 2 * MIB), (b + 2 * MIB, 2 * MIB)]
+        );
+        // Memory counts once, however often it is mapped.
+        assert_eq!(sim.used_bytes(0), 8 * MIB);
+        sim.mem_set_access(b, 4 * MIB, 0).unwrap();
+        assert_eq!(sim.accessible_ranges(0), vec![(b, 4 * MIB)]);
+        // Unmapping takes whole mappings: not a part of one, not a run with a gap.
+        let invalid = Err(err(CUDA_ERROR_INVALID_VALUE));
+        assert_eq!(sim.mem_unmap(a + 2 * MIB, 2 * MIB), invalid);
+        assert_eq!(sim.mem_unmap(b, 2 * MIB + MIB), invalid);
+        sim.mem_unmap(a, 8 * MIB).unwrap();
+        sim.mem_release(h).unwrap();
+        assert_eq!(sim.physical_allocations(0), 1, "still mapped in b");
+        assert_eq!(sim.used_bytes(0), 8 * MIB);
+        assert_eq!(sim.mem_map(a, 2 * MIB, 0, h), invalid, "released");
+        sim.mem_unmap(b, 2 * MIB).unwrap();
+        assert_eq!(sim.used_bytes(0), 8 * MIB);
+        sim.mem_unmap(b + 2 * MIB, 2 * MIB).unwrap();
+        assert_eq!(sim.used_bytes(0), 0);
+        assert_eq!(sim.physical_allocations(0), 0);
+        sim.mem_address_free(a, 8 * MIB).unwrap();
+        sim.mem_address_free(b, 4 * MIB).unwrap();
     }
 
     #[test]

@@ -564,11 +564,13 @@ impl Driver for CudaDriver {
         ptr: DevicePtr,
         size: u64,
         handle: PhysHandle,
+        offset: u64,
     ) -> DriverResult<()> {
-        // SAFETY: a reserved, unmapped, granularity-aligned range and a live handle; offset and
-        // flags 0.
+        // SAFETY: plain integers by value: a reserved, unmapped, granularity-aligned range, a
+        // live handle, an aligned offset inside it; flags 0 as the API requires. A bad argument
+        // is the driver's error, not undefined behaviour.
         self.vmm_call(device, "cuMemMap", |v| unsafe {
-            (v.map)(ptr, size as usize, 0, handle, 0)
+            (v.map)(ptr, size as usize, offset as usize, handle, 0)
         })
     }
 

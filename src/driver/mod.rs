@@ -116,13 +116,15 @@ pub trait Driver: Send + Sync {
     fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle>;
     /// Release physical memory; the driver frees it once unmapped (`cuMemRelease`).
     fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()>;
-    /// Map all `size` bytes of `handle` at `ptr` (`cuMemMap`).
+    /// Map `size` bytes of `handle`, from `offset` on, at `ptr` (`cuMemMap`). Offset and size
+    /// are granularity multiples; one handle may be mapped in several places at once.
     fn vmm_map(
         &self,
         device: i32,
         ptr: DevicePtr,
         size: u64,
         handle: PhysHandle,
+        offset: u64,
     ) -> DriverResult<()>;
     /// Unmap `[ptr, ptr + size)` (`cuMemUnmap`).
     fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()>;

@@ -156,9 +156,10 @@ impl Driver for SimDriver {
         ptr: DevicePtr,
         size: u64,
         handle: PhysHandle,
+        offset: u64,
     ) -> DriverResult<()> {
         self.sim
-            .mem_map(ptr, size, handle)
+            .mem_map(ptr, size, offset, handle)
             .map_err(fail("cuMemMap"))
     }
 

@@ -1,10 +1,8 @@
 //! The block arena: every block of every segment of a device, with links to its address
-//! neighbours (for splitting and coalescing) and to its free-list neighbours (for [`Bins`]).
+//! neighbours (for splitting and coalescing).
 //!
 //! Blocks are addressed by `u32` index; vacated slots are reused, so the arena never grows past
 //! the largest number of blocks that existed at once.
-//!
-//! [`Bins`]: super::bins::Bins
 
 use crate::driver::DevicePtr;
 
@@ -44,10 +42,6 @@ pub struct Block {
     pub prev: u32,
     /// See `prev`.
     pub next: u32,
-    /// Free-list neighbours in the bin that holds it.
-    pub bin_prev: u32,
-    /// See `bin_prev`.
-    pub bin_next: u32,
     /// Where it stands.
     pub state: State,
     /// Live and also used on streams other than its own (`record_stream`).
@@ -83,13 +77,9 @@ impl Blocks {
     }
 
     /// Number of blocks that exist (not vacant).
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.slots.len() - self.vacant.len()
-    }
-
-    /// Whether there are no blocks.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -118,8 +108,6 @@ mod tests {
             segment: 0,
             prev: NIL,
             next: NIL,
-            bin_prev: NIL,
-            bin_next: NIL,
             state: State::Free,
             shared: false,
         }

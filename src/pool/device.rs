@@ -1,7 +1,14 @@
 //! One device's pool: its segments and blocks, the per-stream bins, and the reserved-reuse
-//! policy, in the order `rm_reserve`'s documentation gives it: a cached block on the stream, an
-//! idle segment of another stream, a new segment (idle ones returned first when the driver is
-//! short), then everything reusable returned and one retry.
+//! policy in the order DESIGN.md gives it (see ARCHITECTURE.md). This file holds the data
+//! model, the public operations, the policy's steps and the blocks' splitting and merging; the
+//! rest lives beside it:
+//!
+//! - `segments.rs`: booking, returning and forgetting segments, the idle list;
+//! - `streams.rs`: stream slots, events, blocks pending on other streams;
+//! - `parking.rs`: the per-stream list of released blocks kept for exact-size reuse;
+//! - `stitch.rs` and `phys.rs`: page-granular reuse with the virtual-memory API, and its
+//!   physical-memory books;
+//! - `check.rs`: the invariant check.
 //!
 //! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
 //! stream is reusable there at once. A segment that is entirely free (*idle*) can move to another
@@ -25,9 +32,15 @@ use super::hash::IntMap;
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
-use stitch::{Chunk, Stranded, VmmMode};
+use phys::Phys;
+use stitch::{Run, Stuck, VmmMode};
 
+mod check;
+mod parking;
+mod phys;
+mod segments;
 mod stitch;
+mod streams;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
 
@@ -44,11 +57,10 @@ struct Segment {
     in_use: bool,
     /// Its index in `DevicePool::idle` while entirely free, else `NIL`.
     idle_at: u32,
-    /// For a stitched segment (virtual-memory mode), the physical chunks mapped in it, by
-    /// offset from `base`, in address order; the rest of it is holes. Empty for a segment from
-    /// `cuMemAlloc`.
-    chunks: Vec<(u64, Chunk)>,
-    /// Built from physical chunks (its `chunks` can become empty as they are taken).
+    /// For a stitched segment (virtual-memory mode), its mappings in address order, tiling it.
+    /// Empty for a segment from `cuMemAlloc`.
+    runs: Vec<Run>,
+    /// Built from physical memory mapped into a reserved address range.
     stitched: bool,
 }
 
@@ -102,12 +114,14 @@ pub struct DevicePool {
     stats: Stats,
     /// The most this pool may reserve, if capped.
     limit: Option<u64>,
-    /// Whether segments are stitched from physical chunks (decided at the first growth).
+    /// Whether segments are stitched from physical memory (decided at the first growth).
     vmm: VmmMode,
-    /// Physical chunks held but mapped nowhere (virtual-memory mode): reserved and reusable.
-    spare: Vec<Chunk>,
-    /// Failed segment builds the driver would not let the pool undo yet (virtual-memory mode).
-    stranded: Vec<Stranded>,
+    /// The physical handles held in virtual-memory mode, and their spare pages.
+    phys: Phys,
+    /// Address ranges whose unmapping or freeing failed, to retry.
+    stuck: Vec<Stuck>,
+    /// Segments lending pages to a range being made (not taken apart meanwhile).
+    lending: Vec<u32>,
 }
 
 impl DevicePool {
@@ -131,8 +145,9 @@ impl DevicePool {
             stats: Stats::default(),
             limit: None,
             vmm: VmmMode::Undecided,
-            spare: Vec::new(),
-            stranded: Vec::new(),
+            phys: Phys::default(),
+            stuck: Vec::new(),
+            lending: Vec::new(),
         }
     }
 
@@ -155,9 +170,7 @@ impl DevicePool {
                 self.stats.cache_hits += 1;
                 return Ok(self.revive(id, size));
             }
-            if let Some(id) =
-                self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
-            {
+            if let Some(id) = self.slots[slot as usize].bins[class as usize].find(block_size) {
                 self.stats.cache_hits += 1;
                 return Ok(self.take(id, block_size, size));
             }
@@ -165,9 +178,10 @@ impl DevicePool {
         if self.parked > 0 {
             // Merged, the parked blocks may make room on this stream or an idle segment.
             self.flush_parked();
-            let found = self.slot_of.get(&stream).and_then(|&slot| {
-                self.slots[slot as usize].bins[class as usize].find(&self.blocks, block_size)
-            });
+            let found = self
+                .slot_of
+                .get(&stream)
+                .and_then(|&slot| self.slots[slot as usize].bins[class as usize].find(block_size));
             if let Some(id) = found {
                 self.stats.cache_hits += 1;
                 return Ok(self.take(id, block_size, size));
@@ -285,19 +299,9 @@ impl DevicePool {
     pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
         self.flush_parked();
         self.collect_pending(cx, true)?;
-        let stitching = matches!(self.vmm, VmmMode::On(_));
-        if stitching {
-            // Clean-up the driver refused earlier first, so that its chunks go back too.
-            self.retry_cleanup(cx)?;
-        }
-        let mut released = self.release_idle(cx, u64::MAX)?;
-        if stitching {
-            // Chunks under free blocks of segments still in use go back too.
-            let chunks = self.harvest(cx, u64::MAX)?;
-            released += chunks.iter().map(|c| c.size).sum::<u64>();
-            self.release_chunks(cx, chunks)?;
-        }
-        Ok(released)
+        // Ranges whose undoing failed first: once unmapped, their handles can go back too.
+        self.retry_stuck(cx)?;
+        self.release_idle(cx, u64::MAX)
     }
 
     /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
@@ -342,8 +346,8 @@ impl DevicePool {
         stats.reusable_bytes = stats.reusable();
         let (mut small, mut large) = (0, 0);
         for slot in &self.slots {
-            small = small.max(slot.bins[Class::Small as usize].largest(&self.blocks));
-            large = large.max(slot.bins[Class::Large as usize].largest(&self.blocks));
+            small = small.max(slot.bins[Class::Small as usize].largest());
+            large = large.max(slot.bins[Class::Large as usize].largest());
         }
         // Small requests come only from small segments, large ones (over 1 MiB) only from large.
         let large = if large > SMALL_MAX { large } else { 0 };
@@ -418,40 +422,56 @@ impl DevicePool {
             )));
         }
         if self.stitching(cx) {
-            let (base, chunks) = self.stitch(cx, segment, class, requested, mode, free)?;
-            let size = chunks.iter().map(|c| c.size).sum();
-            return Ok(self.install_segment(cx, base, size, class, stream, chunks));
+            let (base, runs) = self.stitch(cx, segment, requested, mode, free)?;
+            let size = runs.iter().map(|r| r.pages.size).sum();
+            return Ok(self.install_segment(cx, base, size, class, stream, runs));
         }
-        self.make_room_under_limit(cx, segment, requested, mode)?;
-        if mode == Grow::MayRelease && free < segment && self.config.release_before_grow {
-            let released = self.release_idle(cx, segment - free)?;
+        let device = self.device;
+        let ptr = self.obtain(cx, segment, requested, mode, free, |driver| {
+            driver.mem_alloc(device, segment)
+        })?;
+        self.stats.add_reserved(segment, 1);
+        Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
+    }
+
+    /// The growth policy, for every backing: `bytes` of new memory from `alloc`, within the cap
+    /// (returning idle cache to stay under it, if `mode` allows); if the driver's free memory
+    /// (`driver_free`) is short, idle cache goes back first; on out-of-memory, everything
+    /// reusable goes back and `alloc` is tried once more.
+    fn obtain<T>(
+        &mut self,
+        cx: &Context<'_>,
+        bytes: u64,
+        requested: u64,
+        mode: Grow,
+        driver_free: u64,
+        alloc: impl Fn(&dyn crate::driver::Driver) -> crate::driver::DriverResult<T>,
+    ) -> Result<T> {
+        self.make_room_under_limit(cx, bytes, requested, mode)?;
+        if mode == Grow::MayRelease && driver_free < bytes && self.config.release_before_grow {
+            let released = self.release_idle(cx, bytes - driver_free)?;
             self.log(format_args!(
                 "driver has {} free, {} needed: returned {} of idle cache first",
-                human(free),
-                human(segment),
+                human(driver_free),
+                human(bytes),
                 human(released)
             ));
         }
-        let ptr = match cx.driver.mem_alloc(self.device, segment) {
-            Ok(ptr) => ptr,
+        match alloc(cx.driver) {
+            Ok(got) => Ok(got),
             Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease => {
                 self.stats.oom_retries += 1;
                 self.collect_pending(cx, true)?;
                 let released = self.release_idle(cx, u64::MAX)?;
                 self.log(format_args!(
                     "driver out of memory for {}: returned all {} reusable, retrying once",
-                    human(segment),
+                    human(bytes),
                     human(released)
                 ));
-                match cx.driver.mem_alloc(self.device, segment) {
-                    Ok(ptr) => ptr,
-                    Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
-                }
+                alloc(cx.driver).map_err(|err| self.alloc_failure(cx, err, requested, bytes))
             }
-            Err(err) => return Err(self.alloc_failure(cx, err, requested, segment)),
-        };
-        self.stats.add_reserved(segment, 1);
-        Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
+            Err(err) => Err(self.alloc_failure(cx, err, requested, bytes)),
+        }
     }
 
     /// Under a memory limit, make room for `bytes` more by returning idle cache (if `mode`
@@ -490,74 +510,6 @@ impl DevicePool {
         )))
     }
 
-    /// Book a new segment at `ptr` of `size` bytes (its memory already counted as reserved),
-    /// as one free, idle block of `stream`; returns the block.
-    fn install_segment(
-        &mut self,
-        cx: &Context<'_>,
-        ptr: DevicePtr,
-        segment: u64,
-        class: Class,
-        stream: StreamHandle,
-        chunks: Vec<Chunk>,
-    ) -> u32 {
-        let seg = match self.vacant_segments.pop() {
-            Some(seg) => seg,
-            None => {
-                self.segments.push(Segment {
-                    base: 0,
-                    size: 0,
-                    slot: NIL,
-                    class,
-                    first: NIL,
-                    in_use: false,
-                    idle_at: NIL,
-                    chunks: Vec::new(),
-                    stitched: false,
-                });
-                u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
-            }
-        };
-        let id = self.blocks.insert(Block {
-            ptr,
-            size: segment,
-            requested: 0,
-            segment: seg,
-            prev: NIL,
-            next: NIL,
-            bin_prev: NIL,
-            bin_next: NIL,
-            state: State::Free,
-            shared: false,
-        });
-        let slot = self.join_slot(stream);
-        let stitched = !chunks.is_empty();
-        let mut offset = 0;
-        let chunks = chunks
-            .into_iter()
-            .map(|chunk| {
-                offset += chunk.size;
-                (offset - chunk.size, chunk)
-            })
-            .collect();
-        self.segments[seg as usize] = Segment {
-            base: ptr,
-            size: segment,
-            slot,
-            class,
-            first: id,
-            in_use: true,
-            idle_at: NIL,
-            chunks,
-            stitched,
-        };
-        self.bin_insert(slot, class, id);
-        self.mark_idle(seg);
-        cx.directory.insert(ptr, segment, self.device);
-        self.stats.segments += 1;
-        id
-    }
-
     /// Turn a failed driver allocation into the error the caller sees.
     fn alloc_failure(
         &mut self,
@@ -594,142 +546,6 @@ impl DevicePool {
         ))
     }
 
-    /// Return idle segments to the driver until at least `needed` bytes are back (`u64::MAX`:
-    /// all of them): the smallest single segment that covers it, else the largest first.
-    fn release_idle(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        let spare = self.release_spare(cx, needed)?;
-        if spare >= needed {
-            return Ok(spare);
-        }
-        let needed = needed - spare;
-        let mut idle: Vec<(u64, u32)> = self
-            .idle
-            .iter()
-            .map(|&seg| (self.segments[seg as usize].size, seg))
-            .collect();
-        if idle.is_empty() {
-            return Ok(spare);
-        }
-        idle.sort_unstable();
-        let chosen: Vec<(u64, u32)> = match idle.iter().find(|&&(size, _)| size >= needed) {
-            Some(&one) if needed != u64::MAX => vec![one],
-            _ => {
-                let mut sum = 0u64;
-                idle.iter()
-                    .rev()
-                    .take_while(|&&(size, _)| {
-                        let more = sum < needed;
-                        sum = sum.saturating_add(size);
-                        more
-                    })
-                    .copied()
-                    .collect()
-            }
-        };
-        // Work queued before the blocks were released may still use them.
-        cx.driver.synchronize(self.device).map_err(|e| {
-            Error::driver("waiting for the device before returning cached memory", &e)
-        })?;
-        let mut released = spare;
-        for (size, seg) in chosen {
-            self.free_segment(cx, seg)?;
-            released += size;
-        }
-        Ok(released)
-    }
-
-    /// Give an idle segment back to the driver and forget it.
-    fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
-        let (base, size) = (
-            self.segments[seg as usize].base,
-            self.segments[seg as usize].size,
-        );
-        if !self.segments[seg as usize].stitched {
-            // Out of the directory before the driver can hand the addresses to another device.
-            cx.directory.remove(base, self.device);
-            if let Err(e) = cx.driver.mem_free(self.device, base) {
-                cx.directory.insert(base, size, self.device);
-                return Err(Error::driver(
-                    &format!("returning segment {base:#x} to the driver"),
-                    &e,
-                ));
-            }
-            self.forget_segment(seg);
-            self.stats.remove_reserved(size, 1);
-            return Ok(());
-        }
-        let chunks = self.dismantle(cx, seg)?;
-        self.release_chunks(cx, chunks)
-    }
-
-    /// Drop a segment with no block in use from the books (not its memory, and not its
-    /// directory entry, which the caller removed before freeing its addresses); returns the
-    /// chunks still mapped in it.
-    fn forget_segment(&mut self, seg: u32) -> Vec<Chunk> {
-        let (slot, class, mut id, idle_at) = {
-            let s = &self.segments[seg as usize];
-            (s.slot, s.class, s.first, s.idle_at)
-        };
-        while id != NIL {
-            let next = self.blocks[id].next;
-            debug_assert!(matches!(self.blocks[id].state, State::Free | State::Hole));
-            if self.blocks[id].state == State::Free {
-                self.bin_remove(slot, class, id);
-            }
-            self.blocks.remove(id);
-            id = next;
-        }
-        if idle_at != NIL {
-            self.unmark_idle(seg);
-        }
-        self.leave_slot(slot);
-        self.segments[seg as usize].in_use = false;
-        self.vacant_segments.push(seg);
-        self.stats.segments -= 1;
-        std::mem::take(&mut self.segments[seg as usize].chunks)
-            .into_iter()
-            .map(|(_, chunk)| chunk)
-            .collect()
-    }
-
-    /// Free the pending blocks whose events have completed (all of them, waiting, if `wait`).
-    fn collect_pending(&mut self, cx: &Context<'_>, wait: bool) -> Result<()> {
-        let mut i = 0;
-        while i < self.pending.len() {
-            let mut done = true;
-            for &event in &self.pending[i].events {
-                let result = if wait {
-                    cx.driver
-                        .event_synchronize(self.device, event)
-                        .map(|()| true)
-                } else {
-                    cx.driver.event_query(self.device, event)
-                };
-                match result {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        done = false;
-                        break;
-                    }
-                    Err(e) => {
-                        return Err(Error::driver(
-                            "checking whether work on other streams using a released block has finished",
-                            &e,
-                        ))
-                    }
-                }
-            }
-            if done {
-                let Pending { block, mut events } = self.pending.swap_remove(i);
-                self.spare_events.append(&mut events);
-                self.free_block(block);
-            } else {
-                i += 1;
-            }
-        }
-        Ok(())
-    }
-
     // ----- blocks -----
 
     /// Hand out free block `id` as a block of `block_size` bytes. When it is larger, the front
@@ -759,8 +575,6 @@ impl DevicePool {
                 segment: seg,
                 prev,
                 next: id,
-                bin_prev: NIL,
-                bin_next: NIL,
                 state: State::Live,
                 shared: false,
             });
@@ -773,7 +587,7 @@ impl DevicePool {
             rest.prev = live_id;
             rest.ptr = ptr + block_size;
             rest.size = size - block_size;
-            self.bin_resized(slot, class, id, size);
+            self.bin_resized(slot, class, id, size, ptr);
             live_id
         };
         let block = &mut self.blocks[live_id];
@@ -807,28 +621,28 @@ impl DevicePool {
                 id
             }
             (true, false) => {
-                let old = self.blocks[prev].size;
+                let (old, old_ptr) = (self.blocks[prev].size, self.blocks[prev].ptr);
                 self.blocks[prev].size += size;
                 self.unlink(id);
-                self.bin_resized(slot, class, prev, old);
+                self.bin_resized(slot, class, prev, old, old_ptr);
                 prev
             }
             (false, true) => {
-                let old = self.blocks[next].size;
+                let (old, old_ptr) = (self.blocks[next].size, self.blocks[next].ptr);
                 let b = &mut self.blocks[next];
                 b.ptr = ptr;
                 b.size += size;
                 self.unlink(id);
-                self.bin_resized(slot, class, next, old);
+                self.bin_resized(slot, class, next, old, old_ptr);
                 next
             }
             (true, true) => {
                 self.bin_remove(slot, class, next);
-                let old = self.blocks[prev].size;
+                let (old, old_ptr) = (self.blocks[prev].size, self.blocks[prev].ptr);
                 self.blocks[prev].size += size + self.blocks[next].size;
                 self.unlink(id);
                 self.unlink(next);
-                self.bin_resized(slot, class, prev, old);
+                self.bin_resized(slot, class, prev, old, old_ptr);
                 prev
             }
         };
@@ -855,188 +669,20 @@ impl DevicePool {
         self.blocks.remove(id);
     }
 
-    /// Free block `id`, held in the bins, changed size from `old_size`: move it if its bin did.
-    fn bin_resized(&mut self, slot: u32, class: Class, id: u32, old_size: u64) {
-        self.slots[slot as usize].bins[class as usize].resized(&mut self.blocks, id, old_size);
-    }
-
-    /// Park released block `id` on its stream, unmerged; the oldest parked block is merged if
-    /// the list is full.
-    fn park(&mut self, id: u32) {
-        let slot = self.segments[self.blocks[id].segment as usize].slot as usize;
-        self.blocks[id].state = State::Parked;
-        self.blocks[id].requested = 0;
-        if self.slots[slot].parked.len() == PARKED_MAX {
-            let oldest = self.slots[slot].parked.remove(0);
-            self.parked -= 1;
-            self.by_ptr.remove(&self.blocks[oldest].ptr);
-            self.free_block(oldest);
-        }
-        self.slots[slot].parked.push(id);
-        self.parked += 1;
-    }
-
-    /// The most recently parked block of exactly `block_size` bytes on `slot`, taken out.
-    fn unpark(&mut self, slot: u32, block_size: u64) -> Option<u32> {
-        let parked = &mut self.slots[slot as usize].parked;
-        let at = parked
-            .iter()
-            .rposition(|&id| self.blocks[id].size == block_size)?;
-        self.parked -= 1;
-        // Usually the last one: a pop, not a shift.
-        Some(if at + 1 == parked.len() {
-            parked.pop()?
-        } else {
-            parked.remove(at)
-        })
-    }
-
-    /// Hand a parked block out again.
-    fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
-        let block = &mut self.blocks[id];
-        block.state = State::Live;
-        block.requested = requested;
-        let (ptr, size) = (block.ptr, block.size);
-        self.stats.add_live(size, requested);
-        ptr
-    }
-
-    /// Merge every parked block into the free blocks of its stream.
-    fn flush_parked(&mut self) {
-        if self.parked == 0 {
-            return;
-        }
-        for slot in 0..self.slots.len() {
-            for id in std::mem::take(&mut self.slots[slot].parked) {
-                self.by_ptr.remove(&self.blocks[id].ptr);
-                self.free_block(id);
-            }
-        }
-        self.parked = 0;
+    /// Free block `id`, held in the bins under `old_size` at `old_ptr`, changed: refile it.
+    fn bin_resized(&mut self, slot: u32, class: Class, id: u32, old_size: u64, old_ptr: u64) {
+        self.slots[slot as usize].bins[class as usize].resized(&self.blocks, id, old_size, old_ptr);
     }
 
     fn bin_insert(&mut self, slot: u32, class: Class, id: u32) {
-        self.slots[slot as usize].bins[class as usize].insert(&mut self.blocks, id);
+        self.slots[slot as usize].bins[class as usize].insert(&self.blocks, id);
     }
 
     fn bin_remove(&mut self, slot: u32, class: Class, id: u32) {
-        self.slots[slot as usize].bins[class as usize].remove(&mut self.blocks, id);
+        self.slots[slot as usize].bins[class as usize].remove(&self.blocks, id);
     }
 
-    /// The stream of block `id` (its segment's).
-    fn stream_of(&self, id: u32) -> StreamHandle {
-        let slot = self.segments[self.blocks[id].segment as usize].slot;
-        self.slots[slot as usize].handle
-    }
-
-    /// The slot of `stream`, made if needed, counting one more segment of it.
-    fn join_slot(&mut self, stream: StreamHandle) -> u32 {
-        let slot = match self.slot_of.get(&stream) {
-            Some(&slot) => slot,
-            None => {
-                let fresh = StreamSlot {
-                    handle: stream,
-                    bins: [Bins::default(), Bins::default()],
-                    segments: 0,
-                    parked: Vec::with_capacity(PARKED_MAX),
-                };
-                let slot = match self.vacant_slots.pop() {
-                    Some(slot) => {
-                        self.slots[slot as usize] = fresh;
-                        slot
-                    }
-                    None => {
-                        self.slots.push(fresh);
-                        (self.slots.len() - 1) as u32
-                    }
-                };
-                self.slot_of.insert(stream, slot);
-                slot
-            }
-        };
-        self.slots[slot as usize].segments += 1;
-        slot
-    }
-
-    /// A segment left `slot`; the slot is freed with its last segment (its bins are empty then).
-    fn leave_slot(&mut self, slot: u32) {
-        let s = &mut self.slots[slot as usize];
-        s.segments -= 1;
-        if s.segments == 0 {
-            debug_assert!(s.bins.iter().all(Bins::is_empty) && s.parked.is_empty());
-            self.slot_of.remove(&s.handle);
-            self.vacant_slots.push(slot);
-        }
-    }
-
-    fn mark_idle(&mut self, seg: u32) {
-        debug_assert_eq!(self.segments[seg as usize].idle_at, NIL);
-        self.segments[seg as usize].idle_at = self.idle.len() as u32;
-        self.idle.push(seg);
-    }
-
-    fn unmark_idle(&mut self, seg: u32) {
-        let at = self.segments[seg as usize].idle_at;
-        debug_assert_ne!(at, NIL);
-        self.idle.swap_remove(at as usize);
-        if let Some(&moved) = self.idle.get(at as usize) {
-            self.segments[moved as usize].idle_at = at;
-        }
-        self.segments[seg as usize].idle_at = NIL;
-    }
-
-    // ----- events -----
-
-    fn take_event(&mut self, cx: &Context<'_>) -> crate::driver::DriverResult<EventHandle> {
-        match self.spare_events.pop() {
-            Some(event) => Ok(event),
-            None => cx.driver.event_create(self.device),
-        }
-    }
-
-    /// An event capturing the work queued so far on `stream`.
-    fn record_event(
-        &mut self,
-        cx: &Context<'_>,
-        stream: StreamHandle,
-    ) -> crate::driver::DriverResult<EventHandle> {
-        let event = self.take_event(cx)?;
-        match cx.driver.event_record(self.device, event, stream) {
-            Ok(()) => Ok(event),
-            Err(err) => {
-                self.spare_events.push(event);
-                Err(err)
-            }
-        }
-    }
-
-    /// Block the host until all work on every device has completed.
-    fn synchronize_all(&self, cx: &Context<'_>) -> crate::driver::DriverResult<()> {
-        (0..cx.driver.device_count()).try_for_each(|device| cx.driver.synchronize(device))
-    }
-
-    /// Order work queued on `to` from now on after the work queued so far on `from`. If the
-    /// driver cannot (a destroyed stream, say), wait for the whole device instead.
-    fn order_after(
-        &mut self,
-        cx: &Context<'_>,
-        from: StreamHandle,
-        to: StreamHandle,
-    ) -> Result<()> {
-        let ordered = self.record_event(cx, from).and_then(|event| {
-            let waited = cx.driver.stream_wait_event(self.device, to, event);
-            self.spare_events.push(event);
-            waited
-        });
-        if ordered.is_err() {
-            cx.driver.synchronize(self.device).map_err(|e| {
-                Error::driver("ordering a cached segment's reuse on another stream", &e)
-            })?;
-        }
-        Ok(())
-    }
-
-    // ----- messages and checks -----
+    // ----- messages -----
 
     fn explain_bad_pointer(&self, ptr: DevicePtr) -> Error {
         let seg = self
@@ -1079,185 +725,9 @@ impl DevicePool {
         ))
     }
 
-    /// Live blocks marked as used on other streams.
-    fn blocks_shared(&self) -> usize {
-        self.by_ptr
-            .values()
-            .filter(|&&id| self.blocks[id].shared)
-            .count()
-    }
-
     fn log(&self, args: std::fmt::Arguments<'_>) {
         if self.config.logging {
             eprintln!("resmem: device {}: {args}", self.device);
         }
-    }
-
-    /// Check every invariant of the books; a description of the first broken one.
-    pub fn check(&self) -> std::result::Result<(), String> {
-        let mut reserved = 0;
-        let mut allocated = 0;
-        let mut requested = 0;
-        let mut live = 0;
-        let mut parked = 0usize;
-        let mut free_blocks = 0usize;
-        let mut segments = 0;
-        let mut slot_segments: IntMap<u32, u32> = IntMap::default();
-        for (index, seg) in self.segments.iter().enumerate() {
-            if !seg.in_use {
-                continue;
-            }
-            segments += 1;
-            reserved += seg.size;
-            let mut id = seg.first;
-            let mut expect = seg.base;
-            let mut prev = NIL;
-            let mut prev_free = false;
-            let mut holes = 0;
-            while id != NIL {
-                let b = &self.blocks[id];
-                let here = format!("block {:#x} of segment {:#x}", b.ptr, seg.base);
-                if b.ptr != expect || b.prev != prev || b.segment as usize != index {
-                    return Err(format!("{here}: broken neighbour links"));
-                }
-                if b.size == 0 || b.size % MIN_BLOCK != 0 || b.ptr % MIN_BLOCK != 0 {
-                    return Err(format!("{here}: misaligned ({} bytes)", b.size));
-                }
-                match b.state {
-                    State::Live => {
-                        allocated += b.size;
-                        requested += b.requested;
-                        live += 1;
-                        if self.by_ptr.get(&b.ptr) != Some(&id) {
-                            return Err(format!("{here}: live but not in the address map"));
-                        }
-                        prev_free = false;
-                    }
-                    State::Parked => {
-                        parked += 1;
-                        if self.by_ptr.get(&b.ptr) != Some(&id)
-                            || !self.slots[seg.slot as usize].parked.contains(&id)
-                        {
-                            return Err(format!("{here}: parked but not listed"));
-                        }
-                        prev_free = false;
-                    }
-                    State::Free => {
-                        if prev_free {
-                            return Err(format!("{here}: two free neighbours were not merged"));
-                        }
-                        free_blocks += 1;
-                        prev_free = true;
-                    }
-                    State::Pending => prev_free = false,
-                    State::Hole => {
-                        holes += b.size;
-                        let (start, end) = (b.ptr - seg.base, b.ptr - seg.base + b.size);
-                        if !seg.stitched
-                            || seg
-                                .chunks
-                                .iter()
-                                .any(|&(o, c)| o < end && start < o + c.size)
-                        {
-                            return Err(format!("{here}: a hole where memory is mapped"));
-                        }
-                        prev_free = false;
-                    }
-                    State::Vacant => return Err(format!("{here}: vacant slot linked")),
-                }
-                expect = b.ptr + b.size;
-                prev = id;
-                id = b.next;
-            }
-            if expect != seg.base + seg.size {
-                return Err(format!("segment {:#x}: blocks do not cover it", seg.base));
-            }
-            let mapped: u64 = seg.chunks.iter().map(|(_, c)| c.size).sum();
-            if seg.stitched && mapped + holes != seg.size {
-                return Err(format!(
-                    "segment {:#x}: chunks and holes do not cover it",
-                    seg.base
-                ));
-            }
-            if seg.chunks.windows(2).any(|w| w[0].0 + w[0].1.size > w[1].0) {
-                return Err(format!("segment {:#x}: chunks overlap", seg.base));
-            }
-            reserved -= holes;
-            let first = &self.blocks[seg.first];
-            let is_idle = first.next == NIL && first.state == State::Free;
-            let listed =
-                seg.idle_at != NIL && self.idle.get(seg.idle_at as usize) == Some(&(index as u32));
-            if is_idle != listed {
-                return Err(format!("segment {:#x}: idle list is wrong", seg.base));
-            }
-            *slot_segments.entry(seg.slot).or_insert(0u32) += 1;
-        }
-        if self
-            .idle
-            .iter()
-            .any(|&seg| !self.segments[seg as usize].in_use)
-        {
-            return Err("a vacant segment is listed as idle".to_string());
-        }
-        for (&handle, &slot) in &self.slot_of {
-            let s = &self.slots[slot as usize];
-            if s.handle != handle
-                || slot_segments.get(&slot).copied().unwrap_or(0) != s.segments
-                || s.segments == 0
-            {
-                return Err(format!("stream {handle:#x}: slot {slot} has wrong books"));
-            }
-        }
-        if slot_segments.len() != self.slot_of.len() {
-            return Err("a segment belongs to an unmapped stream slot".to_string());
-        }
-        let binned: usize = self
-            .slot_of
-            .values()
-            .flat_map(|&slot| self.slots[slot as usize].bins.iter())
-            .map(Bins::len)
-            .sum();
-        if binned != free_blocks {
-            return Err(format!("{free_blocks} free blocks but {binned} in bins"));
-        }
-        let shared = self.blocks_shared();
-        if shared != self.shared.len() {
-            return Err(format!(
-                "{shared} blocks marked shared, {} in the map",
-                self.shared.len()
-            ));
-        }
-        if self.by_ptr.len() != live as usize + parked {
-            return Err(format!(
-                "{live} live and {parked} parked blocks but {} in the map",
-                self.by_ptr.len()
-            ));
-        }
-        let listed: usize = self.slots.iter().map(|s| s.parked.len()).sum();
-        if listed != parked || self.parked != parked {
-            return Err(format!(
-                "{parked} parked blocks, {listed} listed, {} counted",
-                self.parked
-            ));
-        }
-        reserved += self.spare_bytes() + self.stranded_bytes();
-        let s = &self.stats;
-        let books = (
-            s.reserved_bytes,
-            s.allocated_bytes,
-            s.requested_bytes,
-            s.live_blocks,
-            s.segments,
-        );
-        if books != (reserved, allocated, requested, live, segments) {
-            return Err(format!(
-                "stats (reserved, allocated, requested, live, segments) = {books:?}, blocks say {:?}",
-                (reserved, allocated, requested, live, segments)
-            ));
-        }
-        if s.peak_allocated_bytes < s.allocated_bytes || s.peak_reserved_bytes < s.reserved_bytes {
-            return Err("a peak is below its current value".to_string());
-        }
-        Ok(())
     }
 }

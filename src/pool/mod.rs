@@ -3,8 +3,9 @@
 //!
 //! - [`size`]: rounding and the small/large classes;
 //! - [`blocks`]: the block arena with address-neighbour links;
-//! - [`bins`]: the O(1) good-fit free-block index (two-level bitmask bins);
-//! - [`device`]: one device's books and the reserved-reuse policy;
+//! - [`bins`]: the best-fit free-block index, by (size, address);
+//! - [`device`]: one device's books and the reserved-reuse policy (`device/stitch.rs`: the
+//!   page-granular reuse of the virtual-memory mode; `device/phys.rs`: its physical handles);
 //! - [`stats`]: the figures `rm_get_stats` reports;
 //! - this module: the multi-device [`Pool`], one lock per device, and the address directory that
 //!   finds a pointer's device for `release`.
@@ -26,9 +27,11 @@
 //! `release` and `record_stream` read the directory *before* taking a device mutex and drop the
 //! read lock first. A mutex poisoned by a panic is taken over (see `Pool::lock`).
 
-pub mod bins;
-pub mod blocks;
-pub mod device;
+// Public: what the command and the PyTorch-policy baseline use (sizes and their printing, the
+// integer map, the figures). The rest is the pool's own business.
+pub(crate) mod bins;
+pub(crate) mod blocks;
+pub(crate) mod device;
 pub mod hash;
 pub mod size;
 pub mod stats;
@@ -50,9 +53,10 @@ pub struct PoolConfig {
     /// Write a line to standard error on every segment the pool allocates or returns, and on
     /// out-of-memory. Default: off.
     pub logging: bool,
-    /// Stitch segments from physical chunks with the CUDA virtual-memory API, so that any
-    /// request can use reserved-but-unused memory whatever its fragmentation. Devices or
-    /// drivers without the API keep classic segments. Default: off.
+    /// Build segments from physical memory mapped with the CUDA virtual-memory API, so that a
+    /// request can use cached pages wherever they lie (page-granular reuse, see
+    /// `device/stitch.rs`). Devices or drivers without the API keep classic segments.
+    /// Default: on.
     pub vmm: bool,
 }
 
@@ -61,14 +65,14 @@ impl Default for PoolConfig {
         PoolConfig {
             release_before_grow: true,
             logging: false,
-            vmm: false,
+            vmm: true,
         }
     }
 }
 
 /// Which device holds each segment, by base address: how `release` finds a pointer's device.
 #[derive(Default)]
-pub struct Directory(RwLock<BTreeMap<DevicePtr, (u64, i32)>>);
+pub(crate) struct Directory(RwLock<BTreeMap<DevicePtr, (u64, i32)>>);
 
 impl Directory {
     fn insert(&self, base: DevicePtr, size: u64, device: i32) {
@@ -97,7 +101,7 @@ impl Directory {
 }
 
 /// What a device pool needs from outside while it works.
-pub struct Context<'a> {
+pub(crate) struct Context<'a> {
     driver: &'a dyn Driver,
     directory: &'a Directory,
 }

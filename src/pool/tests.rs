@@ -18,8 +18,16 @@ fn pool_with(capacities: &[u64], config: PoolConfig) -> (Pool, &'static Sim) {
     (Pool::new(Arc::new(driver), config), sim)
 }
 
+/// Classic segments (`cuMemAlloc`), as on devices without the virtual-memory API.
+fn classic() -> PoolConfig {
+    PoolConfig {
+        vmm: false,
+        ..PoolConfig::default()
+    }
+}
+
 fn pool(capacity: u64) -> (Pool, &'static Sim) {
-    pool_with(&[capacity], PoolConfig::default())
+    pool_with(&[capacity], classic())
 }
 
 /// The books are consistent, and reserved equals what the driver holds for us.
@@ -60,20 +68,27 @@ fn small_requests_share_a_segment_and_are_aligned() {
 }
 
 #[test]
-fn large_requests_get_their_own_segment_rounded_to_pages() {
+fn large_requests_share_20_mib_segments_under_10_mib_and_get_their_own_above() {
     let (pool, sim) = pool(24 * GIB);
     let p = pool.reserve(0, 3 * MIB + 1, 0).unwrap();
     assert_eq!(p % (2 * MIB), 0);
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.reserved_bytes, 4 * MIB);
+    assert_eq!(s.reserved_bytes, 20 * MIB);
     assert_eq!(s.allocated_bytes, 3 * MIB + 512);
-    // The 1 MiB - 512 B left over serves nothing: small requests come from small segments, and
-    // no large request fits it.
-    assert_eq!(s.largest_reusable_block, 0);
-    pool.release(p).unwrap();
+    assert_eq!(s.largest_reusable_block, 17 * MIB - 512);
+    // The next one shares the segment.
+    let q = pool.reserve(0, 9 * MIB, 0).unwrap();
+    assert_eq!(q, p + 3 * MIB + 512);
+    // 10 MiB and more: a segment of its own, rounded to 2 MiB pages.
+    let r = pool.reserve(0, 10 * MIB + 1, 0).unwrap();
     let s = pool.stats(0).unwrap();
-    assert_eq!((s.allocated_bytes, s.reusable_bytes), (0, 4 * MIB));
-    assert_eq!(s.largest_reusable_block, 4 * MIB);
+    assert_eq!((s.reserved_bytes, s.segments), (32 * MIB, 2));
+    for ptr in [p, q, r] {
+        pool.release(ptr).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.reusable_bytes), (0, 32 * MIB));
+    assert_eq!(s.largest_reusable_block, 20 * MIB);
     assert_books(&pool, sim);
 }
 
@@ -201,7 +216,7 @@ fn the_smallest_idle_segment_that_covers_the_shortfall_is_returned() {
 fn driver_oom_returns_everything_and_retries_once() {
     let config = PoolConfig {
         release_before_grow: false,
-        ..PoolConfig::default()
+        ..classic()
     };
     let (pool, sim) = pool_with(&[100 * MIB], config);
     let p = pool.reserve(0, 60 * MIB, 0).unwrap();
@@ -289,7 +304,7 @@ fn bad_pointers_are_refused_with_a_reason_and_nothing_changes() {
 
 #[test]
 fn invalid_devices_are_refused() {
-    let (pool, _) = pool_with(&[GIB, GIB], PoolConfig::default());
+    let (pool, _) = pool_with(&[GIB, GIB], classic());
     for device in [-2, -1, 2, 10_000, i32::MAX] {
         let err = pool.reserve(device, 512, 0).unwrap_err();
         assert_eq!(err.status, rm_status::RM_ERROR_INVALID_DEVICE);
@@ -307,7 +322,7 @@ fn invalid_devices_are_refused() {
 
 #[test]
 fn release_finds_the_device_of_a_pointer() {
-    let (pool, sim) = pool_with(&[GIB, GIB], PoolConfig::default());
+    let (pool, sim) = pool_with(&[GIB, GIB], classic());
     let on0 = pool.reserve(0, 3 * MIB, 0).unwrap();
     let on1 = pool.reserve(1, 3 * MIB, 0).unwrap();
     assert_eq!(sim.device_of(on1), Some(1));
@@ -315,7 +330,7 @@ fn release_finds_the_device_of_a_pointer() {
     assert_eq!(pool.stats(1).unwrap().allocated_bytes, 0);
     assert_eq!(pool.stats(0).unwrap().allocated_bytes, 3 * MIB);
     pool.release(on0).unwrap();
-    assert_eq!(pool.free_reusable(None).unwrap(), 8 * MIB);
+    assert_eq!(pool.free_reusable(None).unwrap(), 40 * MIB);
     assert_eq!((sim.used_bytes(0), sim.used_bytes(1)), (0, 0));
     assert_books(&pool, sim);
 }
@@ -434,7 +449,7 @@ fn free_reusable_waits_for_pending_blocks() {
     pool.record_stream(p, s2).unwrap();
     sim.enqueue_work(0, s2).unwrap();
     pool.release(p).unwrap();
-    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 4 * MIB);
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 20 * MIB);
     assert_eq!(
         sim.pending_work(0, s2).unwrap(),
         0,
@@ -471,7 +486,7 @@ fn a_hundred_thousand_cached_blocks_keep_working() {
 
 #[test]
 fn threads_share_the_pool_and_release_each_others_blocks() {
-    let (pool, sim) = pool_with(&[8 * GIB, 8 * GIB], PoolConfig::default());
+    let (pool, sim) = pool_with(&[8 * GIB, 8 * GIB], classic());
     let pool = Arc::new(pool);
     let (tx, rx) = std::sync::mpsc::channel::<u64>();
     let rx = Arc::new(std::sync::Mutex::new(rx));
@@ -628,8 +643,13 @@ fn vmm_serves_the_37436_request_by_remapping_the_cache() {
     assert_eq!(s.driver_frees, 0, "nothing went back to the driver");
     assert_eq!(
         s.driver_allocs - before.driver_allocs,
-        5,
-        "36 MiB as 4 x 8 MiB + 4 MiB"
+        1,
+        "36 MiB as one handle"
+    );
+    assert_eq!(
+        sim.mappings(0).len(),
+        3,
+        "748 MiB mapped twice, 36 MiB once"
     );
     assert_eq!(sim.used_bytes(0), 784 * MIB);
     assert_eq!(sim.is_accessible(p), Some(true));
@@ -657,7 +677,7 @@ fn fragmented(config: PoolConfig) -> (Pool, &'static Sim, Vec<u64>) {
 
 #[test]
 fn classic_segments_cannot_use_free_memory_between_live_blocks() {
-    let (pool, sim, _) = fragmented(PoolConfig::default());
+    let (pool, sim, _) = fragmented(classic());
     let err = pool.reserve(0, 60 * MIB, 0).unwrap_err();
     assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
     assert!(
@@ -674,12 +694,16 @@ fn vmm_stitches_free_memory_between_live_blocks_into_a_new_segment() {
     let big = pool.reserve(0, 60 * MIB, 0).unwrap();
     pool.check().unwrap();
     let s = pool.stats(0).unwrap();
-    // The three free 16 MiB chunks were unmapped and remapped; 12 MiB was created.
+    // The three free 16 MiB ranges were mapped again, lent as holes; 12 MiB was created.
     assert_eq!(s.reserved_bytes, 92 * MIB);
     assert_eq!(s.allocated_bytes, 32 * MIB + 60 * MIB);
     assert_eq!(sim.used_bytes(0), 92 * MIB);
     assert_eq!(sim.is_accessible(big + 59 * MIB), Some(true));
-    assert_eq!(sim.is_accessible(ptrs[0]), None, "a hole now");
+    assert_eq!(
+        sim.mappings(0).len(),
+        5,
+        "the warm-up's handle, its 3 pieces, the new one"
+    );
     assert_eq!(
         sim.is_accessible(ptrs[2]),
         Some(true),
@@ -700,17 +724,16 @@ fn vmm_stitches_free_memory_between_live_blocks_into_a_new_segment() {
 }
 
 #[test]
-fn vmm_free_reusable_returns_chunks_under_free_blocks_of_used_segments() {
+fn vmm_free_reusable_keeps_the_handles_of_segments_with_live_blocks() {
     let (pool, sim, ptrs) = fragmented(vmm());
-    // Chunks 0, 2 and 4 (16 MiB each) lie under free blocks; 1 and 3 hold live blocks.
-    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 48 * MIB);
-    assert_eq!(sim.used_bytes(0), 32 * MIB);
-    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 32 * MIB);
+    // The warm-up's one handle is mapped in a segment with live blocks: it stays, whole.
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 0);
+    assert_eq!(sim.used_bytes(0), 80 * MIB);
     assert_eq!(pool.mem_get_info(0).unwrap().0, 68 * MIB);
     for i in [2, 3, 6, 7] {
         pool.release(ptrs[i]).unwrap();
     }
-    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 32 * MIB);
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 80 * MIB);
     assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
@@ -739,7 +762,7 @@ fn vmm_small_requests_share_stitched_segments() {
     assert_eq!(sim.is_accessible(a), Some(true));
     pool.release(a).unwrap();
     pool.release(b).unwrap();
-    // The idle small segment's chunk serves a large request without the driver.
+    // A large request's pages come from the idle small segment: nothing is created.
     let c = pool.reserve(0, 2 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
     assert_eq!((s.reserved_bytes, s.driver_allocs), (2 * MIB, 1));
@@ -748,9 +771,9 @@ fn vmm_small_requests_share_stitched_segments() {
 }
 
 #[test]
-fn vmm_takes_free_chunks_and_creates_only_the_shortfall() {
+fn vmm_covers_a_request_from_free_ranges_without_creating_memory() {
     let (pool, sim) = pool_with(&[GIB], vmm());
-    // A 512 MiB warm-up is four 128 MiB chunks; x, y and z cover chunk 0, chunks 1-2, chunk 3.
+    // A 512 MiB warm-up (one handle) split into x, y and z.
     pool.warmup(0, 512 * MIB).unwrap();
     let x = pool.reserve(0, 128 * MIB, 0).unwrap();
     let y = pool.reserve(0, 256 * MIB, 0).unwrap();
@@ -758,14 +781,16 @@ fn vmm_takes_free_chunks_and_creates_only_the_shortfall() {
     pool.release(x).unwrap();
     pool.release(z).unwrap();
     let allocs = pool.stats(0).unwrap().driver_allocs;
-    // 150 MiB: one free chunk (128 MiB) is remapped, 22 MiB is created (5 x 4 MiB + 2 MiB).
+    // 150 MiB: z's 128 MiB and 22 MiB of x's, both mapped again; nothing created.
     let big = pool.reserve(0, 150 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.driver_allocs - allocs, 6);
-    assert_eq!(s.reserved_bytes, 534 * MIB);
-    assert_eq!(sim.used_bytes(0), 534 * MIB);
-    // The other free chunk still backs its free block.
-    assert_eq!(s.largest_reusable_block, 128 * MIB);
+    assert_eq!(s.driver_allocs, allocs);
+    assert_eq!(s.reserved_bytes, 512 * MIB);
+    assert_eq!(sim.used_bytes(0), 512 * MIB);
+    assert_eq!(sim.mappings(0).len(), 3);
+    // The rest of x still serves in place.
+    assert_eq!(s.largest_reusable_block, 106 * MIB);
+    assert_eq!(pool.reserve(0, 106 * MIB, 0).unwrap(), x + 22 * MIB);
     for p in [big, y] {
         pool.release(p).unwrap();
     }
@@ -773,30 +798,25 @@ fn vmm_takes_free_chunks_and_creates_only_the_shortfall() {
 }
 
 #[test]
-fn vmm_covers_a_large_request_with_a_larger_spare_chunk() {
+fn vmm_covers_a_large_request_from_two_idle_segments() {
     let (pool, sim) = pool_with(&[GIB], vmm());
-    // Two idle segments: 512 MiB (4 x 128 MiB chunks) and 256 MiB (4 x 64 MiB).
+    // Two idle segments: 512 MiB and 256 MiB.
     let a = pool.reserve(0, 512 * MIB, 0).unwrap();
     let b = pool.reserve(0, 256 * MIB, 0).unwrap();
     pool.release(a).unwrap();
     pool.release(b).unwrap();
     let allocs = pool.stats(0).unwrap().driver_allocs;
-    // 600 MiB: both are taken apart; 4 x 128 + 64 MiB fit, and the 24 MiB still missing come
-    // from one more 64 MiB chunk rather than from the driver.
+    // 600 MiB: all of the first and 88 MiB of the second, mapped again; nothing created.
     let c = pool.reserve(0, 600 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
     assert_eq!(s.driver_allocs, allocs, "nothing created");
-    assert_eq!((s.reserved_bytes, s.segments), (768 * MIB, 1));
+    assert_eq!((s.reserved_bytes, s.segments), (768 * MIB, 3));
     assert_eq!(
         s.largest_reusable_block,
-        40 * MIB,
-        "the excess is free in the new segment"
-    );
-    assert_eq!(
-        s.reusable_bytes,
         168 * MIB,
-        "40 MiB in the segment, 128 MiB of spare chunks"
+        "the rest of b, in place"
     );
+    assert_eq!(s.reusable_bytes, 168 * MIB);
     assert_eq!(pool.mem_get_info(0).unwrap().0, GIB - 600 * MIB);
     pool.release(c).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), 768 * MIB);
@@ -807,12 +827,12 @@ fn vmm_covers_a_large_request_with_a_larger_spare_chunk() {
 #[test]
 fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
     let (pool, sim) = pool_with(&[GIB], vmm());
-    // An idle 8 MiB segment of four 2 MiB chunks.
+    // An idle 20 MiB segment.
     let a = pool.reserve(0, 8 * MIB, 0).unwrap();
     pool.release(a).unwrap();
     let allocs = pool.stats(0).unwrap().driver_allocs;
-    // A small request needs a 2 MiB small segment: one chunk of the idle segment is remapped
-    // (its place becomes a hole, and the segment is no longer idle).
+    // A small request needs a 2 MiB small segment: 2 MiB of the idle segment are mapped again
+    // (their place becomes a hole, and the segment is no longer idle).
     let small = pool.reserve(0, 4096, 0).unwrap();
     pool.check().unwrap();
     assert_eq!(
@@ -820,15 +840,59 @@ fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
         allocs,
         "nothing created"
     );
-    assert_eq!(sim.is_accessible(a), None, "the first chunk moved");
-    // The other 6 MiB still serve a large request in place.
-    let b = pool.reserve(0, 6 * MIB, 0).unwrap();
+    assert_eq!(sim.mappings(0).len(), 2, "its first 2 MiB are mapped twice");
+    // The other 18 MiB still serve a large request in place.
+    let b = pool.reserve(0, 18 * MIB, 0).unwrap();
     assert_eq!(b, a + 2 * MIB);
     let s = pool.stats(0).unwrap();
-    assert_eq!((s.reserved_bytes, s.driver_allocs), (8 * MIB, allocs));
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (20 * MIB, allocs));
     pool.release(b).unwrap();
     pool.release(small).unwrap();
-    assert_eq!(pool.free_reusable(None).unwrap(), 8 * MIB);
+    assert_eq!(pool.free_reusable(None).unwrap(), 20 * MIB);
     assert_nothing_held(sim);
     assert_books(&pool, sim);
+}
+
+#[test]
+fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_device() {
+    let (pool, sim) = pool_with(&[2 * GIB], PoolConfig::default());
+    // A 1.5 GiB warm-up split into 24 blocks of 64 MiB, every other one released.
+    assert_eq!(pool.warmup(0, 1536 * MIB).unwrap(), 1536 * MIB);
+    let blocks: Vec<u64> = (0..24)
+        .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
+        .collect();
+    for &p in blocks.iter().step_by(2) {
+        pool.release(p).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reusable_bytes, s.largest_reusable_block),
+        (768 * MIB, 64 * MIB)
+    );
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 512 * MIB);
+    // 1 GiB: the twelve 64 MiB ranges mapped again (no memory created for them) and 256 MiB new.
+    let big = pool.reserve(0, GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 1792 * MIB);
+    assert_eq!((s.driver_allocs, s.driver_frees, s.ooms), (2, 0, 0));
+    assert_eq!(sim.used_bytes(0), 1792 * MIB);
+    assert_eq!(sim.vmm_calls(), (2, 0), "two cuMemCreate in all");
+    assert_eq!(sim.mappings(0).len(), 1 + 12 + 1);
+    assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
+    assert_books(&pool, sim);
+    // Taken apart, the new range's pieces become free again where they came from.
+    pool.release(big).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 256 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.largest_reusable_block),
+        (1536 * MIB, 64 * MIB)
+    );
+    assert_eq!(sim.mappings(0).len(), 1);
+    assert_books(&pool, sim);
+    for &p in blocks.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1536 * MIB);
+    assert_nothing_held(sim);
 }

@@ -899,7 +899,7 @@ pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CUresult {
     guard(|| cu(sim().mem_release(handle)))
 }
 
-/// `cuMemMap` (offset 0, flags 0).
+/// `cuMemMap` (flags 0): `size` bytes of `handle` from `offset` on.
 ///
 /// # Safety
 /// Always safe to call: the arguments are only looked up.
@@ -912,10 +912,10 @@ pub unsafe extern "C" fn cuMemMap(
     flags: u64,
 ) -> CUresult {
     guard(|| {
-        if offset != 0 || flags != 0 {
+        if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        cu(sim().mem_map(ptr, size as u64, handle))
+        cu(sim().mem_map(ptr, size as u64, offset as u64, handle))
     })
 }
 

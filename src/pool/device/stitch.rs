@@ -1,56 +1,56 @@
-//! Virtual-memory stitching (`RESMEM_CONF=vmm:true`): a segment is a reserved address range
-//! backed by physical chunks mapped back to back, so a new segment can be built from chunks the
-//! cache holds anywhere (idle segments taken apart, spare chunks) and only the shortfall is
-//! created with the driver. A request larger than every cached block can then use cached
-//! memory without returning it to the driver first: 748 MiB cached and 736 MiB free serve a
-//! 784 MiB request by remapping the 748 MiB and creating 36 MiB.
+//! Page-granular reuse of cached physical memory (the virtual-memory mode, the default where the
+//! driver and device have the API).
 //!
-//! Chunks are multiples of the allocation granularity; new ones are sized to about a quarter of
-//! what is needed (at least one granule, at most 512 MiB), which bounds both the number of
-//! driver calls per segment and the unusable rest when chunks are picked for a later request.
-//! Access is set once per segment. Reusable chunks come, in this order, from spare chunks, from
-//! idle segments taken apart, and from free blocks inside segments that still hold live blocks:
-//! a chunk lying wholly inside a free block is unmapped and the block becomes a *hole* (address
-//! space without memory, never handed out), so fragmentation inside a segment does not strand
-//! physical memory.
+//! A segment is a reserved address range tiled by *runs*: each run is one `cuMemMap` of a piece
+//! of a physical handle, at a granularity offset into it. On a miss, a new segment is built from
+//! pages the cache already holds before any memory is created:
+//!
+//! 1. *spare* pages, owned by no range (see `phys.rs`);
+//! 2. the granularity-aligned interior of any free block of a segment (in use or idle), split
+//!    along that segment's runs. Those pages are *lent*: the same piece of the handle is mapped
+//!    a second time, into the new range, and the lender's books mark the range a *hole* (never
+//!    handed out). Nothing is unmapped: CUDA allows one handle mapped in several places, and
+//!    `cuMemUnmap` takes whole mappings only.
+//!
+//! The piece chosen is the smallest single one that covers what is needed, else the largest
+//! pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece. A range
+//! made from the cache is only as large as the request's pages. Where the cache covers the
+//! request only in part, it is used only when that matters ([`partial_pays`]): the driver lacks a
+//! segment of the request's size, or all but a sliver is cached; otherwise a segment is created
+//! whole, as PyTorch would, and the cache stays for the requests that reuse it. The shortfall is
+//! created as one handle sized like PyTorch's segment for it (one `cuMemCreate` per growth,
+//! through the growth policy shared with classic segments: a cap, release before growing, and
+//! release everything and retry once on out-of-memory).
+//!
+//! When a segment with no block in use is taken apart (returning memory, or an idle segment
+//! released), it is unmapped with one call and its pages go back where they came from: a lent
+//! piece becomes free memory again in its lender (the hole is filled, merged with its free
+//! neighbours, without a driver call); pages it owned outright become spare; pages it had lent
+//! on to a third range now belong to that range (lent by the original lender, if any). A handle
+//! goes back to the driver only when all its pages are spare, hence mapped nowhere.
 //!
 //! The bound this keeps, checked after every operation of the property tests: after
-//! `free_reusable`, the physical memory held is exactly the chunks that live blocks touch; in
-//! between, new physical memory is created only for the part of a request that the spare chunks,
-//! the idle segments and the chunks lying wholly inside free blocks could not cover. What is held
-//! beyond live bytes is therefore the partly used chunks under live blocks, plus reusable chunks
-//! not yet needed (all returned by `free_reusable`).
+//! `free_reusable` every segment left holds a live block, and the driver holds exactly the
+//! handles mapped in those segments.
 //!
-//! Every step that unmaps memory records it as it goes (an unmapped chunk becomes a hole and goes
-//! to the spare chunks), so a driver failure midway is reported with the books still exact; the
-//! fault sweep in `tests/faults.rs` fails every driver call at every position to hold that. When
-//! undoing a failed segment build fails too (an unmap or an address free refused), the range and
-//! the chunks still mapped in it stay held as *stranded*, counted as reserved, and
-//! `free_reusable` tries again, as it does for a segment whose address range could not be freed:
-//! what the driver holds is never forgotten (the second sweep in `tests/faults.rs`).
+//! A failed driver call leaves the books exact: the cache's pieces go back, a created handle
+//! becomes spare, and a range that could not be unmapped or freed is kept (with the handles
+//! mapped in it, which are not released meanwhile) and retried by `free_reusable`.
 
+use super::phys::Pages;
 use super::{Context, DevicePool, Grow, State, NIL};
 use crate::driver::{DevicePtr, PhysHandle};
+use crate::error::rm_status;
 use crate::error::{Error, Result};
-use crate::pool::size::{human, Class};
+use crate::pool::size::{human, segment_size, SEGMENT_ROUND};
 
-/// Physical memory from `cuMemCreate`.
+/// One mapping in a stitched segment: `pages` at `offset` from its base.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Chunk {
-    pub(super) handle: PhysHandle,
-    pub(super) size: u64,
-}
-
-/// The address range of a segment whose build failed and whose undoing the driver refused:
-/// the chunks still mapped in it stay held and counted as reserved (and so in the reusable
-/// figure, though no block is made of them until they are unmapped), and `free_reusable` tries
-/// the undoing again, so that nothing the driver holds is forgotten.
-#[derive(Clone, Debug)]
-pub(super) struct Stranded {
-    base: DevicePtr,
-    size: u64,
-    /// The chunks still mapped, by offset from `base`.
-    mapped: Vec<(u64, Chunk)>,
+pub(super) struct Run {
+    pub(super) offset: u64,
+    pub(super) pages: Pages,
+    /// The segment and address where the same pages are mapped as a hole, if they were lent.
+    pub(super) lender: Option<(u32, DevicePtr)>,
 }
 
 /// Whether a device pool stitches.
@@ -64,24 +64,78 @@ pub(super) enum VmmMode {
     On(u64),
 }
 
-/// The largest chunk created at once.
-const MAX_CHUNK: u64 = 512 << 20;
+/// The most pieces of cached memory one new segment is stitched from.
+const MAX_PIECES: usize = 32;
 
-/// The sizes of the chunks to create for `need` bytes (a multiple of `granularity`).
-pub(super) fn chunk_plan(need: u64, granularity: u64) -> Vec<u64> {
-    if need == 0 {
-        return Vec::new();
+/// A piece of cached memory for a new segment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Piece {
+    pages: Pages,
+    /// Lent by this segment, where the pages are mapped at this address; `None`: spare pages.
+    lender: Option<(u32, DevicePtr)>,
+}
+
+/// An address range whose unmapping or freeing failed: kept, retried by `free_reusable`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Stuck {
+    base: DevicePtr,
+    size: u64,
+    /// Bytes still mapped from `base` on.
+    mapped: u64,
+    /// The handles mapped in it, which must not be released meanwhile.
+    handles: Vec<PhysHandle>,
+}
+
+/// Choose pieces for `need` bytes: spare ones first (largest first), then of the lendable ones
+/// the smallest that covers the rest alone, else the largest first; at most [`MAX_PIECES`] in
+/// all. The last piece taken is cut to what is still needed (from its start).
+pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piece> {
+    let mut chosen = Vec::new();
+    let mut left = need;
+    let take = |piece: &Piece, left: &mut u64, chosen: &mut Vec<Piece>| {
+        let size = piece.pages.size.min(*left);
+        chosen.push(Piece {
+            pages: Pages {
+                size,
+                ..piece.pages
+            },
+            lender: piece.lender,
+        });
+        *left -= size;
+    };
+    let mut spare = spare.to_vec();
+    spare.sort_by_key(|p| std::cmp::Reverse(p.pages.size));
+    for piece in &spare {
+        if left == 0 || chosen.len() == MAX_PIECES {
+            break;
+        }
+        take(piece, &mut left, &mut chosen);
     }
-    let quarter = (need / 4).max(granularity);
-    let chunk = (1u64 << (63 - quarter.leading_zeros()))
-        .clamp(granularity, MAX_CHUNK.max(granularity))
-        / granularity
-        * granularity;
-    let mut plan = vec![chunk; (need / chunk) as usize];
-    if need % chunk != 0 {
-        plan.push(need % chunk);
+    let mut lendable = lendable.to_vec();
+    lendable.sort_by_key(|p| (p.pages.size, p.lender));
+    while left > 0 && chosen.len() < MAX_PIECES && !lendable.is_empty() {
+        let at = lendable
+            .iter()
+            .position(|p| p.pages.size >= left)
+            .unwrap_or(lendable.len() - 1);
+        let piece = lendable.remove(at);
+        take(&piece, &mut left, &mut chosen);
     }
-    plan
+    chosen
+}
+
+/// Whether a range only partly covered by the cache (`have` of `size` bytes) should still be
+/// made from it. Covered wholly, it always is: nothing is created. Covered partly, something is
+/// created anyway, and the free blocks lent are lost to the requests that would have reused
+/// them (replayed training snapshots made up to twice PyTorch's driver allocations that way).
+/// So partly only where it matters: when the driver lacks a segment of the request's size
+/// (PyTorch would run out of memory or return its cache), or when the cache covers all but a
+/// sliver (a sixteenth or less: a model's warm-up next to a block that outlived generation);
+/// and never where the driver cannot supply the rest, so that a request that cannot be met
+/// fails holding no cache back from the release that precedes the failure.
+pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
+    have.saturating_add(driver_free) >= size
+        && (driver_free < segment_size(size) || (size - have) * 16 <= size)
 }
 
 impl DevicePool {
@@ -92,8 +146,8 @@ impl DevicePool {
                 (true, Some(granularity)) => VmmMode::On(granularity),
                 (true, None) => {
                     self.log(format_args!(
-                        "vmm:true, but the driver or device lacks the virtual-memory API: \
-                         using classic segments"
+                        "the driver or device lacks the virtual-memory API: using classic \
+                         segments"
                     ));
                     VmmMode::Off
                 }
@@ -103,278 +157,351 @@ impl DevicePool {
         matches!(self.vmm, VmmMode::On(_))
     }
 
-    /// Physical memory for a new segment of `size` bytes, mapped and accessible: reusable
-    /// chunks first (unless `mode` keeps the cache as it is), then new ones for the shortfall.
-    /// Returns the segment's address and its chunks, already counted as reserved.
+    /// A new range of `size` bytes (rounded up to the granularity), mapped and accessible:
+    /// cached pages first (unless `mode` keeps the cache as it is), then one new handle for the
+    /// shortfall. Returns its address and runs, the memory already counted as reserved.
     pub(super) fn stitch(
         &mut self,
         cx: &Context<'_>,
         size: u64,
-        class: Class,
         requested: u64,
         mode: Grow,
         driver_free: u64,
-    ) -> Result<(DevicePtr, Vec<Chunk>)> {
+    ) -> Result<(DevicePtr, Vec<Run>)> {
         let VmmMode::On(granularity) = self.vmm else {
             return Err(Error::internal("stitching without the virtual-memory API"));
         };
-        let size = size.next_multiple_of(granularity);
-        let mut picked = Vec::new();
-        if mode == Grow::MayRelease {
-            if let Err(err) = self.gather(cx, &mut picked, size, class) {
-                // What was picked stays held, as spare.
-                self.spare.append(&mut picked);
-                return Err(err);
+        // Built from the cache, a range needs only the request's pages; a segment's worth of
+        // memory (20 MiB for a request under 10 MiB) is created only where memory is created.
+        let segment = size.next_multiple_of(granularity);
+        let size = match crate::pool::size::block_size(requested) {
+            Ok(block) => block.next_multiple_of(granularity).min(size),
+            Err(_) => size,
+        }
+        .next_multiple_of(granularity);
+        let pieces = if mode == Grow::MayRelease {
+            self.gather(cx, size, granularity, driver_free)?
+        } else {
+            Vec::new()
+        };
+        let have: u64 = pieces.iter().map(|p| p.pages.size).sum();
+        let mut all: Vec<Piece> = pieces.clone();
+        // The lenders of pieces in flight are not taken apart to make room meanwhile.
+        self.lending = pieces
+            .iter()
+            .filter_map(|p| p.lender.map(|l| l.0))
+            .collect();
+        let made = self.make_range(cx, (size, segment), requested, mode, driver_free, &mut all);
+        self.lending.clear();
+        match made {
+            Ok(base) => {
+                let mut offset = 0;
+                let runs = all
+                    .iter()
+                    .map(|p| {
+                        offset += p.pages.size;
+                        Run {
+                            offset: offset - p.pages.size,
+                            pages: p.pages,
+                            lender: p.lender,
+                        }
+                    })
+                    .collect();
+                self.log(format_args!(
+                    "stitched a {} segment from {} cached pieces ({}) and {} created",
+                    human(offset),
+                    pieces.len(),
+                    human(have),
+                    human(offset - have)
+                ));
+                Ok((base, runs))
+            }
+            Err(err) => {
+                self.give_back(&all);
+                Err(err)
             }
         }
-        let have: u64 = picked.iter().map(|c| c.size).sum();
-        let size = size.max(have);
-        let created = match self.create_chunks(cx, size - have, requested, mode, driver_free) {
-            Ok(created) => created,
-            Err(err) => {
-                self.spare.extend(picked);
-                return Err(err);
-            }
-        };
-        let reused = picked.len();
-        picked.extend(created);
-        let (base, picked) = self.map_chunks(cx, size, picked)?;
-        self.log(format_args!(
-            "stitched a {} segment from {reused} cached and {} new chunks",
-            human(size),
-            picked.len() - reused
-        ));
-        Ok((base, picked))
     }
 
-    /// Pick reusable chunks for `size` bytes into `picked`: spare ones, then those of idle
-    /// segments taken apart, then those under free blocks of segments in use.
+    /// Create the shortfall of `all` for `size` bytes (added to them, at most `segment` bytes)
+    /// and map them into a new range.
+    fn make_range(
+        &mut self,
+        cx: &Context<'_>,
+        (size, segment): (u64, u64),
+        requested: u64,
+        mode: Grow,
+        driver_free: u64,
+        all: &mut Vec<Piece>,
+    ) -> Result<DevicePtr> {
+        let have: u64 = all.iter().map(|p| p.pages.size).sum();
+        if have < size {
+            // The shortfall is created as PyTorch would size a segment for it (a 20 MiB handle
+            // for under 10 MiB), so that growth keeps pace with PyTorch's in driver calls; the
+            // excess stays free at the end of the new range. Where that much is not to be had,
+            // the bare shortfall.
+            let need = size - have;
+            let granularity = match self.vmm {
+                VmmMode::On(g) => g,
+                _ => SEGMENT_ROUND,
+            };
+            let sized = segment_size(need)
+                .min(segment)
+                .max(need)
+                .next_multiple_of(granularity);
+            let device = self.device;
+            let mut created = self.obtain(cx, sized, requested, mode, driver_free, |driver| {
+                driver.vmm_create(device, sized)
+            });
+            let mut made = sized;
+            if sized > need
+                && created
+                    .as_ref()
+                    .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY)
+            {
+                made = need;
+                created = self.obtain(cx, need, requested, mode, driver_free, |driver| {
+                    driver.vmm_create(device, need)
+                });
+            }
+            let handle = created?;
+            self.phys.add(handle, made);
+            self.stats.add_reserved(made, 1);
+            all.push(Piece {
+                pages: Pages {
+                    handle,
+                    offset: 0,
+                    size: made,
+                },
+                lender: None,
+            });
+        }
+        let size = all.iter().map(|p| p.pages.size).sum();
+        self.map_pieces(cx, size, all)
+    }
+
+    /// Take cached pieces for up to `size` bytes out of the books: spare pages, and aligned
+    /// interiors of free blocks lent as holes. Waits for the device first, as work queued before
+    /// those blocks were released may still use them.
     fn gather(
         &mut self,
         cx: &Context<'_>,
-        picked: &mut Vec<Chunk>,
         size: u64,
-        class: Class,
-    ) -> Result<()> {
-        self.pick_spare(picked, size, class);
-        if picked.iter().map(|c| c.size).sum::<u64>() < size && !self.idle.is_empty() {
-            self.take_apart_idle(cx, size, class)?;
-            self.pick_spare(picked, size, class);
-        }
-        let have: u64 = picked.iter().map(|c| c.size).sum();
-        if have < size {
-            let harvested = self.harvest(cx, size - have)?;
-            self.spare.extend(harvested);
-            self.pick_spare(picked, size, class);
-        }
-        Ok(())
-    }
-
-    /// Move spare chunks into `picked`: largest first while each fits what is still needed,
-    /// then, for a large request that is not covered, the smallest spare chunk that covers the
-    /// rest (the segment grows by the excess, which stays reusable in it, rather than the
-    /// driver being asked for more memory while unmapped memory sits idle).
-    fn pick_spare(&mut self, picked: &mut Vec<Chunk>, size: u64, class: Class) {
-        let mut need = size.saturating_sub(picked.iter().map(|c| c.size).sum::<u64>());
-        self.spare
-            .sort_unstable_by_key(|c| std::cmp::Reverse(c.size));
-        let mut i = 0;
-        while i < self.spare.len() && need > 0 {
-            if self.spare[i].size <= need {
-                let chunk = self.spare.remove(i);
-                need -= chunk.size;
-                picked.push(chunk);
-            } else {
-                i += 1;
-            }
-        }
-        if need > 0 && class == Class::Large {
-            // Sorted largest first: the last one that covers the rest is the smallest.
-            if let Some(at) = self.spare.iter().rposition(|c| c.size >= need) {
-                picked.push(self.spare.remove(at));
-            }
-        }
-    }
-
-    /// Take idle segments apart into spare chunks, largest first, until the spare chunks could
-    /// cover `size` (small segments only for small requests' 2 MiB segments).
-    fn take_apart_idle(&mut self, cx: &Context<'_>, size: u64, class: Class) -> Result<()> {
-        let mut idle: Vec<(u64, u32)> = self
-            .idle
-            .iter()
-            .map(|&seg| (self.segments[seg as usize].size, seg))
-            .filter(|&(seg_size, _)| class == Class::Large || seg_size <= size)
+        granularity: u64,
+        driver_free: u64,
+    ) -> Result<Vec<Piece>> {
+        let spare: Vec<Piece> = self
+            .phys
+            .spare_pieces()
+            .into_iter()
+            .map(|pages| Piece {
+                pages,
+                lender: None,
+            })
             .collect();
-        idle.sort_unstable_by_key(|&(seg_size, seg)| (std::cmp::Reverse(seg_size), seg));
-        // Work queued before the blocks were released may still use the memory.
-        if !idle.is_empty() {
-            cx.driver.synchronize(self.device).map_err(|e| {
-                Error::driver("waiting for the device before remapping cached memory", &e)
-            })?;
-        }
-        let mut have: u64 = self.spare.iter().map(|c| c.size).sum();
-        for (seg_size, seg) in idle {
-            if have >= size {
-                break;
-            }
-            let chunks = self.dismantle(cx, seg)?;
-            self.spare.extend(chunks);
-            have += seg_size;
-        }
-        Ok(())
-    }
-
-    /// Unmap a stitched segment with no block in use and free its address range; its chunks
-    /// stay held and are returned. Chunk by chunk, each unmapped one becoming a hole, so that a
-    /// driver failure midway leaves exact books: the chunks unmapped so far go to the spare
-    /// chunks, and the rest stay mapped in the segment.
-    pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: u32) -> Result<Vec<Chunk>> {
-        let chunks = self.segments[seg as usize].chunks.clone();
-        let mut taken = Vec::new();
-        for (offset, chunk) in chunks {
-            if let Err(err) = self.carve_hole(cx, seg, offset, chunk) {
-                self.spare.append(&mut taken);
-                return Err(err);
-            }
-            taken.push(chunk);
-        }
-        let (base, size) = (
-            self.segments[seg as usize].base,
-            self.segments[seg as usize].size,
-        );
-        // Out of the directory before the range is freed: address ranges are shared by all
-        // devices, and another one can be given this base as soon as it is free.
-        cx.directory.remove(base, self.device);
-        if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
-            // The segment stays, all holes, until a later attempt frees its range.
-            cx.directory.insert(base, size, self.device);
-            self.spare.append(&mut taken);
-            return Err(Error::driver(
-                &format!("freeing the address range of segment {base:#x}"),
-                &e,
-            ));
-        }
-        let left = self.forget_segment(seg);
-        debug_assert!(left.is_empty());
-        Ok(taken)
-    }
-
-    /// Unmap chunks that lie wholly inside free blocks of stitched segments, turning their
-    /// address space into holes, until at least `need` bytes are collected (`u64::MAX`: all),
-    /// taking only chunks of at most `need` bytes. Segments left with no memory are freed.
-    pub(super) fn harvest(&mut self, cx: &Context<'_>, need: u64) -> Result<Vec<Chunk>> {
-        let mut found: Vec<(u32, u64, Chunk)> = Vec::new();
-        for (seg, s) in self.segments.iter().enumerate() {
-            if !s.in_use || !s.stitched {
-                continue;
-            }
-            // Walk blocks and chunks together, both in address order.
-            let mut id = s.first;
-            for &(offset, chunk) in &s.chunks {
-                let (start, end) = (s.base + offset, s.base + offset + chunk.size);
-                while id != NIL && self.blocks[id].ptr + self.blocks[id].size <= start {
-                    id = self.blocks[id].next;
-                }
-                if id == NIL {
-                    break;
-                }
-                let b = &self.blocks[id];
-                if b.state == State::Free && b.ptr <= start && end <= b.ptr + b.size {
-                    found.push((seg as u32, offset, chunk));
-                }
-            }
-        }
-        if found.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Largest chunks first: fewer unmaps for the same memory.
-        found.sort_unstable_by_key(|&(seg, offset, chunk)| {
-            (std::cmp::Reverse(chunk.size), seg, offset)
-        });
-        // Only chunks that fit are taken: a larger one would carve free space out of a segment
-        // that is likely still filling (a warm-up range being split into parameters).
-        let mut chosen = Vec::new();
-        let mut have = 0u64;
-        for entry in found {
-            if have < need && entry.2.size <= need - have {
-                have += entry.2.size;
-                chosen.push(entry);
-            }
-        }
-        if chosen.is_empty() {
+        let lendable = self.lendable(granularity);
+        let chosen = choose(&spare, &lendable, size);
+        let have: u64 = chosen.iter().map(|p| p.pages.size).sum();
+        if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
             return Ok(Vec::new());
         }
         cx.driver.synchronize(self.device).map_err(|e| {
             Error::driver("waiting for the device before remapping cached memory", &e)
         })?;
-        let mut taken = Vec::new();
-        for (seg, offset, chunk) in chosen {
-            if let Err(err) = self.carve_hole(cx, seg, offset, chunk) {
-                // The chunks already unmapped stay held, as spare.
-                self.spare.append(&mut taken);
-                return Err(err);
+        for piece in &chosen {
+            match piece.lender {
+                None => self.phys.take(piece.pages),
+                Some((seg, ptr)) => self.carve_hole(seg, ptr, piece.pages.size),
             }
-            taken.push(chunk);
         }
-        if let Err(err) = self.free_hollow_segments(cx) {
-            self.spare.append(&mut taken);
-            return Err(err);
-        }
-        Ok(taken)
+        Ok(chosen)
     }
 
-    /// Unmap the chunk at `offset` of `seg`, which lies inside a free block, and make its
-    /// address range a hole.
-    fn carve_hole(&mut self, cx: &Context<'_>, seg: u32, offset: u64, chunk: Chunk) -> Result<()> {
-        let (base, slot, class) = {
-            let s = &self.segments[seg as usize];
-            (s.base, s.slot, s.class)
-        };
-        let (start, end) = (base + offset, base + offset + chunk.size);
-        let mut id = self.segments[seg as usize].first;
-        while self.blocks[id].ptr + self.blocks[id].size <= start {
-            id = self.blocks[id].next;
+    /// Every granularity-aligned interior of a free block, split along its segment's runs.
+    fn lendable(&self, granularity: u64) -> Vec<Piece> {
+        let mut pieces = Vec::new();
+        for (seg, s) in self.segments.iter().enumerate() {
+            if !s.in_use || !s.stitched {
+                continue;
+            }
+            let mut id = s.first;
+            while id != NIL {
+                let b = &self.blocks[id];
+                id = b.next;
+                if b.state != State::Free {
+                    continue;
+                }
+                let start = b.ptr.next_multiple_of(granularity);
+                let end = (b.ptr + b.size) / granularity * granularity;
+                if end <= start {
+                    continue;
+                }
+                let first = s
+                    .runs
+                    .partition_point(|r| s.base + r.offset + r.pages.size <= start);
+                for r in &s.runs[first..] {
+                    let (run_start, run_end) =
+                        (s.base + r.offset, s.base + r.offset + r.pages.size);
+                    if run_start >= end {
+                        break;
+                    }
+                    let (from, to) = (start.max(run_start), end.min(run_end));
+                    pieces.push(Piece {
+                        pages: Pages {
+                            handle: r.pages.handle,
+                            offset: r.pages.offset + (from - run_start),
+                            size: to - from,
+                        },
+                        lender: Some((seg as u32, from)),
+                    });
+                }
+            }
+        }
+        pieces
+    }
+
+    /// Put pieces taken for a segment that was not made back where they came from.
+    fn give_back(&mut self, pieces: &[Piece]) {
+        for piece in pieces {
+            match piece.lender {
+                None => self.phys.give(piece.pages),
+                Some((seg, ptr)) => self.fill_hole(seg, ptr, piece.pages.size),
+            }
+        }
+    }
+
+    /// Reserve an address range of `size` bytes and map `pieces` back to back into it, with
+    /// read-write access. On failure what was done is undone, or kept to retry if undoing fails.
+    fn map_pieces(&mut self, cx: &Context<'_>, size: u64, pieces: &[Piece]) -> Result<DevicePtr> {
+        let device = self.device;
+        let base = cx.driver.vmm_reserve(device, size).map_err(|e| {
+            Error::driver(&format!("reserving {} of address space", human(size)), &e)
+        })?;
+        let mut mapped = 0;
+        let mut result = Ok(());
+        for p in pieces {
+            let pages = p.pages;
+            if let Err(e) = cx.driver.vmm_map(
+                device,
+                base + mapped,
+                pages.size,
+                pages.handle,
+                pages.offset,
+            ) {
+                result = Err(Error::driver(
+                    "mapping cached memory into a new segment",
+                    &e,
+                ));
+                break;
+            }
+            mapped += pages.size;
+        }
+        if result.is_ok() {
+            result = cx
+                .driver
+                .vmm_set_access(device, base, size)
+                .map_err(|e| Error::driver("setting access to a new segment", &e));
+        }
+        if let Err(err) = result {
+            let mut stuck = Stuck {
+                base,
+                size,
+                mapped,
+                handles: pieces.iter().map(|p| p.pages.handle).collect(),
+            };
+            if let Err(later) = self.unstick(cx, &mut stuck) {
+                self.log(format_args!("{}; kept to retry", later.message));
+                self.stuck.push(stuck);
+            }
+            return Err(err);
+        }
+        Ok(base)
+    }
+
+    /// Unmap and free a range that is in no segment, recording progress in `stuck`.
+    fn unstick(&mut self, cx: &Context<'_>, stuck: &mut Stuck) -> Result<()> {
+        if stuck.mapped > 0 {
+            cx.driver
+                .vmm_unmap(self.device, stuck.base, stuck.mapped)
+                .map_err(|e| Error::driver("unmapping an abandoned address range", &e))?;
+            stuck.mapped = 0;
+            stuck.handles.clear();
         }
         cx.driver
-            .vmm_unmap(self.device, start, chunk.size)
-            .map_err(|e| {
-                Error::driver(
-                    &format!("unmapping a cached chunk of segment {base:#x}"),
-                    &e,
-                )
-            })?;
+            .vmm_free(self.device, stuck.base, stuck.size)
+            .map_err(|e| Error::driver("freeing an abandoned address range", &e))
+    }
+
+    /// Retry the ranges kept after a failure.
+    pub(super) fn retry_stuck(&mut self, cx: &Context<'_>) -> Result<()> {
+        while let Some(mut stuck) = self.stuck.pop() {
+            if let Err(err) = self.unstick(cx, &mut stuck) {
+                self.stuck.push(stuck);
+                return Err(err);
+            }
+        }
+        Ok(())
+    }
+
+    /// Mark `[ptr, ptr + size)` of `seg`, inside one free block, a hole: its pages are lent.
+    fn carve_hole(&mut self, seg: u32, ptr: DevicePtr, size: u64) {
+        let (slot, class) = {
+            let s = &self.segments[seg as usize];
+            (s.slot, s.class)
+        };
+        let id = self.block_at(seg, ptr);
+        debug_assert_eq!(self.blocks[id].state, State::Free);
         if self.segments[seg as usize].idle_at != NIL {
             // With a hole it is no longer one free block: not idle any more.
             self.unmark_idle(seg);
         }
-        let at = self.segments[seg as usize]
-            .chunks
-            .iter()
-            .position(|&(o, _)| o == offset)
-            .expect("the chunk is listed");
-        self.segments[seg as usize].chunks.remove(at);
         // Split the free block into [left free][hole][right free].
         self.bin_remove(slot, class, id);
-        let (ptr, size, next) = (
-            self.blocks[id].ptr,
-            self.blocks[id].size,
-            self.blocks[id].next,
-        );
+        let (start, end) = (ptr, ptr + size);
+        let (bptr, bsize) = (self.blocks[id].ptr, self.blocks[id].size);
+        debug_assert!(bptr <= start && end <= bptr + bsize);
         let mut hole = id;
-        if ptr < start {
-            self.blocks[id].size = start - ptr;
+        if bptr < start {
+            self.blocks[id].size = start - bptr;
             self.bin_insert(slot, class, id);
-            hole = self.new_block_after(id, start, chunk.size, State::Hole);
+            hole = self.new_block_after(id, start, size, State::Hole);
         } else {
             self.blocks[id].state = State::Hole;
-            self.blocks[id].size = chunk.size;
+            self.blocks[id].size = size;
         }
-        if end < ptr + size {
-            let right = self.new_block_after(hole, end, ptr + size - end, State::Free);
-            debug_assert_eq!(self.blocks[right].next, next);
+        if end < bptr + bsize {
+            let right = self.new_block_after(hole, end, bptr + bsize - end, State::Free);
             self.bin_insert(slot, class, right);
         }
-        Ok(())
+    }
+
+    /// Lent pages `[ptr, ptr + size)` of `seg`, inside one hole, came back: free memory again,
+    /// merged with its free neighbours.
+    fn fill_hole(&mut self, seg: u32, ptr: DevicePtr, size: u64) {
+        let id = self.block_at(seg, ptr);
+        let (bptr, bsize) = (self.blocks[id].ptr, self.blocks[id].size);
+        debug_assert_eq!(self.blocks[id].state, State::Hole);
+        debug_assert!(ptr + size <= bptr + bsize);
+        let middle = if bptr < ptr {
+            self.blocks[id].size = ptr - bptr;
+            self.new_block_after(id, ptr, size, State::Hole)
+        } else {
+            self.blocks[id].size = size;
+            id
+        };
+        if ptr + size < bptr + bsize {
+            self.new_block_after(middle, ptr + size, bptr + bsize - ptr - size, State::Hole);
+        }
+        self.free_block(middle);
+    }
+
+    /// The block of `seg` that contains `ptr`.
+    fn block_at(&self, seg: u32, ptr: DevicePtr) -> u32 {
+        let mut id = self.segments[seg as usize].first;
+        while self.blocks[id].ptr + self.blocks[id].size <= ptr {
+            id = self.blocks[id].next;
+        }
+        id
     }
 
     /// Insert a block of `size` bytes at `ptr` right after block `after`; returns it.
@@ -387,8 +514,6 @@ impl DevicePool {
             segment,
             prev: after,
             next,
-            bin_prev: NIL,
-            bin_next: NIL,
             state,
             shared: false,
         });
@@ -399,234 +524,201 @@ impl DevicePool {
         id
     }
 
-    /// Free the address range of stitched segments left with no memory mapped in them.
-    fn free_hollow_segments(&mut self, cx: &Context<'_>) -> Result<()> {
-        let hollow: Vec<u32> = (0..self.segments.len() as u32)
-            .filter(|&seg| {
-                let s = &self.segments[seg as usize];
-                s.in_use && s.stitched && s.chunks.is_empty() && self.is_hollow(seg)
-            })
-            .collect();
-        for seg in hollow {
-            let chunks = self.dismantle(cx, seg)?;
-            debug_assert!(chunks.is_empty());
-        }
-        Ok(())
-    }
-
-    /// Whether every block of `seg` is a hole (then nothing is mapped in it).
-    fn is_hollow(&self, seg: u32) -> bool {
-        let mut id = self.segments[seg as usize].first;
-        while id != NIL {
-            if self.blocks[id].state != State::Hole {
-                return false;
-            }
-            id = self.blocks[id].next;
-        }
-        true
-    }
-
-    /// Create chunks for `need` bytes. When the driver is short, spare chunks and idle segments
-    /// go back first (if `mode` allows); after an out-of-memory, everything reusable goes back
-    /// and the chunk is tried once more. On failure the chunks created so far are released.
-    fn create_chunks(
-        &mut self,
-        cx: &Context<'_>,
-        need: u64,
-        requested: u64,
-        mode: Grow,
-        driver_free: u64,
-    ) -> Result<Vec<Chunk>> {
-        let VmmMode::On(granularity) = self.vmm else {
-            return Ok(Vec::new());
+    /// Take apart a stitched segment with no block in use (all free blocks and holes): unmap it
+    /// with one call, give its pages back where they came from, and free its address range.
+    pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
+        let (base, size) = (
+            self.segments[seg as usize].base,
+            self.segments[seg as usize].size,
+        );
+        cx.driver
+            .vmm_unmap(self.device, base, size)
+            .map_err(|e| Error::driver(&format!("unmapping cached segment {base:#x}"), &e))?;
+        let runs = self.segments[seg as usize].runs.clone();
+        // Pages this segment lent on now belong to their borrower, lent by this run's lender.
+        let lender_of = |ptr: DevicePtr| {
+            let r = runs
+                .iter()
+                .find(|r| base + r.offset <= ptr && ptr < base + r.offset + r.pages.size)
+                .expect("a lent piece lies in a run");
+            r.lender.map(|(l, at)| (l, at + (ptr - base - r.offset)))
         };
-        if need == 0 {
-            return Ok(Vec::new());
-        }
-        self.make_room_under_limit(cx, need, requested, mode)?;
-        if mode == Grow::MayRelease && driver_free < need && self.config.release_before_grow {
-            self.release_idle(cx, need - driver_free)?;
-        }
-        let mut created = Vec::new();
-        let mut retried = false;
-        let plan = chunk_plan(need, granularity);
-        let mut i = 0;
-        while i < plan.len() {
-            match cx.driver.vmm_create(self.device, plan[i]) {
-                Ok(handle) => {
-                    self.stats.add_reserved(plan[i], 1);
-                    created.push(Chunk {
-                        handle,
-                        size: plan[i],
-                    });
-                    i += 1;
-                }
-                Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease && !retried => {
-                    retried = true;
-                    self.stats.oom_retries += 1;
-                    let returned = self
-                        .collect_pending(cx, true)
-                        .and_then(|()| self.release_idle(cx, u64::MAX));
-                    if let Err(err) = returned {
-                        // The chunks created so far stay held, as spare.
-                        self.spare.append(&mut created);
-                        return Err(err);
+        for s in 0..self.segments.len() {
+            if !self.segments[s].in_use {
+                continue;
+            }
+            for i in 0..self.segments[s].runs.len() {
+                if let Some((l, ptr)) = self.segments[s].runs[i].lender {
+                    if l == seg {
+                        self.segments[s].runs[i].lender = lender_of(ptr);
                     }
                 }
-                Err(err) => {
-                    // Chunks that cannot go back stay held, as spare (see `release_chunks`);
-                    // released first, so that the message's figures are those left.
-                    let released = self.release_chunks(cx, created);
-                    let err = self.alloc_failure(cx, err, requested, need);
-                    return Err(match released {
-                        Ok(()) => err,
-                        Err(cleanup) => err.with_cleanup_failure(&cleanup),
-                    });
+            }
+        }
+        // Pages it owned go back to their lender, or become spare.
+        let mut owned = Vec::new();
+        let mut id = self.segments[seg as usize].first;
+        while id != NIL {
+            let b = &self.blocks[id];
+            if b.state == State::Free {
+                owned.push((b.ptr, b.size));
+            }
+            id = b.next;
+        }
+        for (ptr, len) in owned {
+            for r in &runs {
+                let (rs, re) = (base + r.offset, base + r.offset + r.pages.size);
+                let (from, to) = (ptr.max(rs), (ptr + len).min(re));
+                if from >= to {
+                    continue;
+                }
+                match r.lender {
+                    Some((l, at)) => self.fill_hole(l, at + (from - rs), to - from),
+                    None => self.phys.give(Pages {
+                        handle: r.pages.handle,
+                        offset: r.pages.offset + (from - rs),
+                        size: to - from,
+                    }),
                 }
             }
         }
-        Ok(created)
-    }
-
-    /// Reserve an address range of `size` bytes and map `chunks` back to back into it, with
-    /// read-write access; returns its base and the chunks. On failure what was done is undone:
-    /// the chunks go to the spare chunks, except where the driver refuses to unmap them or to
-    /// free the range, which then stays [`Stranded`] (held, and retried by `free_reusable`).
-    fn map_chunks(
-        &mut self,
-        cx: &Context<'_>,
-        size: u64,
-        mut chunks: Vec<Chunk>,
-    ) -> Result<(DevicePtr, Vec<Chunk>)> {
-        let device = self.device;
-        let base = match cx.driver.vmm_reserve(device, size) {
-            Ok(base) => base,
-            Err(e) => {
-                self.spare.append(&mut chunks);
-                return Err(Error::driver(
-                    &format!("reserving {} of address space", human(size)),
-                    &e,
-                ));
-            }
-        };
-        let mut mapped = Vec::new();
-        let mut offset = 0;
-        let mut result = Ok(());
-        for &chunk in &chunks {
-            if let Err(e) = cx
-                .driver
-                .vmm_map(device, base + offset, chunk.size, chunk.handle)
-            {
-                result = Err(Error::driver("mapping a chunk into a new segment", &e));
-                break;
-            }
-            mapped.push((offset, chunk));
-            offset += chunk.size;
-        }
-        if result.is_ok() {
-            result = cx
-                .driver
-                .vmm_set_access(device, base, size)
-                .map_err(|e| Error::driver("setting access to a new segment", &e));
-        }
-        let Err(err) = result else {
-            return Ok((base, chunks));
-        };
-        // The chunks never mapped are spare at once; the rest wait for their unmapping.
-        self.spare.extend_from_slice(&chunks[mapped.len()..]);
-        self.stranded.push(Stranded { base, size, mapped });
-        match self.undo_stranded(cx, self.stranded.len() - 1) {
-            Ok(()) => Err(err),
-            Err(cleanup) => Err(err.with_cleanup_failure(&cleanup)),
-        }
-    }
-
-    /// Undo stranded segment `i`: unmap its chunks one by one (each becoming spare as it goes),
-    /// then free its address range and forget it. A failure leaves it stranded, with exact
-    /// books, for a later attempt.
-    fn undo_stranded(&mut self, cx: &Context<'_>, i: usize) -> Result<()> {
-        let (base, size) = (self.stranded[i].base, self.stranded[i].size);
-        while let Some(&(offset, chunk)) = self.stranded[i].mapped.last() {
-            cx.driver
-                .vmm_unmap(self.device, base + offset, chunk.size)
-                .map_err(|e| {
-                    Error::driver(
-                        &format!("unmapping a chunk of the failed segment {base:#x}"),
-                        &e,
-                    )
-                })?;
-            self.stranded[i].mapped.pop();
-            self.spare.push(chunk);
-        }
-        cx.driver.vmm_free(self.device, base, size).map_err(|e| {
-            Error::driver(
-                &format!("freeing the address range of the failed segment {base:#x}"),
+        self.forget_segment(cx, seg);
+        if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
+            self.stuck.push(Stuck {
+                base,
+                size,
+                mapped: 0,
+                handles: Vec::new(),
+            });
+            return Err(Error::driver(
+                &format!("freeing the address range of segment {base:#x}"),
                 &e,
-            )
-        })?;
-        self.stranded.swap_remove(i);
+            ));
+        }
         Ok(())
     }
 
-    /// Try again to undo every stranded segment, and to free the address range of stitched
-    /// segments left all holes by an earlier failure; the first failure is returned.
-    pub(super) fn retry_cleanup(&mut self, cx: &Context<'_>) -> Result<()> {
-        for i in (0..self.stranded.len()).rev() {
-            self.undo_stranded(cx, i)?;
-        }
-        self.free_hollow_segments(cx)
-    }
-
-    /// Bytes held in chunks still mapped in stranded segments.
-    pub(super) fn stranded_bytes(&self) -> u64 {
-        self.stranded
-            .iter()
-            .flat_map(|s| s.mapped.iter())
-            .map(|(_, c)| c.size)
-            .sum()
-    }
-
-    /// Release spare chunks to the driver, largest first, until at least `needed` bytes went
-    /// back (`u64::MAX`: all). Returns the bytes released.
-    pub(super) fn release_spare(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        self.spare.sort_unstable_by_key(|c| c.size);
-        let mut released = 0;
+    /// Return cached memory until at least `needed` bytes went back to the driver (`u64::MAX`:
+    /// all): unused handles, then segments with no block in use (idle, or only free blocks and
+    /// holes) taken apart, largest first, and the handles that leaves unused. Returns the bytes
+    /// returned.
+    pub(super) fn release_idle_stitched(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
+        let mut released = self.release_unused(cx, needed)?;
+        let mut waited = false;
         while released < needed {
-            let Some(chunk) = self.spare.pop() else {
+            let Some(seg) = self.unused_segment() else {
                 break;
             };
-            if let Err(e) = cx.driver.vmm_release(self.device, chunk.handle) {
-                self.spare.push(chunk);
-                return Err(Error::driver("returning a cached chunk to the driver", &e));
+            if !waited {
+                // Work queued before the blocks were released may still use them.
+                cx.driver.synchronize(self.device).map_err(|e| {
+                    Error::driver("waiting for the device before returning cached memory", &e)
+                })?;
+                waited = true;
             }
-            self.stats.remove_reserved(chunk.size, 1);
-            released += chunk.size;
+            self.dismantle(cx, seg)?;
+            released += self.release_unused(cx, needed - released)?;
         }
         Ok(released)
     }
 
-    /// Release these chunks to the driver; any that fail stay spare.
-    pub(super) fn release_chunks(&mut self, cx: &Context<'_>, chunks: Vec<Chunk>) -> Result<()> {
-        let mut result = Ok(());
-        for chunk in chunks {
-            if result.is_err() {
-                self.spare.push(chunk);
-                continue;
-            }
-            match cx.driver.vmm_release(self.device, chunk.handle) {
-                Ok(()) => self.stats.remove_reserved(chunk.size, 1),
-                Err(e) => {
-                    self.spare.push(chunk);
-                    result = Err(Error::driver("returning a chunk to the driver", &e));
+    /// The largest stitched segment whose blocks are all free or holes.
+    fn unused_segment(&self) -> Option<u32> {
+        let unused = |s: &super::Segment| {
+            let mut id = s.first;
+            while id != NIL {
+                if !matches!(self.blocks[id].state, State::Free | State::Hole) {
+                    return false;
                 }
+                id = self.blocks[id].next;
             }
-        }
-        result
+            true
+        };
+        (0..self.segments.len() as u32)
+            .filter(|&seg| {
+                let s = &self.segments[seg as usize];
+                s.in_use && s.stitched && !self.lending.contains(&seg) && unused(s)
+            })
+            .max_by_key(|&seg| (self.segments[seg as usize].size, seg))
     }
 
-    /// Bytes held in spare chunks.
-    pub(super) fn spare_bytes(&self) -> u64 {
-        self.spare.iter().map(|c| c.size).sum()
+    /// Release handles mapped nowhere, largest first, until `needed` bytes went back.
+    fn release_unused(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
+        let mut released = 0;
+        for (handle, size) in self.phys.unused() {
+            if released >= needed {
+                break;
+            }
+            if self.stuck.iter().any(|s| s.handles.contains(&handle)) {
+                continue;
+            }
+            cx.driver
+                .vmm_release(self.device, handle)
+                .map_err(|e| Error::driver("returning cached memory to the driver", &e))?;
+            self.phys.remove(handle);
+            self.stats.remove_reserved(size, 1);
+            released += size;
+        }
+        Ok(released)
+    }
+
+    /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
+    /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
+    pub(super) fn check_stitched(&self) -> std::result::Result<(), String> {
+        self.phys.check()?;
+        let (mut lent, mut holes, mut owned) = (0u64, 0u64, 0u64);
+        for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
+            let mut at = 0;
+            for r in &s.runs {
+                if r.offset != at || !self.phys.holds(r.pages.handle) {
+                    return Err(format!(
+                        "segment {:#x}: runs do not tile it with held handles",
+                        s.base
+                    ));
+                }
+                at += r.pages.size;
+                if let Some((l, ptr)) = r.lender {
+                    lent += r.pages.size;
+                    let lender = self.segments.get(l as usize).filter(|x| x.in_use);
+                    let inside = lender.is_some_and(|x| {
+                        let b = &self.blocks[self.block_at(l, ptr)];
+                        x.base <= ptr
+                            && b.state == State::Hole
+                            && ptr + r.pages.size <= b.ptr + b.size
+                    });
+                    if !inside {
+                        return Err(format!(
+                            "segment {:#x}: a run lent by {ptr:#x} is not a hole there",
+                            s.base
+                        ));
+                    }
+                }
+            }
+            if at != s.size {
+                return Err(format!("segment {:#x}: runs do not cover it", s.base));
+            }
+            let mut id = s.first;
+            while id != NIL {
+                let b = &self.blocks[id];
+                if b.state == State::Hole {
+                    holes += b.size;
+                } else {
+                    owned += b.size;
+                }
+                id = b.next;
+            }
+        }
+        if lent != holes {
+            return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
+        }
+        if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
+            return Err(format!(
+                "segments own {owned} bytes and {} are spare, but handles hold {}",
+                self.phys.spare_bytes(),
+                self.phys.held_bytes()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -636,36 +728,90 @@ mod tests {
 
     const MIB: u64 = 1 << 20;
 
-    #[test]
-    fn chunk_plans_cover_the_need_in_few_granule_multiples() {
-        let g = 2 * MIB;
-        assert_eq!(chunk_plan(0, g), Vec::<u64>::new());
-        assert_eq!(chunk_plan(2 * MIB, g), vec![2 * MIB]);
-        assert_eq!(chunk_plan(6 * MIB, g), vec![2 * MIB; 3]);
-        assert_eq!(
-            chunk_plan(36 * MIB, g),
-            vec![8 * MIB, 8 * MIB, 8 * MIB, 8 * MIB, 4 * MIB]
-        );
-        let plan = chunk_plan(784 * MIB, g);
-        assert_eq!(
-            plan,
-            vec![
-                128 * MIB,
-                128 * MIB,
-                128 * MIB,
-                128 * MIB,
-                128 * MIB,
-                128 * MIB,
-                16 * MIB
-            ]
-        );
-        let plan = chunk_plan(8 << 30, g);
-        assert_eq!(plan, vec![512 * MIB; 16]);
-        for need in (1..2000).map(|n| n * 2 * MIB) {
-            let plan = chunk_plan(need, g);
-            assert_eq!(plan.iter().sum::<u64>(), need);
-            assert!(plan.iter().all(|&c| c % g == 0 && c > 0 && c <= MAX_CHUNK));
-            assert!(plan.len() <= 9, "{need}: {} chunks", plan.len());
+    fn spare(handle: PhysHandle, offset: u64, size: u64) -> Piece {
+        Piece {
+            pages: Pages {
+                handle,
+                offset,
+                size,
+            },
+            lender: None,
         }
+    }
+
+    fn lent(seg: u32, ptr: DevicePtr, size: u64) -> Piece {
+        Piece {
+            pages: Pages {
+                handle: 100 + u64::from(seg),
+                offset: 0,
+                size,
+            },
+            lender: Some((seg, ptr)),
+        }
+    }
+
+    #[test]
+    fn spare_pages_first_then_the_best_single_lent_piece() {
+        let lendable = [
+            lent(1, 0x1000_0000, 64 * MIB),
+            lent(2, 0x2000_0000, 8 * MIB),
+            lent(3, 0x3000_0000, 16 * MIB),
+        ];
+        // 10 MiB: the 16 MiB piece alone, cut to 10 MiB; the 8 MiB one would need a second.
+        let chosen = choose(&[], &lendable, 10 * MIB);
+        assert_eq!(
+            chosen,
+            vec![Piece {
+                pages: Pages {
+                    size: 10 * MIB,
+                    ..lendable[2].pages
+                },
+                ..lendable[2]
+            }]
+        );
+        // Spare pages go first, whatever their size; the rest from the best lent piece.
+        let chosen = choose(&[spare(7, 4 * MIB, 4 * MIB)], &lendable, 10 * MIB);
+        assert_eq!(chosen[0], spare(7, 4 * MIB, 4 * MIB));
+        assert_eq!(chosen[1].lender, Some((2, 0x2000_0000)));
+        assert_eq!(chosen[1].pages.size, 6 * MIB);
+        assert_eq!(chosen.len(), 2);
+        // Nothing covers 100 MiB alone: the largest first, all of it (88 MiB).
+        let chosen = choose(&[], &lendable, 100 * MIB);
+        let sizes: Vec<u64> = chosen.iter().map(|p| p.pages.size).collect();
+        assert_eq!(sizes, vec![64 * MIB, 16 * MIB, 8 * MIB]);
+        assert!(choose(&[], &[], 2 * MIB).is_empty());
+    }
+
+    #[test]
+    fn a_partly_covered_range_is_made_from_the_cache_only_where_it_matters() {
+        let gib = 1 << 30;
+        // The seed's next warm-up: 8.22 GiB, all but 10 MiB cached; the driver has plenty.
+        assert!(partial_pays(
+            8_824_815_616,
+            8_824_815_616 - 10 * MIB,
+            15 * gib
+        ));
+        // A 16 MiB request with 4 MiB cached and the driver roomy: create it whole instead.
+        assert!(!partial_pays(16 * MIB, 4 * MIB, 15 * gib));
+        // The same with the driver short of 16 MiB: the cache helps.
+        assert!(partial_pays(16 * MIB, 4 * MIB, 14 * MIB));
+        // Under 10 MiB a segment is 20 MiB: short of that, the cache helps.
+        assert!(partial_pays(4 * MIB, 2 * MIB, 18 * MIB));
+        assert!(!partial_pays(4 * MIB, 2 * MIB, 20 * MIB));
+        // Nor where the driver cannot supply the rest.
+        assert!(!partial_pays(5 * gib, 2 * MIB, 4 * gib));
+        // A sixteenth short is a sliver; more is not.
+        assert!(partial_pays(32 * MIB, 30 * MIB, gib));
+        assert!(!partial_pays(32 * MIB, 28 * MIB, gib));
+    }
+
+    #[test]
+    fn a_stitch_takes_at_most_max_pieces() {
+        let lendable: Vec<Piece> = (0..100)
+            .map(|i| lent(i, u64::from(i) << 32, 2 * MIB))
+            .collect();
+        let chosen = choose(&[], &lendable, 1 << 30);
+        assert_eq!(chosen.len(), MAX_PIECES);
+        assert_eq!(chosen.iter().map(|p| p.pages.size).sum::<u64>(), 64 * MIB);
     }
 }

@@ -1,0 +1,173 @@
+//! Segments: booking a new one, returning idle ones to the driver, forgetting one, and the idle
+//! list.
+
+use super::*;
+
+impl DevicePool {
+    /// Book a new segment at `ptr` of `size` bytes (its memory already counted as reserved),
+    /// as one free, idle block of `stream`; returns the block.
+    pub(super) fn install_segment(
+        &mut self,
+        cx: &Context<'_>,
+        ptr: DevicePtr,
+        segment: u64,
+        class: Class,
+        stream: StreamHandle,
+        runs: Vec<Run>,
+    ) -> u32 {
+        let seg = match self.vacant_segments.pop() {
+            Some(seg) => seg,
+            None => {
+                self.segments.push(Segment {
+                    base: 0,
+                    size: 0,
+                    slot: NIL,
+                    class,
+                    first: NIL,
+                    in_use: false,
+                    idle_at: NIL,
+                    runs: Vec::new(),
+                    stitched: false,
+                });
+                u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
+            }
+        };
+        let id = self.blocks.insert(Block {
+            ptr,
+            size: segment,
+            requested: 0,
+            segment: seg,
+            prev: NIL,
+            next: NIL,
+            state: State::Free,
+            shared: false,
+        });
+        let slot = self.join_slot(stream);
+        let stitched = !runs.is_empty();
+        self.segments[seg as usize] = Segment {
+            base: ptr,
+            size: segment,
+            slot,
+            class,
+            first: id,
+            in_use: true,
+            idle_at: NIL,
+            runs,
+            stitched,
+        };
+        self.bin_insert(slot, class, id);
+        self.mark_idle(seg);
+        cx.directory.insert(ptr, segment, self.device);
+        self.stats.segments += 1;
+        id
+    }
+
+    /// Return idle segments to the driver until at least `needed` bytes are back (`u64::MAX`:
+    /// all of them): the smallest single segment that covers it, else the largest first.
+    pub(super) fn release_idle(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
+        if matches!(self.vmm, VmmMode::On(_)) {
+            return self.release_idle_stitched(cx, needed);
+        }
+        let mut idle: Vec<(u64, u32)> = self
+            .idle
+            .iter()
+            .map(|&seg| (self.segments[seg as usize].size, seg))
+            .collect();
+        if idle.is_empty() {
+            return Ok(0);
+        }
+        idle.sort_unstable();
+        let chosen: Vec<(u64, u32)> = match idle.iter().find(|&&(size, _)| size >= needed) {
+            Some(&one) if needed != u64::MAX => vec![one],
+            _ => {
+                let mut sum = 0u64;
+                idle.iter()
+                    .rev()
+                    .take_while(|&&(size, _)| {
+                        let more = sum < needed;
+                        sum = sum.saturating_add(size);
+                        more
+                    })
+                    .copied()
+                    .collect()
+            }
+        };
+        // Work queued before the blocks were released may still use them.
+        cx.driver.synchronize(self.device).map_err(|e| {
+            Error::driver("waiting for the device before returning cached memory", &e)
+        })?;
+        let mut released = 0;
+        for (size, seg) in chosen {
+            self.free_segment(cx, seg)?;
+            released += size;
+        }
+        Ok(released)
+    }
+
+    /// Give an idle segment back to the driver and forget it.
+    pub(super) fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
+        let (base, size) = (
+            self.segments[seg as usize].base,
+            self.segments[seg as usize].size,
+        );
+        if !self.segments[seg as usize].stitched {
+            // Out of the directory before the driver can hand the addresses to another device.
+            cx.directory.remove(base, self.device);
+            if let Err(e) = cx.driver.mem_free(self.device, base) {
+                cx.directory.insert(base, size, self.device);
+                return Err(Error::driver(
+                    &format!("returning segment {base:#x} to the driver"),
+                    &e,
+                ));
+            }
+            self.forget_segment(cx, seg);
+            self.stats.remove_reserved(size, 1);
+            return Ok(());
+        }
+        self.dismantle(cx, seg)
+    }
+
+    /// Drop a segment with no block in use from the books (not its memory), its address out
+    /// of the directory (if the caller has not taken it out already). Call it *before* the
+    /// driver frees the segment's addresses, which another device may be given at once.
+    pub(super) fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) {
+        let (base, slot, class, mut id, idle_at) = {
+            let s = &self.segments[seg as usize];
+            (s.base, s.slot, s.class, s.first, s.idle_at)
+        };
+        while id != NIL {
+            let next = self.blocks[id].next;
+            debug_assert!(matches!(self.blocks[id].state, State::Free | State::Hole));
+            if self.blocks[id].state == State::Free {
+                self.bin_remove(slot, class, id);
+            }
+            self.blocks.remove(id);
+            id = next;
+        }
+        if idle_at != NIL {
+            self.unmark_idle(seg);
+        }
+        self.leave_slot(slot);
+        self.segments[seg as usize].in_use = false;
+        self.vacant_segments.push(seg);
+        cx.directory.remove(base, self.device);
+        self.stats.segments -= 1;
+        self.segments[seg as usize].runs = Vec::new();
+    }
+
+    pub(super) fn mark_idle(&mut self, seg: u32) {
+        debug_assert_eq!(self.segments[seg as usize].idle_at, NIL);
+        self.segments[seg as usize].idle_at = self.idle.len() as u32;
+        self.idle.push(seg);
+    }
+
+    pub(super) fn unmark_idle(&mut self, seg: u32) {
+        let at = self.segments[seg as usize].idle_at;
+        debug_assert_ne!(at, NIL);
+        self.idle.swap_remove(at as usize);
+        if let Some(&moved) = self.idle.get(at as usize) {
+            self.segments[moved as usize].idle_at = at;
+        }
+        self.segments[seg as usize].idle_at = NIL;
+    }
+}
