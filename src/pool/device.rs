@@ -290,6 +290,22 @@ impl DevicePool {
         Ok(released)
     }
 
+    /// Return idle cache to the driver up to `bytes` at another process's request: idle
+    /// segments first (whole ones, so possibly a little more), then in virtual-memory mode the
+    /// chunks under free blocks. Never a block in use, and never waits for other streams'
+    /// work. Returns the bytes returned.
+    pub fn trim(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
+        self.flush_parked();
+        self.collect_pending(cx, false)?;
+        let mut released = self.release_idle(cx, bytes)?;
+        if released < bytes && matches!(self.vmm, VmmMode::On(_)) {
+            let chunks = self.harvest(cx, bytes - released)?;
+            released += chunks.iter().map(|c| c.size).sum::<u64>();
+            self.release_chunks(cx, chunks)?;
+        }
+        Ok(released)
+    }
+
     /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
     /// Under a memory limit, free is at most what the limit leaves to new blocks.
     pub fn mem_get_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
