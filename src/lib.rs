@@ -19,6 +19,7 @@
 //! - [`driver`]: the trait, the CUDA driver loaded at run time, the simulated driver;
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
 //! - [`runtime`]: the process-wide pool built from the environment on first use;
+//! - [`share`]: processes sharing a device give each other their idle cache on request;
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`).
 
 pub mod allocator;
@@ -29,6 +30,7 @@ pub mod driver;
 pub mod error;
 pub mod pool;
 pub mod runtime;
+pub mod share;
 pub mod torch;
 
 pub use allocator::Allocator;

@@ -360,6 +360,8 @@ struct State {
     shared: Option<shared::Shared>,
     /// What device UUIDs are derived from: the shared name, or this instance alone.
     uuid_seed: String,
+    /// This instance's number in the process.
+    instance: u64,
 }
 
 /// Adds `req` to `reqs`, keeping one entry per stream with the larger count.
@@ -557,6 +559,7 @@ impl Sim {
     /// whole number of pages. [`Sim::init`] must be called before use; with no
     /// devices it fails with `CUDA_ERROR_NO_DEVICE`, as the driver does.
     pub fn new(capacities: &[u64]) -> Sim {
+        let instance = next_instance();
         let devices: Vec<Device> = capacities
             .iter()
             .map(|&c| Device {
@@ -592,7 +595,8 @@ impl Sim {
                 faults: Faults::new(),
                 vmm: vmm::VmmState::new(),
                 shared: None,
-                uuid_seed: format!("instance {} of pid {}", next_instance(), std::process::id()),
+                uuid_seed: format!("instance {instance} of pid {}", std::process::id()),
+                instance,
             }),
             config_error: None,
         }
@@ -652,7 +656,7 @@ impl Sim {
                 shared::DEVICES
             ));
         }
-        let shared = shared::Shared::open(name)?;
+        let shared = shared::Shared::open(name, st.instance)?;
         for dev in 0..st.devices.len() {
             let used = st.devices[dev].used_pages;
             shared

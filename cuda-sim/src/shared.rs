@@ -20,8 +20,8 @@ const MAGIC: &[u8; 8] = b"CUDASIM1";
 const SLOTS: usize = 64;
 /// Devices counted per process (a shared simulator has at most this many).
 pub(crate) const DEVICES: usize = 8;
-/// A slot: pid (u64), start time (u64), pages in use per device (u64 each).
-const SLOT_BYTES: usize = 16 + 8 * DEVICES;
+/// A slot: pid, start time, instance, then pages in use per device (u64 each).
+const SLOT_BYTES: usize = 24 + 8 * DEVICES;
 const HEADER_BYTES: usize = 16;
 const FILE_BYTES: usize = HEADER_BYTES + SLOTS * SLOT_BYTES;
 
@@ -30,6 +30,8 @@ const FILE_BYTES: usize = HEADER_BYTES + SLOTS * SLOT_BYTES;
 struct Slot {
     pid: u64,
     start: u64,
+    /// Which simulator of the process (a process may hold several).
+    instance: u64,
     pages: [u64; DEVICES],
 }
 
@@ -38,18 +40,21 @@ impl Slot {
         let word = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap());
         let mut pages = [0; DEVICES];
         for (d, p) in pages.iter_mut().enumerate() {
-            *p = word(2 + d);
+            *p = word(3 + d);
         }
         Slot {
             pid: word(0),
             start: word(1),
+            instance: word(2),
             pages,
         }
     }
 
     fn encode(&self) -> [u8; SLOT_BYTES] {
         let mut out = [0u8; SLOT_BYTES];
-        let words = [self.pid, self.start].into_iter().chain(self.pages);
+        let words = [self.pid, self.start, self.instance]
+            .into_iter()
+            .chain(self.pages);
         for (i, w) in words.enumerate() {
             out[i * 8..i * 8 + 8].copy_from_slice(&w.to_le_bytes());
         }
@@ -77,6 +82,7 @@ pub(crate) struct Shared {
     file: File,
     pid: u64,
     start: u64,
+    instance: u64,
     path: PathBuf,
 }
 
@@ -101,8 +107,9 @@ impl Drop for Locked<'_> {
 }
 
 impl Shared {
-    /// Open (creating if needed, mode 0600) the file of `name`.
-    pub(crate) fn open(name: &str) -> Result<Shared, String> {
+    /// Open (creating if needed, mode 0600) the file of `name`, for simulator `instance` of
+    /// this process.
+    pub(crate) fn open(name: &str, instance: u64) -> Result<Shared, String> {
         if name.is_empty() {
             return Err("the name is empty".into());
         }
@@ -122,6 +129,7 @@ impl Shared {
             file,
             pid,
             start,
+            instance,
             path,
         };
         {
@@ -178,7 +186,7 @@ impl Shared {
         let mut slots = self.read_slots()?;
         let mut mine = None;
         for (i, slot) in slots.iter_mut().enumerate() {
-            if slot.pid == self.pid && slot.start == self.start {
+            if slot.pid == self.pid && slot.start == self.start && slot.instance == self.instance {
                 mine = mine.or(Some(i));
             } else if slot.pid != 0 && !alive(slot) {
                 *slot = Slot::default();
@@ -193,6 +201,7 @@ impl Shared {
             slots[mine] = Slot {
                 pid: self.pid,
                 start: self.start,
+                instance: self.instance,
                 pages: [0; DEVICES],
             };
         }
@@ -246,6 +255,7 @@ mod tests {
         let slot = Slot {
             pid: 7,
             start: 99,
+            instance: 3,
             pages: [1, 2, 3, 4, 5, 6, 7, 8],
         };
         assert_eq!(Slot::decode(&slot.encode()), slot);
@@ -260,26 +270,28 @@ mod tests {
     #[test]
     fn growth_is_refused_past_capacity_counting_other_processes() {
         let path = scratch("grow");
-        let a = Shared::open(&path).unwrap();
+        let a = Shared::open(&path, 0).unwrap();
         assert!(a.set_used(0, 10, 12).unwrap());
         // A row of a dead process (pid 1 never has this start time) is cleared on sight.
         let dead = Slot {
             pid: 1,
             start: u64::MAX,
+            instance: 0,
             pages: [5; DEVICES],
         };
         a.write_slot(5, &dead).unwrap();
         assert_eq!(a.others(0).unwrap(), 0);
         assert_eq!(a.read_slots().unwrap()[5], Slot::default());
-        // A live other process: this one, under a second row with its own start time.
-        let other = Slot {
-            pid: a.pid,
-            start: a.start,
-            pages: [4; DEVICES],
-        };
-        let (_, mine) = a.rows().unwrap();
-        a.write_slot(mine + 1, &other).unwrap();
-        assert_eq!(a.others(0).unwrap(), 4);
+        // Another simulator of this (running) process.
+        let b = Shared::open(&path, 1).unwrap();
+        assert!(b.set_used(0, 2, 12).unwrap());
+        assert_eq!(a.others(0).unwrap(), 2);
+        assert_eq!(b.others(0).unwrap(), 10);
+        assert!(!b.set_used(0, 3, 12).unwrap());
+        // Without a cap (u64::MAX) growth always fits; shrinking needs no room, even when the
+        // pages counted (a's 10, b's 4) exceed the capacity.
+        assert!(b.set_used(0, 4, u64::MAX).unwrap());
+        assert!(a.set_used(0, 7, 12).unwrap());
         assert!(!a.set_used(0, 9, 12).unwrap());
         assert!(a.set_used(0, 8, 12).unwrap());
         // Shrinking always succeeds.
@@ -290,11 +302,11 @@ mod tests {
     fn a_file_of_the_wrong_size_or_magic_is_refused() {
         let path = scratch("bad");
         std::fs::write(&path, b"garbage").unwrap();
-        let e = Shared::open(&path).unwrap_err();
+        let e = Shared::open(&path, 0).unwrap_err();
         assert!(e.contains("is not a cuda-sim shared-capacity file (7 bytes)"), "{e}");
         std::fs::write(&path, vec![1u8; FILE_BYTES]).unwrap();
-        let e = Shared::open(&path).unwrap_err();
+        let e = Shared::open(&path, 0).unwrap_err();
         assert!(e.contains("not a cuda-sim shared-capacity file"), "{e}");
-        assert_eq!(Shared::open("").unwrap_err(), "the name is empty");
+        assert_eq!(Shared::open("", 0).unwrap_err(), "the name is empty");
     }
 }
