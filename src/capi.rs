@@ -49,6 +49,12 @@ pub struct rm_stats {
     pub oom_retries: u64,
     /// Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
     pub ooms: u64,
+    /// Bytes of idle cache this process returned to the driver because other processes sharing
+    /// the device asked (`RESMEM_CONF=share:true`).
+    pub shared_given_bytes: u64,
+    /// Bytes other processes sharing the device returned to the driver because this process
+    /// asked.
+    pub shared_received_bytes: u64,
 }
 
 impl From<Stats> for rm_stats {
@@ -69,6 +75,9 @@ impl From<Stats> for rm_stats {
             driver_frees: s.driver_frees,
             oom_retries: s.oom_retries,
             ooms: s.ooms,
+            // The pool does not know of other processes: `rm_get_stats` fills these in.
+            shared_given_bytes: 0,
+            shared_received_bytes: 0,
         }
     }
 }
@@ -160,7 +169,9 @@ fn usize_out(value: u64) -> usize {
 }
 
 /// Free and total memory of `device` in bytes, where *free* is what the driver reports free
-/// plus this pool's reusable bytes on that device (memory it holds but nobody uses).
+/// plus this pool's reusable bytes on that device (memory it holds but nobody uses), and, with
+/// `RESMEM_CONF=share:true,share_count:true`, the reusable bytes the other sharing processes on
+/// the device would give up on request (never more than the total).
 ///
 /// # Safety
 /// `free_bytes` and `total_bytes` are NULL or valid for writing a `size_t`.
@@ -177,7 +188,7 @@ pub unsafe extern "C" fn rm_mem_get_info(
         if total_bytes.is_null() {
             return Err(null_argument("total_bytes"));
         }
-        let (free, total) = pool()?.mem_get_info(device)?;
+        let (free, total) = runtime::mem_get_info(device)?;
         // SAFETY: both checked non-null; valid by the caller's contract.
         unsafe {
             write_out(free_bytes, usize_out(free));
@@ -193,9 +204,12 @@ pub unsafe extern "C" fn rm_mem_get_info(
 /// Order of attempts: a cached block on this stream (best fit); an idle cached segment of
 /// another stream, ordered after that stream's work; a new segment, returning idle cached
 /// segments to the driver first if the driver's free memory is short; on a driver
-/// out-of-memory, all reusable memory is returned and the allocation retried once; then
-/// `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and driver-free bytes in
-/// `rm_last_error()`. On failure `*out_ptr` is NULL.
+/// out-of-memory, all reusable memory is returned and the allocation retried once; with
+/// `RESMEM_CONF=share:true`, the other sharing processes on the device are asked for the
+/// shortfall, and the allocation is retried once more if the driver's free memory rises within
+/// `share_wait_ms`; then `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and
+/// driver-free bytes (and what sharing asked and received) in `rm_last_error()`. On failure
+/// `*out_ptr` is NULL.
 ///
 /// # Safety
 /// `out_ptr` is NULL or valid for writing a pointer.
@@ -212,7 +226,7 @@ pub unsafe extern "C" fn rm_reserve(
         }
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out_ptr, std::ptr::null_mut()) };
-        let ptr = pool()?.reserve(device, size_arg(size), stream as u64)?;
+        let ptr = runtime::reserve(device, size_arg(size), stream as u64)?;
         // SAFETY: as above.
         unsafe { write_out(out_ptr, ptr as *mut c_void) };
         Ok(())
@@ -294,9 +308,10 @@ pub unsafe extern "C" fn rm_get_stats(device: c_int, out: *mut rm_stats) -> rm_s
         if out.is_null() {
             return Err(null_argument("out"));
         }
-        let stats = pool()?.stats(device)?;
+        let mut stats = rm_stats::from(pool()?.stats(device)?);
+        (stats.shared_given_bytes, stats.shared_received_bytes) = runtime::share_counts(device);
         // SAFETY: checked non-null; valid by the caller's contract.
-        unsafe { write_out(out, rm_stats::from(stats)) };
+        unsafe { write_out(out, stats) };
         Ok(())
     })
 }

@@ -17,9 +17,10 @@ use std::sync::{Arc, OnceLock};
 use crate::config::{DriverChoice, Settings};
 use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
-use crate::driver::Driver;
+use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error};
 use crate::pool::Pool;
+use crate::share::{self, Sharing};
 
 /// The pool, or why it could not start, and the process that built it.
 struct Started {
@@ -29,6 +30,8 @@ struct Started {
 
 static SETTINGS: OnceLock<Result<Settings, Error>> = OnceLock::new();
 static POOL: OnceLock<Started> = OnceLock::new();
+/// Giving idle cache to other processes, when `RESMEM_CONF` asks for it; started with the pool.
+static SHARING: OnceLock<Option<Sharing>> = OnceLock::new();
 
 /// Whether the process runs with elevated privileges (setuid, setgid or file capabilities).
 pub fn is_secure() -> bool {
@@ -101,7 +104,65 @@ pub fn pool() -> Result<&'static Pool, Error> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(forked_error(started.pid, std::process::id()));
     }
-    started.pool.as_ref().map_err(Clone::clone)
+    let pool = started.pool.as_ref().map_err(Clone::clone)?;
+    SHARING.get_or_init(|| start_sharing(pool));
+    Ok(pool)
+}
+
+/// Join the devices' registries if `RESMEM_CONF` says `share:true`; never in a privileged
+/// process. The registries are in `RESMEM_SHARE_DIR`, else `/dev/shm`.
+fn start_sharing(pool: &'static Pool) -> Option<Sharing> {
+    let settings = settings().ok()?;
+    if !settings.share.enabled || is_secure() {
+        return None;
+    }
+    let dir = var("RESMEM_SHARE_DIR", true)
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| share::DEFAULT_DIR.to_string());
+    Some(Sharing::start(
+        pool,
+        settings.share,
+        std::path::Path::new(&dir),
+        settings.pool.logging,
+    ))
+}
+
+/// The process's sharing, if it shares.
+fn sharing() -> Option<&'static Sharing> {
+    SHARING.get().and_then(Option::as_ref)
+}
+
+/// A block from the process-wide pool; when the driver runs out and sharing is on, after
+/// asking the other processes on the device for their idle cache.
+pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr, Error> {
+    let pool = pool()?;
+    match pool.reserve(device, size, stream) {
+        Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
+            Some(share) => share.after_out_of_memory(pool, device, size, stream, e),
+            None => Err(e),
+        },
+        other => other,
+    }
+}
+
+/// `(free, total)` of `device` as `rm_mem_get_info` reports it: the pool's figure, plus with
+/// `share_count:true` the reusable bytes the other sharing processes would give up.
+pub fn mem_get_info(device: i32) -> Result<(u64, u64), Error> {
+    let (free, total) = pool()?.mem_get_info(device)?;
+    let counted = settings().is_ok_and(|s| s.share.count);
+    match sharing() {
+        Some(share) if counted => Ok((
+            free.saturating_add(share.others_reusable(device)).min(total),
+            total,
+        )),
+        _ => Ok((free, total)),
+    }
+}
+
+/// `(given, received)`: bytes this process returned to the driver at other processes'
+/// requests on `device`, and bytes they returned at its requests; zeros without sharing.
+pub fn share_counts(device: i32) -> (u64, u64) {
+    sharing().map_or((0, 0), |share| share.counts(device))
 }
 
 /// Set in a child forked after the pool started (its state belongs to the parent).

@@ -44,7 +44,7 @@ pub unsafe extern "C" fn rm_torch_malloc(
                 "size {size} is negative; pass the number of bytes to allocate"
             ))
         })?;
-        ptr = pool()?.reserve(device, size, stream as u64)?;
+        ptr = crate::runtime::reserve(device, size, stream as u64)?;
         Ok(())
     });
     ptr as *mut c_void

@@ -187,7 +187,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
         if status != CUDA_SUCCESS {
             return status;
         }
-        match runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0)) {
+        match runtime::reserve(device, size as u64, 0) {
             Ok(block) => {
                 // SAFETY: checked non-null; valid by the caller's contract.
                 unsafe { *ptr = block as *mut c_void };
@@ -254,7 +254,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, size: usize) -> c_int {
         if status != CUDA_SUCCESS {
             return status;
         }
-        match runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0)) {
+        match runtime::reserve(device, size as u64, 0) {
             Ok(block) => {
                 // SAFETY: checked non-null; valid by the caller's contract.
                 unsafe { *ptr = block };

@@ -75,12 +75,16 @@ pub const FILE_BYTES: usize = std::mem::size_of::<Layout>();
 const _: () = assert!(FILE_BYTES == 64 + 64 * SLOTS);
 
 /// The start time of process `pid` (clock ticks after boot, `/proc/<pid>/stat` field 22);
-/// `None` when there is no such process.
+/// `None` when there is no such process, or it has exited and only waits to be reaped (a
+/// zombie holds no memory any more).
 pub fn start_time(pid: u64) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name (field 2) may hold spaces and parentheses: count from the last ')'.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(19)?.parse().ok()
+    let mut fields = stat[stat.rfind(')')? + 1..].split_whitespace();
+    if matches!(fields.next()?, "Z" | "X" | "x") {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// This process's effective user id.
