@@ -294,7 +294,7 @@ pub unsafe extern "C" fn rm_free_reusable(device: c_int, released_bytes: *mut us
 #[no_mangle]
 pub unsafe extern "C" fn rm_warmup(device: c_int, bytes: usize) -> rm_status {
     boundary("rm_warmup", || {
-        pool()?.warmup(device, size_arg(bytes)).map(drop)
+        runtime::warmup(device, size_arg(bytes)).map(drop)
     })
 }
 
@@ -309,7 +309,8 @@ pub unsafe extern "C" fn rm_get_stats(device: c_int, out: *mut rm_stats) -> rm_s
             return Err(null_argument("out"));
         }
         let mut stats = rm_stats::from(pool()?.stats(device)?);
-        (stats.shared_given_bytes, stats.shared_received_bytes) = runtime::share_counts(device);
+        (stats.shared_given_bytes, stats.shared_received_bytes) =
+            runtime::share_counts(device, stats.reusable_bytes);
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out, stats) };
         Ok(())

@@ -262,10 +262,18 @@ mod tests {
         );
         assert_eq!(c.pool, PoolConfig::default());
         assert_eq!(parse_conf("share_wait_ms:0").unwrap().share.wait_ms, 0);
-        for bad in ["share_wait_ms:-1", "share_wait_ms:60001", "share_wait_ms:fast"] {
+        for bad in [
+            "share_wait_ms:-1",
+            "share_wait_ms:60001",
+            "share_wait_ms:fast",
+        ] {
             let e = parse_conf(bad).unwrap_err();
             assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
-            assert!(e.message.contains("is not a number of milliseconds"), "{}", e.message);
+            assert!(
+                e.message.contains("is not a number of milliseconds"),
+                "{}",
+                e.message
+            );
         }
         let e = parse_conf("share_wait_ms:5,share_wait_ms:6").unwrap_err();
         assert!(e.message.contains("given twice"), "{}", e.message);

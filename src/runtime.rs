@@ -138,7 +138,25 @@ pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr
     let pool = pool()?;
     match pool.reserve(device, size, stream) {
         Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
-            Some(share) => share.after_out_of_memory(pool, device, size, stream, e),
+            Some(share) => share
+                .after_out_of_memory(pool, device, size, e, || pool.reserve(device, size, stream)),
+            None => Err(e),
+        },
+        other => other,
+    }
+}
+
+/// `rm_warmup` on the process-wide pool; when the driver runs out and sharing is on, after
+/// asking the other processes on the device for the shortfall. The bytes newly allocated.
+pub fn warmup(device: i32, bytes: u64) -> Result<u64, Error> {
+    let pool = pool()?;
+    match pool.warmup(device, bytes) {
+        Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
+            Some(share) => {
+                let reusable = pool.stats(device)?.reusable_bytes;
+                let missing = bytes.saturating_sub(reusable);
+                share.after_out_of_memory(pool, device, missing, e, || pool.warmup(device, bytes))
+            }
             None => Err(e),
         },
         other => other,
@@ -152,7 +170,8 @@ pub fn mem_get_info(device: i32) -> Result<(u64, u64), Error> {
     let counted = settings().is_ok_and(|s| s.share.count);
     match sharing() {
         Some(share) if counted => Ok((
-            free.saturating_add(share.others_reusable(device)).min(total),
+            free.saturating_add(share.others_reusable(device))
+                .min(total),
             total,
         )),
         _ => Ok((free, total)),
@@ -161,8 +180,13 @@ pub fn mem_get_info(device: i32) -> Result<(u64, u64), Error> {
 
 /// `(given, received)`: bytes this process returned to the driver at other processes'
 /// requests on `device`, and bytes they returned at its requests; zeros without sharing.
-pub fn share_counts(device: i32) -> (u64, u64) {
-    sharing().map_or((0, 0), |share| share.counts(device))
+/// With sharing, `reusable` (the pool's reusable bytes on `device`, just read) is published to
+/// the others at once, rather than at the helper's next refresh.
+pub fn share_counts(device: i32, reusable: u64) -> (u64, u64) {
+    sharing().map_or((0, 0), |share| {
+        share.publish(device, reusable);
+        share.counts(device)
+    })
 }
 
 /// Set in a child forked after the pool started (its state belongs to the parent).

@@ -121,7 +121,10 @@ impl Device {
             String::from_utf8_lossy(&out.stdout).into_owned(),
             String::from_utf8_lossy(&out.stderr).into_owned(),
         );
-        assert!(out.status.success(), "share ask failed:\n{stdout}\n{stderr}");
+        assert!(
+            out.status.success(),
+            "share ask failed:\n{stdout}\n{stderr}"
+        );
         (stdout, stderr)
     }
 
@@ -130,7 +133,12 @@ impl Device {
         let found: Vec<PathBuf> = std::fs::read_dir(&self.dir)
             .unwrap()
             .map(|e| e.unwrap().path())
-            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("resmem-"))
+            .filter(|p| {
+                p.file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .starts_with("resmem-")
+            })
             .collect();
         assert_eq!(found.len(), 1, "{found:?}");
         found[0].clone()
@@ -278,7 +286,7 @@ fn b_gets_the_idle_cache_of_a_and_c_which_does_not_share_is_never_asked() {
 #[test]
 fn with_share_count_the_loader_sees_the_others_idle_cache_as_free() {
     let device = Device::new("count");
-    let _a = device.hold(Path_::InProcess, SHARE, &[], 16);
+    let mut a = device.hold(Path_::InProcess, SHARE, &[], 16);
     let free = |conf: &str| -> u64 {
         let (out, _) = device.ask(Path_::InProcess, conf, 1);
         out.lines()
@@ -288,8 +296,8 @@ fn with_share_count_the_loader_sees_the_others_idle_cache_as_free() {
             .unwrap()
     };
     assert_eq!(free(SHARE), 8 * GIB);
-    // A's helper says what it would give every 100 ms.
-    std::thread::sleep(Duration::from_millis(300));
+    // A says what it could give when it reads its figures (and every 100 ms).
+    assert_eq!(a.figures().reserved, 16 * GIB);
     assert_eq!(free("share:true,share_count:true"), 24 * GIB);
 }
 
@@ -300,7 +308,12 @@ fn a_killed_by_sigkill_mid_request_costs_b_nothing_but_the_wait() {
     // Stopped, A cannot answer; B's request stays open until A dies.
     a.signal(libc::SIGSTOP);
     let b = device
-        .command(Path_::InProcess, "share:true,share_wait_ms:20000", &[], &["ask", "12"])
+        .command(
+            Path_::InProcess,
+            "share:true,share_wait_ms:20000",
+            &[],
+            &["ask", "12"],
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -340,7 +353,12 @@ fn a_killed_while_holding_the_registry_lock_blocks_nobody() {
         16,
     );
     let b = device
-        .command(Path_::InProcess, "share:true,share_wait_ms:20000", &[], &["ask", "12"])
+        .command(
+            Path_::InProcess,
+            "share:true,share_wait_ms:20000",
+            &[],
+            &["ask", "12"],
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

@@ -2,6 +2,7 @@
 //!
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
 //! - [`demo`]: the seed scenario, four loads of a model under each policy;
+//! - [`share_demo`]: two loaders in two processes sharing a device, without and with sharing;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
 //! - [`replay`]: a trace driven through a policy on a simulated device, and its figures;
 //! - [`generate`]: the realistic traces shipped in `traces/`;
@@ -16,5 +17,6 @@ pub mod generate;
 pub mod model;
 pub mod plot;
 pub mod replay;
+pub mod share_demo;
 pub mod trace;
 pub mod units;

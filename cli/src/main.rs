@@ -13,7 +13,7 @@ use resmem::Driver;
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
 use resmem_cli::units::{gib_or_mib, parse_size};
-use resmem_cli::{demo, generate, model, plot};
+use resmem_cli::{demo, generate, model, plot, share_demo};
 
 #[derive(Parser)]
 #[command(
@@ -36,12 +36,25 @@ enum Command {
         /// The simulated device's memory (ignored on a real GPU).
         #[arg(long, default_value = "24GiB", value_parser = parse_size)]
         device_memory: u64,
-        /// The model's shapes.
-        #[arg(long, default_value = "qwen3-4b", value_parser = model::preset)]
-        model: model::Shape,
+        /// The model's shapes (default: qwen3-4b; llama-3-8b with --processes 2).
+        #[arg(long, value_parser = model::preset)]
+        model: Option<model::Shape>,
         /// How many loads.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
         loads: u32,
+        /// 2: one load in each of two processes on one simulated device, without and with
+        /// RESMEM_CONF=share:true (the processes give each other their idle cache).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=2))]
+        processes: u32,
+    },
+    /// One loader of `demo --processes 2` (run by it).
+    #[command(name = "share-loader", hide = true)]
+    ShareLoader {
+        #[arg(long, value_parser = model::preset)]
+        model: model::Shape,
+        /// Drop the model, report, and wait for the end of standard input.
+        #[arg(long)]
+        keep: bool,
     },
     /// Replay an allocation trace (JSON lines, or a pickled torch.cuda.memory._snapshot()) on a
     /// simulated device and compare peaks, fragmentation, driver calls and out-of-memory events.
@@ -99,8 +112,16 @@ fn main() -> ExitCode {
         Command::Demo {
             device_memory,
             model,
+            loads: _,
+            processes: 2,
+        } => share_demo::show(device_memory, model.as_ref()),
+        Command::Demo {
+            device_memory,
+            model,
             loads,
-        } => run_demo(device_memory, &model, loads),
+            processes: _,
+        } => run_demo(device_memory, &model.unwrap_or(model::PRESETS[0]), loads),
+        Command::ShareLoader { model, keep } => share_demo::loader(&model, keep),
         Command::Replay {
             trace,
             policy,

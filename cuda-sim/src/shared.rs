@@ -307,7 +307,10 @@ mod tests {
         let path = scratch("bad");
         std::fs::write(&path, b"garbage").unwrap();
         let e = Shared::open(&path, 0).unwrap_err();
-        assert!(e.contains("is not a cuda-sim shared-capacity file (7 bytes)"), "{e}");
+        assert!(
+            e.contains("is not a cuda-sim shared-capacity file (7 bytes)"),
+            "{e}"
+        );
         std::fs::write(&path, vec![1u8; FILE_BYTES]).unwrap();
         let e = Shared::open(&path, 0).unwrap_err();
         assert!(e.contains("not a cuda-sim shared-capacity file"), "{e}");

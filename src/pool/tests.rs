@@ -856,5 +856,8 @@ fn trim_returns_idle_segments_up_to_the_bytes_asked_and_never_a_live_block() {
     assert_books(&pool, sim);
     pool.release(live).unwrap();
     assert_eq!(pool.trim(0, GIB).unwrap(), 4 * GIB);
-    assert_eq!(pool.trim(7, GIB).unwrap_err().status, rm_status::RM_ERROR_INVALID_DEVICE);
+    assert_eq!(
+        pool.trim(7, GIB).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_DEVICE
+    );
 }

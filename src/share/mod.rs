@@ -19,9 +19,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ShareConfig;
-use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::{Error, Result};
-use crate::pool::size::{round_up, SEGMENT_ROUND};
+use crate::pool::size::{round_up, MAX_REQUEST, SEGMENT_ROUND};
 use crate::pool::Pool;
 use helper::Helper;
 use registry::Registry;
@@ -131,28 +130,36 @@ impl Sharing {
         })
     }
 
+    /// Tell the others that this process could give up `reusable` bytes on `device`.
+    pub fn publish(&self, device: i32, reusable: u64) {
+        if let Some(share) = self.device(device) {
+            share.registry.publish(reusable);
+        }
+    }
+
     /// The reusable bytes the other sharing processes on `device` said they would give up.
     pub fn others_reusable(&self, device: i32) -> u64 {
         self.device(device)
             .map_or(0, |d| d.registry.others_reusable())
     }
 
-    /// `pool.reserve(device, size, stream)` failed with `error`, an out-of-memory: if the driver
-    /// is short of the request, ask the other processes for the shortfall, wait for the driver's
-    /// free memory to rise (at most `share_wait_ms`), and retry once. Otherwise, or if the
-    /// memory did not come, `error` with what was asked and received added.
-    pub fn after_out_of_memory(
+    /// A call that needed `bytes` more from the driver of `device` failed with `error`, an
+    /// out-of-memory: if the driver is short of them, ask the other processes for the
+    /// shortfall, wait for the driver's free memory to rise (at most `share_wait_ms`), and run
+    /// `retry` once. Otherwise, or if the memory did not come, `error` with what was asked and
+    /// received added.
+    pub fn after_out_of_memory<T>(
         &self,
         pool: &Pool,
         device: i32,
-        size: u64,
-        stream: StreamHandle,
+        bytes: u64,
         error: Error,
-    ) -> Result<DevicePtr> {
+        retry: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
         let Some(share) = self.device(device) else {
             return Err(error);
         };
-        let need = round_up(size, SEGMENT_ROUND);
+        let need = round_up(bytes.min(MAX_REQUEST), SEGMENT_ROUND);
         let driver_free = || pool.driver().mem_get_info(device).map(|(free, _)| free);
         let Ok(free) = driver_free() else {
             return Err(error);
@@ -169,7 +176,13 @@ impl Sharing {
             .lock_until(deadline)
             .and_then(|lock| registry.mine(&lock));
         let Some(slot) = slot else {
-            return Err(note(error, asked, 0, self.wait, "the registry stayed busy or full"));
+            return Err(note(
+                error,
+                asked,
+                0,
+                self.wait,
+                "the registry stayed busy or full",
+            ));
         };
         let before = registry.post(slot, asked);
         let arrived = loop {
@@ -204,7 +217,7 @@ impl Sharing {
                 "the driver's free memory did not rise enough",
             ));
         }
-        pool.reserve(device, size, stream)
+        retry()
     }
 }
 
@@ -278,7 +291,7 @@ mod tests {
         let error = b.reserve(0, 12 * GIB, 0).unwrap_err();
         assert_eq!(error.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
         let ptr = share_b
-            .after_out_of_memory(b, 0, 12 * GIB, 0, error)
+            .after_out_of_memory(b, 0, 12 * GIB, error, || b.reserve(0, 12 * GIB, 0))
             .unwrap();
         assert_ne!(ptr, 0);
         // A returned its whole 16 GiB idle segment; B asked for the 4 GiB it lacked.
@@ -295,7 +308,7 @@ mod tests {
         let error = b.reserve(0, 12 * GIB, 0).unwrap_err();
         let start = Instant::now();
         let error = share_b
-            .after_out_of_memory(b, 0, 12 * GIB, 0, error)
+            .after_out_of_memory(b, 0, 12 * GIB, error, || b.reserve(0, 12 * GIB, 0))
             .unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(50));
         assert_eq!(error.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
@@ -325,7 +338,9 @@ mod tests {
         // Under its own cap, B's shortage is not the driver's: nobody is asked.
         b.set_memory_limit(Some(0), Some(GIB)).unwrap();
         let error = b.reserve(0, 2 * GIB, 0).unwrap_err();
-        let error = share_b.after_out_of_memory(b, 0, 2 * GIB, 0, error).unwrap_err();
+        let error = share_b
+            .after_out_of_memory(b, 0, 2 * GIB, error, || b.reserve(0, 2 * GIB, 0))
+            .unwrap_err();
         assert!(error.message.contains("memory limit"), "{}", error.message);
         assert!(!error.message.contains("sharing"), "{}", error.message);
         assert_eq!(share_a.counts(0), (0, 0));

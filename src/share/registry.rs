@@ -105,14 +105,18 @@ pub fn check_file(owner: u32, me: u32, mode: u32, size: u64, regular: bool) -> O
     if !regular {
         Some("is not a regular file".into())
     } else if owner != me {
-        Some(format!("belongs to uid {owner}, not to this user (uid {me})"))
+        Some(format!(
+            "belongs to uid {owner}, not to this user (uid {me})"
+        ))
     } else if mode & 0o077 != 0 {
         Some(format!(
             "has mode {:o}: other users could read or change it (a registry is 600)",
             mode & 0o777
         ))
     } else if size != FILE_BYTES as u64 {
-        Some(format!("is {size} bytes, not the {FILE_BYTES} of a registry"))
+        Some(format!(
+            "is {size} bytes, not the {FILE_BYTES} of a registry"
+        ))
     } else {
         None
     }
@@ -229,7 +233,9 @@ impl Registry {
             meta.len(),
             meta.file_type().is_file(),
         ) {
-            return Err(format!("refusing the registry {shown}: it {why}; remove it"));
+            return Err(format!(
+                "refusing the registry {shown}: it {why}; remove it"
+            ));
         }
         // SAFETY: a shared read-write mapping of a file of exactly FILE_BYTES bytes (checked
         // above); the file may shrink later only by its owner's hand, which is this user.
@@ -481,7 +487,8 @@ mod tests {
     use super::*;
 
     fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("resmem-registry-{}-{name}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("resmem-registry-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir
@@ -494,9 +501,15 @@ mod tests {
         let size = FILE_BYTES as u64;
         assert_eq!(check_file(1000, 1000, 0o100600, size, true), None);
         for (args, needle) in [
-            ((0, 1000, 0o600, size, true), "belongs to uid 0, not to this user (uid 1000)"),
+            (
+                (0, 1000, 0o600, size, true),
+                "belongs to uid 0, not to this user (uid 1000)",
+            ),
             ((1000, 1000, 0o644, size, true), "has mode 644"),
-            ((1000, 1000, 0o600, 3, true), "is 3 bytes, not the 4160 of a registry"),
+            (
+                (1000, 1000, 0o600, 3, true),
+                "is 3 bytes, not the 4160 of a registry",
+            ),
             ((1000, 1000, 0o600, size, false), "is not a regular file"),
         ] {
             let why = check_file(args.0, args.1, args.2, args.3, args.4).unwrap();
@@ -547,7 +560,9 @@ mod tests {
         // A second holder cannot take the lock while it is held.
         let held = r.lock_until(Instant::now()).unwrap();
         let r2 = Registry::open(&dir, &UUID).unwrap();
-        assert!(r2.lock_until(Instant::now() + Duration::from_millis(5)).is_none());
+        assert!(r2
+            .lock_until(Instant::now() + Duration::from_millis(5))
+            .is_none());
         drop(held);
         assert!(r2.lock_until(Instant::now()).is_some());
     }
@@ -582,8 +597,7 @@ mod tests {
         assert!(e.contains("does not start as a resmem registry"), "{e}");
         std::fs::remove_file(&path).unwrap();
         drop(Registry::open(&dir, &[9; 16]).unwrap());
-        std::fs::rename(dir.join(file_name(&[9; 16], uid())), &path)
-            .unwrap();
+        std::fs::rename(dir.join(file_name(&[9; 16], uid())), &path).unwrap();
         let e = Registry::open(&dir, &UUID).err().unwrap();
         assert!(e.contains("names another device"), "{e}");
     }
