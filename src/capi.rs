@@ -287,7 +287,8 @@ pub unsafe extern "C" fn rm_free_reusable(device: c_int, released_bytes: *mut us
 
 /// Make sure at least `bytes` of reusable memory is reserved on `device`, counting what is
 /// already reusable first: only the shortfall is allocated, as one segment. Loading a model of
-/// the same size again therefore reserves nothing new.
+/// the same size again therefore reserves nothing new. With `RESMEM_CONF=share:true`, a
+/// shortfall the driver cannot meet is asked of the other sharing processes, as in `rm_reserve`.
 ///
 /// # Safety
 /// None: all arguments are values.

@@ -197,7 +197,11 @@ impl Sharing {
             registry.wait_answers(seen, POLL.min(deadline - now));
         };
         let waited = start.elapsed();
+        // A helper holds the lock from its trim until it has recorded what it returned: taking
+        // the lock (if it comes before the deadline) makes the count include every answer.
+        let lock = registry.lock_until(deadline);
         let received = registry.close(slot, before);
+        drop(lock);
         share.received.fetch_add(received, Ordering::SeqCst);
         if self.logging {
             eprintln!(
