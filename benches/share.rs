@@ -115,7 +115,6 @@ fn main() {
     let plain = time(0);
     cache_in_a(0);
     // The end of A's input ends A.
-    drop(cache_in_a);
     drop(to_a);
     let _ = a.wait();
     let mut stats = rm_stats::default();
