@@ -205,7 +205,8 @@ enum rm_status rm_free_reusable(int device, size_t *released_bytes);
 /**
  * Make sure at least `bytes` of reusable memory is reserved on `device`, counting what is
  * already reusable first: only the shortfall is allocated, as one segment. Loading a model of
- * the same size again therefore reserves nothing new.
+ * the same size again therefore reserves nothing new. With `RESMEM_CONF=share:true`, a
+ * shortfall the driver cannot meet is asked of the other sharing processes, as in `rm_reserve`.
  *
  * # Safety
  * None: all arguments are values.

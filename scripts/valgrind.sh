@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=target/debug/c_examples
 sim_lib="$PWD/target/debug/libcuda_sim.so"
-for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$sim_lib"; do
+for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$dir/share" "$sim_lib"; do
   [ -e "$need" ] || { echo "missing $need: run cargo test first"; exit 1; }
 done
 vg=(valgrind --tool=memcheck --error-exitcode=99 --leak-check=full
@@ -35,4 +35,10 @@ for driver in sim library; do
     check "$driver" "$dir/hostile" faults
 done
 EXTRA="RESMEM_CONF=no_such_key:1" check sim "$dir/errors" bad-conf
+# Sharing on: the registry, its mapping and the helper thread (alone on the device, so the
+# request finds nobody to ask and fails after its bounded wait; the program expects that).
+share_dir=$(mktemp -d)
+EXTRA="RESMEM_CONF=share:true,share_wait_ms:10 RESMEM_SHARE_DIR=$share_dir" \
+  check sim "$dir/share" ask 30
+rm -rf "$share_dir"
 echo "valgrind: $runs programs, 0 errors, 0 definitely lost"
