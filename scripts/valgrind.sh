@@ -35,10 +35,19 @@ for driver in sim library; do
     check "$driver" "$dir/hostile" faults
 done
 EXTRA="RESMEM_CONF=no_such_key:1" check sim "$dir/errors" bad-conf
-# Sharing on: the registry, its mapping and the helper thread (alone on the device, so the
-# request finds nobody to ask and fails after its bounded wait; the program expects that).
+# Sharing on: the registry, its mapping, the helper thread and a request answered by another
+# process (not under valgrind) that caches 16 GiB of the shared 24 GiB device.
 share_dir=$(mktemp -d)
-EXTRA="RESMEM_CONF=share:true,share_wait_ms:10 RESMEM_SHARE_DIR=$share_dir" \
-  check sim "$dir/share" ask 30
+share_env=(CUDA_SIM_DEVICES=24GiB RESMEM_DRIVER=sim RESMEM_CONF=share:true
+           RESMEM_SHARE_DIR="$share_dir" CUDA_SIM_SHARED="$share_dir/capacity")
+mkfifo "$share_dir/in"
+env "${share_env[@]}" "$dir/share" hold 16 <"$share_dir/in" >"$share_dir/out" &
+holder=$!
+exec 3>"$share_dir/in"
+until grep -q ready "$share_dir/out" 2>/dev/null; do sleep 0.1; done
+EXTRA="${share_env[*]} RESMEM_CONF=share:true,share_wait_ms:5000" check sim "$dir/share" ask 12
+grep -q '^status=0' /tmp/resmem-valgrind.out || { echo "share ask 12 did not get the memory:"; cat /tmp/resmem-valgrind.out; exit 1; }
+exec 3>&-
+wait "$holder"
 rm -rf "$share_dir"
 echo "valgrind: $runs programs, 0 errors, 0 definitely lost"

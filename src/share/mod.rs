@@ -161,11 +161,12 @@ impl Sharing {
         };
         let need = round_up(bytes.min(MAX_REQUEST), SEGMENT_ROUND);
         let driver_free = || pool.driver().mem_get_info(device).map(|(free, _)| free);
-        let Ok(free) = driver_free() else {
+        let Ok((free, total)) = pool.driver().mem_get_info(device) else {
             return Err(error);
         };
-        if free >= need {
-            // Short for another reason (a memory limit): the others cannot help.
+        if free >= need || need > total {
+            // Short for another reason (a memory limit), or more than the device holds: the
+            // others cannot help.
             return Err(error);
         }
         let asked = need - free;
@@ -347,6 +348,14 @@ mod tests {
             .unwrap_err();
         assert!(error.message.contains("memory limit"), "{}", error.message);
         assert!(!error.message.contains("sharing"), "{}", error.message);
+        // Nor is a request larger than the device.
+        b.set_memory_limit(Some(0), None).unwrap();
+        let error = b.reserve(0, 30 * GIB, 0).unwrap_err();
+        let error = share_b
+            .after_out_of_memory(b, 0, 30 * GIB, error, || b.reserve(0, 30 * GIB, 0))
+            .unwrap_err();
+        assert!(!error.message.contains("sharing"), "{}", error.message);
         assert_eq!(share_a.counts(0), (0, 0));
+        assert_eq!(a.stats(0).unwrap().reserved_bytes, 6 * GIB);
     }
 }
