@@ -10,7 +10,8 @@
 //! The library is used from C through `include/resmem.h` (see [`capi`]); from Rust, build a
 //! [`Pool`] over a [`Driver`] directly.
 //!
-//! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
+//! Module map (dependencies run one way: capi → runtime → share → pool → driver trait ← cuda |
+//! sim):
 //! - [`allocator`]: the [`Allocator`] trait every allocation policy implements;
 //! - [`baseline`]: reference policies (PyTorch's caching allocator) for comparisons;
 //! - [`capi`]: every exported `rm_*` function and the panic boundary;

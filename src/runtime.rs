@@ -2,7 +2,9 @@
 //!
 //! Nothing is loaded before the first call: a program that links resmem but never calls it
 //! never opens the driver. A failure to start (no driver, a malformed variable) is remembered
-//! and returned, with its message, by every later call.
+//! and returned, with its message, by every later call. With `RESMEM_CONF=share:true` the pool
+//! starts sharing (see [`crate::share`]) when it starts, and [`reserve`] and [`warmup`] ask the
+//! other processes on the device for their idle cache when the driver runs out.
 //!
 //! Two guards protect the process:
 //! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY` and
