@@ -118,7 +118,7 @@ fn start_sharing(pool: &'static Pool) -> Option<Sharing> {
     if !settings.share.enabled || is_secure() {
         return None;
     }
-    let dir = var("RESMEM_SHARE_DIR", true)
+    let dir = var("RESMEM_SHARE_DIR", false)
         .filter(|d| !d.is_empty())
         .unwrap_or_else(|| share::DEFAULT_DIR.to_string());
     Some(Sharing::start(
