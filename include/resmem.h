@@ -126,6 +126,16 @@ typedef struct rm_stats {
    * Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
    */
   uint64_t ooms;
+  /**
+   * Bytes of idle cache this process returned to the driver because other processes sharing
+   * the device asked (`RESMEM_CONF=share:true`).
+   */
+  uint64_t shared_given_bytes;
+  /**
+   * Bytes other processes sharing the device returned to the driver because this process
+   * asked.
+   */
+  uint64_t shared_received_bytes;
 } rm_stats;
 
 #ifdef __cplusplus
@@ -134,7 +144,9 @@ extern "C" {
 
 /**
  * Free and total memory of `device` in bytes, where *free* is what the driver reports free
- * plus this pool's reusable bytes on that device (memory it holds but nobody uses).
+ * plus this pool's reusable bytes on that device (memory it holds but nobody uses), and, with
+ * `RESMEM_CONF=share:true,share_count:true`, the reusable bytes the other sharing processes on
+ * the device would give up on request (never more than the total).
  *
  * # Safety
  * `free_bytes` and `total_bytes` are NULL or valid for writing a `size_t`.
@@ -148,9 +160,12 @@ enum rm_status rm_mem_get_info(int device, size_t *free_bytes, size_t *total_byt
  * Order of attempts: a cached block on this stream (best fit); an idle cached segment of
  * another stream, ordered after that stream's work; a new segment, returning idle cached
  * segments to the driver first if the driver's free memory is short; on a driver
- * out-of-memory, all reusable memory is returned and the allocation retried once; then
- * `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and driver-free bytes in
- * `rm_last_error()`. On failure `*out_ptr` is NULL.
+ * out-of-memory, all reusable memory is returned and the allocation retried once; with
+ * `RESMEM_CONF=share:true`, the other sharing processes on the device are asked for the
+ * shortfall, and the allocation is retried once more if the driver's free memory rises within
+ * `share_wait_ms`; then `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and
+ * driver-free bytes (and what sharing asked and received) in `rm_last_error()`. On failure
+ * `*out_ptr` is NULL.
  *
  * # Safety
  * `out_ptr` is NULL or valid for writing a pointer.
@@ -190,7 +205,8 @@ enum rm_status rm_free_reusable(int device, size_t *released_bytes);
 /**
  * Make sure at least `bytes` of reusable memory is reserved on `device`, counting what is
  * already reusable first: only the shortfall is allocated, as one segment. Loading a model of
- * the same size again therefore reserves nothing new.
+ * the same size again therefore reserves nothing new. With `RESMEM_CONF=share:true`, a
+ * shortfall the driver cannot meet is asked of the other sharing processes, as in `rm_reserve`.
  *
  * # Safety
  * None: all arguments are values.

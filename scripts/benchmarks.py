@@ -168,6 +168,13 @@ def main():
     w("README).\n")
 
     policy_sections(w)
+
+    # Two processes sharing a device: seconds to run, so run even with --skip-run.
+    w(sh("cargo", "bench", "-q", "-p", "resmem-cli", "--bench", "share").rstrip() + "\n")
+    w("`cargo run --release -p resmem-cli -- demo --processes 2`\n")
+    w("```")
+    w(sh(os.path.join(ROOT, "target", "release", "resmem"), "demo", "--processes", "2").rstrip())
+    w("```")
     print("\n".join(out))
 
 

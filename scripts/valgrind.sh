@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 dir=target/debug/c_examples
 sim_lib="$PWD/target/debug/libcuda_sim.so"
 for need in "$dir/quickstart" "$dir/errors" "$dir/hostile" "$dir/fork" "$dir/loader" "$dir/exit" \
-  "$dir/unload" "$dir/workload" "$sim_lib"; do
+  "$dir/unload" "$dir/workload" "$dir/share" \
+  "$sim_lib"; do
   [ -e "$need" ] || { echo "missing $need: run cargo test first"; exit 1; }
 done
 vg=(valgrind --tool=memcheck --error-exitcode=99 --leak-check=full
@@ -46,4 +47,19 @@ trace=$(mktemp -d)/trace.jsonl
 EXTRA="RESMEM_CONF=record:$trace CUDA_SIM_DEVICES=1GiB,1GiB" check sim "$dir/workload"
 [ "$(wc -l <"$trace")" -eq 40013 ] || { echo "valgrind: the recorded trace has $(wc -l <"$trace") lines, not 40013"; exit 1; }
 rm -r "$(dirname "$trace")"
+# Sharing on: the registry, its mapping, the helper thread and a request answered by another
+# process (not under valgrind) that caches 16 GiB of the shared 24 GiB device.
+share_dir=$(mktemp -d)
+share_env=(CUDA_SIM_DEVICES=24GiB RESMEM_DRIVER=sim RESMEM_CONF=share:true
+           RESMEM_SHARE_DIR="$share_dir" CUDA_SIM_SHARED="$share_dir/capacity")
+mkfifo "$share_dir/in"
+env "${share_env[@]}" "$dir/share" hold 16 <"$share_dir/in" >"$share_dir/out" &
+holder=$!
+exec 3>"$share_dir/in"
+until grep -q ready "$share_dir/out" 2>/dev/null; do sleep 0.1; done
+EXTRA="${share_env[*]} RESMEM_CONF=share:true,share_wait_ms:5000" check sim "$dir/share" ask 12
+grep -q '^status=0' /tmp/resmem-valgrind.out || { echo "share ask 12 did not get the memory:"; cat /tmp/resmem-valgrind.out; exit 1; }
+exec 3>&-
+wait "$holder"
+rm -rf "$share_dir"
 echo "valgrind: $runs programs, 0 errors, 0 definitely lost"

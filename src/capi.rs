@@ -50,6 +50,12 @@ pub struct rm_stats {
     pub oom_retries: u64,
     /// Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
     pub ooms: u64,
+    /// Bytes of idle cache this process returned to the driver because other processes sharing
+    /// the device asked (`RESMEM_CONF=share:true`).
+    pub shared_given_bytes: u64,
+    /// Bytes other processes sharing the device returned to the driver because this process
+    /// asked.
+    pub shared_received_bytes: u64,
 }
 
 impl From<Stats> for rm_stats {
@@ -70,6 +76,9 @@ impl From<Stats> for rm_stats {
             driver_frees: s.driver_frees,
             oom_retries: s.oom_retries,
             ooms: s.ooms,
+            // The pool does not know of other processes: `rm_get_stats` fills these in.
+            shared_given_bytes: 0,
+            shared_received_bytes: 0,
         }
     }
 }
@@ -178,7 +187,9 @@ fn usize_out(value: u64) -> usize {
 }
 
 /// Free and total memory of `device` in bytes, where *free* is what the driver reports free
-/// plus this pool's reusable bytes on that device (memory it holds but nobody uses).
+/// plus this pool's reusable bytes on that device (memory it holds but nobody uses), and, with
+/// `RESMEM_CONF=share:true,share_count:true`, the reusable bytes the other sharing processes on
+/// the device would give up on request (never more than the total).
 ///
 /// # Safety
 /// `free_bytes` and `total_bytes` are NULL or valid for writing a `size_t`.
@@ -195,7 +206,7 @@ pub unsafe extern "C" fn rm_mem_get_info(
         if total_bytes.is_null() {
             return Err(null_argument("total_bytes"));
         }
-        let (free, total) = pool()?.mem_get_info(device)?;
+        let (free, total) = runtime::mem_get_info(device)?;
         // SAFETY: both checked non-null; valid by the caller's contract.
         unsafe {
             write_out(free_bytes, usize_out(free));
@@ -211,9 +222,12 @@ pub unsafe extern "C" fn rm_mem_get_info(
 /// Order of attempts: a cached block on this stream (best fit); an idle cached segment of
 /// another stream, ordered after that stream's work; a new segment, returning idle cached
 /// segments to the driver first if the driver's free memory is short; on a driver
-/// out-of-memory, all reusable memory is returned and the allocation retried once; then
-/// `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and driver-free bytes in
-/// `rm_last_error()`. On failure `*out_ptr` is NULL.
+/// out-of-memory, all reusable memory is returned and the allocation retried once; with
+/// `RESMEM_CONF=share:true`, the other sharing processes on the device are asked for the
+/// shortfall, and the allocation is retried once more if the driver's free memory rises within
+/// `share_wait_ms`; then `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and
+/// driver-free bytes (and what sharing asked and received) in `rm_last_error()`. On failure
+/// `*out_ptr` is NULL.
 ///
 /// # Safety
 /// `out_ptr` is NULL or valid for writing a pointer.
@@ -230,7 +244,7 @@ pub unsafe extern "C" fn rm_reserve(
         }
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out_ptr, std::ptr::null_mut()) };
-        let outcome = pool()?.reserve(device, size_arg(size), stream as u64);
+        let outcome = runtime::reserve(device, size_arg(size), stream as u64);
         record::reserved(device, size_arg(size), stream as u64, &outcome);
         let ptr = outcome?;
         // SAFETY: as above.
@@ -299,14 +313,15 @@ pub unsafe extern "C" fn rm_free_reusable(device: c_int, released_bytes: *mut us
 
 /// Make sure at least `bytes` of reusable memory is reserved on `device`, counting what is
 /// already reusable first: only the shortfall is allocated, as one segment. Loading a model of
-/// the same size again therefore reserves nothing new.
+/// the same size again therefore reserves nothing new. With `RESMEM_CONF=share:true`, a
+/// shortfall the driver cannot meet is asked of the other sharing processes, as in `rm_reserve`.
 ///
 /// # Safety
 /// None: all arguments are values.
 #[no_mangle]
 pub unsafe extern "C" fn rm_warmup(device: c_int, bytes: usize) -> rm_status {
     boundary("rm_warmup", || {
-        pool()?.warmup(device, size_arg(bytes))?;
+        runtime::warmup(device, size_arg(bytes))?;
         record::warmed_up(device, size_arg(bytes));
         Ok(())
     })
@@ -322,9 +337,11 @@ pub unsafe extern "C" fn rm_get_stats(device: c_int, out: *mut rm_stats) -> rm_s
         if out.is_null() {
             return Err(null_argument("out"));
         }
-        let stats = pool()?.stats(device)?;
+        let mut stats = rm_stats::from(pool()?.stats(device)?);
+        (stats.shared_given_bytes, stats.shared_received_bytes) =
+            runtime::share_counts(device, stats.reusable_bytes);
         // SAFETY: checked non-null; valid by the caller's contract.
-        unsafe { write_out(out, rm_stats::from(stats)) };
+        unsafe { write_out(out, stats) };
         Ok(())
     })
 }

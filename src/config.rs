@@ -26,6 +26,31 @@ pub struct Settings {
     pub preload_allocations: bool,
     /// `RESMEM_CONF`'s `record:PATH`: where [`crate::record`] writes every call as a trace.
     pub record: Option<String>,
+    /// `RESMEM_CONF`'s `share`, `share_count` and `share_wait_ms`.
+    pub share: ShareConfig,
+}
+
+/// Giving idle cache to other resmem processes on the same device (see [`crate::share`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareConfig {
+    /// `share`: join the device's registry, answer other processes' requests for memory, and
+    /// ask them when the driver runs out. Default: off.
+    pub enabled: bool,
+    /// `share_count`: `rm_mem_get_info` adds the reusable bytes the other sharing processes
+    /// would give up on request. Default: off.
+    pub count: bool,
+    /// `share_wait_ms`: how long a request waits for the others to return memory. Default 200.
+    pub wait_ms: u64,
+}
+
+impl Default for ShareConfig {
+    fn default() -> Self {
+        ShareConfig {
+            enabled: false,
+            count: false,
+            wait_ms: 200,
+        }
+    }
 }
 
 /// Everything `RESMEM_CONF` says.
@@ -37,6 +62,8 @@ pub struct Conf {
     pub preload_allocations: bool,
     /// See [`Settings::record`].
     pub record: Option<String>,
+    /// See [`Settings::share`].
+    pub share: ShareConfig,
 }
 
 /// The driver library loaded when `RESMEM_CUDA_LIBRARY` is unset.
@@ -58,7 +85,11 @@ fn quote(text: &str) -> String {
 
 /// The keys `RESMEM_CONF` accepts, with what they take, for messages.
 const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false, \
-                    preload_allocations:true|false, record:PATH";
+                    preload_allocations:true|false, record:PATH, share:true|false, \
+                    share_count:true|false, share_wait_ms:<milliseconds, at most 60000>";
+
+/// The longest `share_wait_ms` accepted: a minute.
+const SHARE_WAIT_MAX_MS: u64 = 60_000;
 
 impl Settings {
     /// Settings from the variables' values (`None`: unset).
@@ -88,6 +119,7 @@ impl Settings {
             pool: conf.pool,
             preload_allocations: conf.preload_allocations,
             record: conf.record,
+            share: conf.share,
         })
     }
 }
@@ -122,11 +154,27 @@ pub fn parse_conf(text: &str) -> Result<Conf, Error> {
             config.record = Some(value.to_string());
             continue;
         }
+        if key == "share_wait_ms" {
+            config.share.wait_ms = value
+                .parse::<u64>()
+                .ok()
+                .filter(|&ms| ms <= SHARE_WAIT_MAX_MS)
+                .ok_or_else(|| {
+                    Error::invalid_value(format!(
+                        "RESMEM_CONF: share_wait_ms:{} is not a number of milliseconds from 0 \
+                         to {SHARE_WAIT_MAX_MS}",
+                        quote(value)
+                    ))
+                })?;
+            continue;
+        }
         let slot = match key {
             "release_before_grow" => &mut config.pool.release_before_grow,
             "logging" => &mut config.pool.logging,
             "vmm" => &mut config.pool.vmm,
             "preload_allocations" => &mut config.preload_allocations,
+            "share" => &mut config.share.enabled,
+            "share_count" => &mut config.share.count,
             _ => {
                 return Err(Error::invalid_value(format!(
                     "RESMEM_CONF: unknown key {}; the keys are {KEYS}",
@@ -218,6 +266,45 @@ mod tests {
         assert!(e.message.contains("needs a file"), "{}", e.message);
         let s = Settings::from_vars(Some("sim"), None, Some("record:t.jsonl")).unwrap();
         assert_eq!(s.record.as_deref(), Some("t.jsonl"));
+    }
+
+    #[test]
+    fn sharing_is_off_unless_asked_and_waits_200_ms() {
+        let s = Settings::from_vars(None, None, None).unwrap();
+        assert_eq!(
+            s.share,
+            ShareConfig {
+                enabled: false,
+                count: false,
+                wait_ms: 200
+            }
+        );
+        let c = parse_conf("share:true,share_count:on,share_wait_ms:1500").unwrap();
+        assert_eq!(
+            c.share,
+            ShareConfig {
+                enabled: true,
+                count: true,
+                wait_ms: 1500
+            }
+        );
+        assert_eq!(c.pool, PoolConfig::default());
+        assert_eq!(parse_conf("share_wait_ms:0").unwrap().share.wait_ms, 0);
+        for bad in [
+            "share_wait_ms:-1",
+            "share_wait_ms:60001",
+            "share_wait_ms:fast",
+        ] {
+            let e = parse_conf(bad).unwrap_err();
+            assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+            assert!(
+                e.message.contains("is not a number of milliseconds"),
+                "{}",
+                e.message
+            );
+        }
+        let e = parse_conf("share_wait_ms:5,share_wait_ms:6").unwrap_err();
+        assert!(e.message.contains("given twice"), "{}", e.message);
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! The library is used from C through `include/resmem.h` (see [`capi`]); from Rust, build a
 //! [`Pool`] over a [`Driver`] directly.
 //!
-//! Module map (dependencies run one way: capi → pool → driver trait ← cuda | sim):
+//! Module map (dependencies run one way: capi → runtime → share → pool → driver trait ← cuda |
+//! sim):
 //! - [`capi`]: the core `rm_*` exports and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
@@ -18,6 +19,7 @@
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
 //! - [`runtime`]: the process-wide pool built from the environment on first use;
 //! - [`record`]: `RESMEM_CONF=record:PATH`, every call written as a replayable trace;
+//! - [`share`]: processes sharing a device give each other their idle cache on request;
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`);
 //! - `unload`: what the process-wide state gives back when the library is unloaded.
 
@@ -28,6 +30,7 @@ pub mod error;
 pub mod pool;
 pub mod record;
 pub mod runtime;
+pub mod share;
 pub mod torch;
 mod unload;
 

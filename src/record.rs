@@ -120,6 +120,7 @@ impl Recorder {
         });
         let (to_writer, from_callers) = sync_channel(4);
         let writer = Arc::clone(&shared);
+        crate::unload::pin();
         std::thread::Builder::new()
             .name("resmem-record".into())
             .spawn(move || write_batches(file, &writer, from_callers))

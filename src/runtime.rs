@@ -2,7 +2,9 @@
 //!
 //! Nothing is loaded before the first call: a program that links resmem but never calls it
 //! never opens the driver. A failure to start (no driver, a malformed variable) is remembered
-//! and returned, with its message, by every later call.
+//! and returned, with its message, by every later call. With `RESMEM_CONF=share:true` the pool
+//! starts sharing (see [`crate::share`]) when it starts, and [`reserve`] and [`warmup`] ask the
+//! other processes on the device for their idle cache when the driver runs out.
 //!
 //! Two guards protect the process:
 //! - in a setuid or setgid program (`getauxval(AT_SECURE) != 0`), `RESMEM_CUDA_LIBRARY`,
@@ -14,14 +16,15 @@
 
 use std::ffi::OsString;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use crate::config::{DriverChoice, Settings};
 use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
-use crate::driver::Driver;
+use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error};
 use crate::pool::Pool;
+use crate::share::{self, Sharing};
 use crate::unload::{self, Unloadable};
 
 /// The pool, or why it could not start, and the process that built it.
@@ -32,6 +35,10 @@ struct Started {
 
 static SETTINGS: Unloadable<Result<Settings, Error>> = Unloadable::new();
 static POOL: Unloadable<Started> = Unloadable::new();
+/// Giving idle cache to other processes, when `RESMEM_CONF` asks for it; started with the pool.
+/// Never dropped: its helper threads run the library's code, so starting it pins the library
+/// loaded (see [`unload::pin`]) and the unload finalizer never runs.
+static SHARING: OnceLock<Option<Sharing>> = OnceLock::new();
 
 /// Whether the process runs with elevated privileges (setuid, setgid or file capabilities).
 pub fn is_secure() -> bool {
@@ -42,7 +49,7 @@ pub fn is_secure() -> bool {
 /// Every environment variable `libresmem.so` and `libresmem_preload.so` read, and whether a
 /// privileged process reads it. All of them are read through [`var_os`] (or [`var`]), never
 /// `std::env` directly; a name not listed here is never read in a privileged process.
-pub const VARIABLES: [(&str, bool); 7] = [
+pub const VARIABLES: [(&str, bool); 10] = [
     // Picks the real driver or the built-in simulator: nothing the caller names is loaded.
     ("RESMEM_DRIVER", true),
     // Names a library to load, which would run with the program's privileges.
@@ -56,6 +63,12 @@ pub const VARIABLES: [(&str, bool); 7] = [
     ("CUDA_SIM_DEVICES", true),
     ("CUDA_SIM_VMM", true),
     ("CUDA_SIM_FAULTS", true),
+    // Names a file (or a path) the simulator shares its capacity through.
+    ("CUDA_SIM_SHARED", false),
+    // Where the sharing registries live; a privileged process never shares anyway.
+    ("RESMEM_SHARE_DIR", false),
+    // Makes the sharing helper stall on purpose (debug builds only).
+    ("RESMEM_TEST_SHARE_STALL_MS", false),
 ];
 
 /// Whether a privileged process may read `name` (see [`VARIABLES`]); `false` for any other name.
@@ -145,7 +158,89 @@ pub fn pool() -> Result<&'static Pool, Error> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(forked_error(started.pid, std::process::id()));
     }
-    started.pool.as_ref().map_err(Clone::clone)
+    let pool = started.pool.as_ref().map_err(Clone::clone)?;
+    SHARING.get_or_init(|| start_sharing(pool));
+    Ok(pool)
+}
+
+/// Join the devices' registries if `RESMEM_CONF` says `share:true`; never in a privileged
+/// process. The registries are in `RESMEM_SHARE_DIR`, else `/dev/shm`.
+fn start_sharing(pool: &'static Pool) -> Option<Sharing> {
+    let settings = settings().ok()?;
+    if !settings.share.enabled || is_secure() {
+        return None;
+    }
+    let dir = var("RESMEM_SHARE_DIR")
+        .filter(|d| !d.is_empty())
+        .unwrap_or_else(|| share::DEFAULT_DIR.to_string());
+    Some(Sharing::start(
+        pool,
+        settings.share,
+        std::path::Path::new(&dir),
+        settings.pool.logging,
+    ))
+}
+
+/// The process's sharing, if it shares.
+fn sharing() -> Option<&'static Sharing> {
+    SHARING.get().and_then(Option::as_ref)
+}
+
+/// A block from the process-wide pool; when the driver runs out and sharing is on, after
+/// asking the other processes on the device for their idle cache.
+pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr, Error> {
+    let pool = pool()?;
+    match pool.reserve(device, size, stream) {
+        Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
+            Some(share) => share
+                .after_out_of_memory(pool, device, size, e, || pool.reserve(device, size, stream)),
+            None => Err(e),
+        },
+        other => other,
+    }
+}
+
+/// `rm_warmup` on the process-wide pool; when the driver runs out and sharing is on, after
+/// asking the other processes on the device for the shortfall. The bytes newly allocated.
+pub fn warmup(device: i32, bytes: u64) -> Result<u64, Error> {
+    let pool = pool()?;
+    match pool.warmup(device, bytes) {
+        Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
+            Some(share) => {
+                let reusable = pool.stats(device)?.reusable_bytes;
+                let missing = bytes.saturating_sub(reusable);
+                share.after_out_of_memory(pool, device, missing, e, || pool.warmup(device, bytes))
+            }
+            None => Err(e),
+        },
+        other => other,
+    }
+}
+
+/// `(free, total)` of `device` as `rm_mem_get_info` reports it: the pool's figure, plus with
+/// `share_count:true` the reusable bytes the other sharing processes would give up.
+pub fn mem_get_info(device: i32) -> Result<(u64, u64), Error> {
+    let (free, total) = pool()?.mem_get_info(device)?;
+    let counted = settings().is_ok_and(|s| s.share.count);
+    match sharing() {
+        Some(share) if counted => Ok((
+            free.saturating_add(share.others_reusable(device))
+                .min(total),
+            total,
+        )),
+        _ => Ok((free, total)),
+    }
+}
+
+/// `(given, received)`: bytes this process returned to the driver at other processes'
+/// requests on `device`, and bytes they returned at its requests; zeros without sharing.
+/// With sharing, `reusable` (the pool's reusable bytes on `device`, just read) is published to
+/// the others at once, rather than at the helper's next refresh.
+pub fn share_counts(device: i32, reusable: u64) -> (u64, u64) {
+    sharing().map_or((0, 0), |share| {
+        share.publish(device, reusable);
+        share.counts(device)
+    })
 }
 
 /// Set in a child forked after the pool started (its state belongs to the parent).
@@ -196,6 +291,9 @@ mod tests {
             "RESMEM_CUDA_LIBRARY",
             "RESMEM_CONF",
             "RESMEM_TEST_PANIC",
+            "CUDA_SIM_SHARED",
+            "RESMEM_SHARE_DIR",
+            "RESMEM_TEST_SHARE_STALL_MS",
             "LD_LIBRARY_PATH",
             "RESMEM_UNKNOWN",
             "",
@@ -217,7 +315,7 @@ mod tests {
             assert_eq!(var_os_with(name, false, set), set(name), "{name}");
         }
         // Every listed variable is decided above, and an unset one is None either way.
-        assert_eq!(VARIABLES.len(), read.len() + 3);
+        assert_eq!(VARIABLES.len(), read.len() + 6);
         for (name, _) in VARIABLES {
             assert!(read.contains(&name) || refused.contains(&name), "{name}");
             assert_eq!(var_os_with(name, false, |_| None), None);

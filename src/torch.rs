@@ -45,7 +45,7 @@ pub unsafe extern "C" fn rm_torch_malloc(
                 "size {size} is negative; pass the number of bytes to allocate"
             ))
         })?;
-        let outcome = pool()?.reserve(device, size, stream as u64);
+        let outcome = crate::runtime::reserve(device, size, stream as u64);
         record::reserved(device, size, stream as u64, &outcome);
         ptr = outcome?;
         Ok(())

@@ -64,13 +64,45 @@ pub(crate) fn watch_exit() {
     });
 }
 
+/// Set once a background thread runs this object's code: it is then never unloaded.
+static PINNED: AtomicBool = AtomicBool::new(false);
+
+/// Keep this object loaded for the rest of the process. Called before a thread that runs its
+/// code in the background is started (the recorder's writer, the sharing helpers): `dlclose`
+/// would otherwise unmap that code under the thread. With the object pinned, `dlclose` leaves it
+/// in place, and the finalizer below never drops the state those threads use.
+pub(crate) fn pin() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        PINNED.store(true, Ordering::Relaxed);
+        // SAFETY: `Dl_info` is plain data that `dladdr` fills.
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: `dladdr` reads the address of a function of this object and writes `info`.
+        let found = unsafe { libc::dladdr(pin as *const libc::c_void, &mut info) } != 0;
+        if found && !info.dli_fname.is_null() {
+            // SAFETY: `dli_fname` is the loader's NUL-terminated path of this object, which is
+            // loaded: RTLD_NOLOAD only finds it (and adds a reference that is never dropped),
+            // RTLD_NODELETE keeps it mapped after the last dlclose.
+            unsafe {
+                libc::dlopen(
+                    info.dli_fname,
+                    libc::RTLD_NOW | libc::RTLD_NOLOAD | libc::RTLD_NODELETE,
+                )
+            };
+        }
+    });
+}
+
 #[used]
 #[link_section = ".fini_array"]
 static FINALIZER: extern "C" fn() = finalize;
 
 /// Runs at unload and at exit: drops the process-wide state at unload only.
 extern "C" fn finalize() {
-    if !WATCHING.load(Ordering::Relaxed) || EXITING.load(Ordering::Relaxed) {
+    if !WATCHING.load(Ordering::Relaxed)
+        || EXITING.load(Ordering::Relaxed)
+        || PINNED.load(Ordering::Relaxed)
+    {
         return;
     }
     // Nothing may unwind out of a finalizer.

@@ -228,6 +228,9 @@ impl Driver for PanickingDriver {
     fn mem_get_info(&self, d: i32) -> DriverResult<(u64, u64)> {
         self.inner.mem_get_info(d)
     }
+    fn device_uuid(&self, d: i32) -> DriverResult<[u8; 16]> {
+        self.inner.device_uuid(d)
+    }
     fn mem_alloc(&self, d: i32, bytes: u64) -> DriverResult<DevicePtr> {
         if self.armed.load(Ordering::SeqCst) {
             panic!("driver exploded");

@@ -349,6 +349,9 @@ impl Driver for FreeHook {
     fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)> {
         self.sim.mem_get_info(device)
     }
+    fn device_uuid(&self, device: i32) -> DriverResult<[u8; 16]> {
+        self.sim.device_uuid(device)
+    }
     fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
         self.sim.mem_alloc(device, bytes)
     }

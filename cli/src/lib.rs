@@ -7,6 +7,7 @@
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
 //! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;
 //! - [`demo`]: the seed scenario under each policy, with a loader that offloads;
+//! - [`share_demo`]: two loaders in two processes sharing a device, without and with sharing;
 //! - [`trace`]: allocation traces, read from JSON lines or PyTorch memory snapshots;
 //! - [`snapshot`]: PyTorch memory snapshots read as traces, with the blocks live before
 //!   recording began;
@@ -30,6 +31,7 @@ pub mod plot;
 pub mod replay;
 pub mod report;
 pub mod seed;
+pub mod share_demo;
 pub mod snapshot;
 pub mod trace;
 pub mod units;

@@ -14,7 +14,7 @@ use resmem_cli::env::{self, Device, Environment};
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
 use resmem_cli::units::gib_or_mib;
-use resmem_cli::{demo, generate, info, model, plot, report, seed};
+use resmem_cli::{demo, generate, info, model, plot, report, seed, share_demo};
 
 #[derive(Parser)]
 #[command(
@@ -43,15 +43,29 @@ enum Command {
         /// The simulated device's memory (ignored on a real GPU).
         #[arg(long, default_value = "24GiB", value_parser = env::device_memory)]
         device_memory: u64,
-        /// The model's shapes: qwen3-4b, llama-3-8b, mistral-7b or qwen3-0.6b.
-        #[arg(long, default_value = "qwen3-4b", value_parser = model::preset)]
-        model: model::Shape,
+        /// The model's shapes: qwen3-4b, llama-3-8b, mistral-7b or qwen3-0.6b (default:
+        /// qwen3-4b; llama-3-8b with --processes 2).
+        #[arg(long, value_parser = model::preset)]
+        model: Option<model::Shape>,
         /// How many loads.
         #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=1000))]
         loads: u32,
         /// Draw reserved and allocated memory over the calls to this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// 2: one load in each of two processes on one simulated device, without and with
+        /// RESMEM_CONF=share:true (the processes give each other their idle cache).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=2))]
+        processes: u32,
+    },
+    /// One loader of `demo --processes 2` (run by it).
+    #[command(name = "share-loader", hide = true)]
+    ShareLoader {
+        #[arg(long, value_parser = model::preset)]
+        model: model::Shape,
+        /// Drop the model, report, and wait for the end of standard input.
+        #[arg(long)]
+        keep: bool,
     },
     /// Replay an allocation trace (JSON lines, or a pickled torch.cuda.memory._snapshot()) on a
     /// simulated device and compare peaks, fragmentation, driver calls and out-of-memory events.
@@ -156,9 +170,23 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
         Command::Demo {
             device_memory,
             model,
+            processes: 2,
+            ..
+        } => share_demo::show(device_memory, model.as_ref()),
+        Command::Demo {
+            device_memory,
+            model,
             loads,
             plot,
-        } => run_demo(env, device_memory, &model, loads, plot.as_deref()),
+            processes: _,
+        } => run_demo(
+            env,
+            device_memory,
+            &model.unwrap_or(model::PRESETS[0]),
+            loads,
+            plot.as_deref(),
+        ),
+        Command::ShareLoader { model, keep } => share_demo::loader(&model, keep),
         Command::Replay {
             trace,
             policy,

@@ -129,7 +129,9 @@ fn every_subcommand_refuses_a_bad_environment_in_one_line() {
         (
             ("RESMEM_CONF", "bogus:true"),
             "resmem: RESMEM_CONF: unknown key \"bogus\"; the keys are release_before_grow:true|false, \
-             logging:true|false, vmm:true|false, preload_allocations:true|false, record:PATH\n",
+             logging:true|false, vmm:true|false, preload_allocations:true|false, record:PATH, \
+             share:true|false, share_count:true|false, share_wait_ms:<milliseconds, at most \
+             60000>\n",
         ),
         (
             ("CUDA_SIM_DEVICES", "banana"),

@@ -56,6 +56,7 @@ driver_calls! {
     DeviceGet = "cuDeviceGet",
     DeviceGetName = "cuDeviceGetName",
     DeviceTotalMem = "cuDeviceTotalMem_v2",
+    DeviceGetUuid = "cuDeviceGetUuid",
     DevicePrimaryCtxRetain = "cuDevicePrimaryCtxRetain",
     DevicePrimaryCtxRelease = "cuDevicePrimaryCtxRelease_v2",
     CtxPushCurrent = "cuCtxPushCurrent_v2",

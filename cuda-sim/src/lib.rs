@@ -40,6 +40,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 
 mod faults;
 pub mod ledger;
+mod shared;
 mod vmm;
 use faults::Faults;
 pub use faults::{Call, Fault};
@@ -200,6 +201,8 @@ static GLOBAL: Global = Global(std::cell::UnsafeCell::new(OnceLock::new()));
 const ENV_VAR: &str = "CUDA_SIM_DEVICES";
 /// The environment variable that scripts faults for [`Sim::from_env`] (see [`Fault`]).
 const FAULTS_VAR: &str = "CUDA_SIM_FAULTS";
+/// Names the file through which processes share the devices' capacity.
+const SHARED_VAR: &str = "CUDA_SIM_SHARED";
 /// The configuration used when `CUDA_SIM_DEVICES` is unset.
 const DEFAULT_DEVICES: &str = "24GiB";
 
@@ -369,6 +372,12 @@ struct State {
     /// Calls by kind and the memory each kind created and gave back.
     ledger: Ledger,
     vmm: vmm::VmmState,
+    /// With `CUDA_SIM_SHARED`: the other processes' use of the same devices.
+    shared: Option<shared::Shared>,
+    /// What device UUIDs are derived from: the shared name, or this instance alone.
+    uuid_seed: String,
+    /// This instance's number in the process.
+    instance: u64,
 }
 
 /// Adds `req` to `reqs`, keeping one entry per stream with the larger count.
@@ -414,6 +423,49 @@ impl State {
     fn device_mut(&mut self, dev: i32) -> CuResult<&mut Device> {
         self.device(dev)?;
         Ok(&mut self.devices[dev as usize])
+    }
+
+    /// Free pages of `dev` (a valid ordinal): its capacity less this process's pages in use and,
+    /// with shared capacity, the other processes'.
+    fn free_pages(&self, dev: i32) -> CuResult<u64> {
+        let d = &self.devices[dev as usize];
+        let others = match &self.shared {
+            Some(shared) => shared
+                .others(dev as usize)
+                .map_err(|_| CuError(CUDA_ERROR_UNKNOWN))?,
+            None => 0,
+        };
+        Ok((d.capacity / PAGE).saturating_sub(d.used_pages + others))
+    }
+
+    /// Count `pages` more in use on `dev` (a valid ordinal) if they fit in its free pages;
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (and nothing counted) if not.
+    fn take_pages(&mut self, dev: i32, pages: u64) -> CuResult<()> {
+        let d = &self.devices[dev as usize];
+        let (capacity, used) = (d.capacity / PAGE, d.used_pages);
+        let fits = used + pages <= capacity
+            && match &self.shared {
+                Some(shared) => shared
+                    .set_used(dev as usize, used + pages, capacity)
+                    .map_err(|_| CuError(CUDA_ERROR_UNKNOWN))?,
+                None => true,
+            };
+        if !fits {
+            return Err(CuError(CUDA_ERROR_OUT_OF_MEMORY));
+        }
+        self.devices[dev as usize].used_pages += pages;
+        Ok(())
+    }
+
+    /// Count `pages` of `dev` free again.
+    fn give_pages(&mut self, dev: usize, pages: u64) {
+        let used = self.devices[dev].used_pages - pages;
+        self.devices[dev].used_pages = used;
+        if let Some(shared) = &self.shared {
+            // Shrinking never fails for lack of room; an I/O failure leaves the pages counted
+            // until the process exits, which errs on the side of less free memory.
+            let _ = shared.set_used(dev, used, u64::MAX);
+        }
     }
 
     /// Resolves `stream` (0: `dev`'s default stream) to a live stream of `dev`.
@@ -530,6 +582,7 @@ impl Sim {
     /// whole number of pages. [`Sim::init`] must be called before use; with no
     /// devices it fails with `CUDA_ERROR_NO_DEVICE`, as the driver does.
     pub fn new(capacities: &[u64]) -> Sim {
+        let instance = next_instance();
         let devices: Vec<Device> = capacities
             .iter()
             .map(|&c| Device {
@@ -565,6 +618,9 @@ impl Sim {
                 faults: Faults::new(),
                 ledger: Ledger::new(),
                 vmm: vmm::VmmState::new(),
+                shared: None,
+                uuid_seed: format!("instance {instance} of pid {}", std::process::id()),
+                instance,
             }),
             config_error: None,
         }
@@ -596,11 +652,42 @@ impl Sim {
         if var("CUDA_SIM_VMM").is_some_and(|v| v.to_str().is_some_and(|v| v.trim() == "0")) {
             sim.disable_vmm();
         }
+        if let Some(name) = text(SHARED_VAR)? {
+            sim.share_capacity(&name)
+                .map_err(|e| format!("{SHARED_VAR}={name:?}: {e}"))?;
+        }
         if let Some(faults) = text(FAULTS_VAR)? {
             sim.inject_faults(&faults)
                 .map_err(|e| format!("{FAULTS_VAR}={faults:?}: {e}"))?;
         }
         Ok(sim)
+    }
+
+    /// Shares the devices' capacity with every process (and instance) that shares `name`: a
+    /// file `/dev/shm/cuda-sim-<name>`, or the path `name` itself when it holds a `/`. From
+    /// now on, free memory is the capacity less what all of them use, an allocation that does
+    /// not fit in that fails with `CUDA_ERROR_OUT_OF_MEMORY`, the memory of a process that
+    /// exits or is killed is free again, and device UUIDs derive from `name`, so that every
+    /// sharer sees the same device. Every sharer must list the same capacities, at most 8
+    /// devices. Call it before allocating.
+    pub fn share_capacity(&self, name: &str) -> Result<(), String> {
+        let mut st = self.lock();
+        if st.devices.len() > shared::DEVICES {
+            return Err(format!(
+                "a shared simulator has at most {} devices",
+                shared::DEVICES
+            ));
+        }
+        let shared = shared::Shared::open(name, st.instance)?;
+        for dev in 0..st.devices.len() {
+            let used = st.devices[dev].used_pages;
+            shared
+                .set_used(dev, used, u64::MAX)
+                .map_err(|e| format!("cannot write {}: {e}", shared::path_of(name).display()))?;
+        }
+        st.shared = Some(shared);
+        st.uuid_seed = format!("shared {name}");
+        Ok(())
     }
 
     /// Makes a driver call fail as `fault` says, counting its calls from now
@@ -736,6 +823,20 @@ impl Sim {
         Ok(format!("cuda-sim device {dev} ({})", human_size(capacity)))
     }
 
+    /// `cuDeviceGetUuid`: the device's 16-byte UUID. It is the same for every instance that
+    /// shares capacity under one name ([`Sim::share_capacity`]), and unique to this instance
+    /// otherwise.
+    pub fn device_uuid(&self, dev: i32) -> CuResult<[u8; 16]> {
+        let mut st = self.lock();
+        st.fault(Call::DeviceGetUuid)?;
+        st.device(dev)?;
+        let text = format!("{} device {dev}", st.uuid_seed);
+        let mut uuid = [0u8; 16];
+        uuid[..8].copy_from_slice(&fnv1a(0xcbf2_9ce4_8422_2325, &text).to_le_bytes());
+        uuid[8..].copy_from_slice(&fnv1a(0x8422_2325_cbf2_9ce4, &text).to_le_bytes());
+        Ok(uuid)
+    }
+
     /// `cuDeviceTotalMem`: the device's capacity in bytes.
     pub fn total_mem(&self, dev: i32) -> CuResult<u64> {
         let mut st = self.lock();
@@ -748,8 +849,8 @@ impl Sim {
     pub fn mem_get_info(&self, dev: i32) -> CuResult<(u64, u64)> {
         let mut st = self.lock();
         st.fault(Call::MemGetInfo)?;
-        let d = st.device(dev)?;
-        Ok((d.capacity - d.used_pages * PAGE, d.capacity))
+        let capacity = st.device(dev)?.capacity;
+        Ok((st.free_pages(dev)? * PAGE, capacity))
     }
 
     /// `cuMemAlloc`: allocates `bytes` (rounded up to whole pages) on `dev`.
@@ -768,8 +869,7 @@ impl Sim {
         }
         let oom = CuError(CUDA_ERROR_OUT_OF_MEMORY);
         let pages = bytes.div_ceil(PAGE);
-        let free_pages = d.capacity / PAGE - d.used_pages;
-        if pages > free_pages {
+        if pages > d.capacity / PAGE - d.used_pages {
             return Err(oom);
         }
         let size = pages * PAGE;
@@ -785,8 +885,8 @@ impl Sim {
         if end - cursor < size {
             return Err(oom);
         }
-        d.allocations.insert(cursor, size);
-        d.used_pages += pages;
+        st.take_pages(dev, pages)?;
+        st.devices[dev as usize].allocations.insert(cursor, size);
         st.alloc_calls += 1;
         Ok(cursor)
     }
@@ -803,7 +903,7 @@ impl Sim {
         let dev = window_device(ptr).ok_or(invalid)?;
         let d = st.devices.get_mut(dev).ok_or(invalid)?;
         let size = d.allocations.remove(&ptr).ok_or(invalid)?;
-        d.used_pages -= size / PAGE;
+        st.give_pages(dev, size / PAGE);
         st.free_calls += 1;
         Ok(())
     }
@@ -1087,6 +1187,19 @@ impl Sim {
             .map(f)
             .unwrap_or_default()
     }
+}
+
+/// A number unique to each [`Sim`] created in this process.
+fn next_instance() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The 64-bit FNV-1a hash of `text`, from `seed`.
+fn fnv1a(seed: u64, text: &str) -> u64 {
+    text.bytes().fold(seed, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// The device whose address window contains `ptr`, if any.

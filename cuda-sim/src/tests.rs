@@ -642,3 +642,50 @@ fn test_helpers_are_not_driver_calls() {
     assert_eq!(sim.device_count(), Err(CuError(CUDA_ERROR_INVALID_VALUE)));
     assert_eq!(sim.call_count(Call::StreamSynchronize), 0);
 }
+
+#[test]
+fn uuids_are_shared_by_name_and_unique_otherwise() {
+    let dir = std::env::temp_dir().join(format!("cuda-sim-uuid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let name = dir.join("capacity").to_string_lossy().into_owned();
+    let _ = std::fs::remove_file(&name);
+    let sims: Vec<Sim> = (0..3).map(|_| Sim::new(&[4 * PAGE, 4 * PAGE])).collect();
+    for sim in &sims {
+        sim.init().unwrap();
+    }
+    let uuid = |sim: &Sim, dev| sim.device_uuid(dev).unwrap();
+    // Unshared: every instance and device has its own.
+    assert_ne!(uuid(&sims[0], 0), uuid(&sims[1], 0));
+    assert_ne!(uuid(&sims[0], 0), uuid(&sims[0], 1));
+    sims[0].share_capacity(&name).unwrap();
+    sims[1].share_capacity(&name).unwrap();
+    assert_eq!(uuid(&sims[0], 0), uuid(&sims[1], 0));
+    assert_eq!(uuid(&sims[0], 1), uuid(&sims[1], 1));
+    assert_ne!(uuid(&sims[0], 0), uuid(&sims[0], 1));
+    assert_ne!(uuid(&sims[0], 0), uuid(&sims[2], 0));
+    assert_eq!(
+        sims[0].device_uuid(2).unwrap_err().0,
+        codes::CUDA_ERROR_INVALID_DEVICE
+    );
+    // Shared capacity: what one uses, the other cannot.
+    let p = sims[0].mem_alloc(0, 3 * PAGE).unwrap();
+    assert_eq!(sims[1].mem_get_info(0).unwrap(), (PAGE, 4 * PAGE));
+    assert_eq!(
+        sims[1].mem_alloc(0, 2 * PAGE).unwrap_err().0,
+        codes::CUDA_ERROR_OUT_OF_MEMORY
+    );
+    sims[0].mem_free(p).unwrap();
+    let q = sims[1].mem_alloc(0, 4 * PAGE).unwrap();
+    assert_eq!(sims[0].mem_get_info(0).unwrap(), (0, 4 * PAGE));
+    // Virtual-memory physical allocations count too.
+    assert_eq!(
+        sims[0].mem_create(0, GRANULARITY).unwrap_err().0,
+        codes::CUDA_ERROR_OUT_OF_MEMORY
+    );
+    sims[1].mem_free(q).unwrap();
+    let h = sims[0].mem_create(0, GRANULARITY).unwrap();
+    assert_eq!(sims[1].mem_get_info(0).unwrap().0, 4 * PAGE - GRANULARITY);
+    sims[0].mem_release(h).unwrap();
+    assert_eq!(sims[1].mem_get_info(0).unwrap().0, 4 * PAGE);
+    let _ = std::fs::remove_dir_all(&dir);
+}

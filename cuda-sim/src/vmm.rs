@@ -125,7 +125,7 @@ impl State {
     /// Free the pages of a physical allocation that is released and unmapped.
     fn drop_physical(&mut self, handle: u64) {
         let physical = self.vmm.handles.remove(&handle).expect("known handle");
-        self.devices[physical.device as usize].used_pages -= physical.size / PAGE;
+        self.give_pages(physical.device as usize, physical.size / PAGE);
     }
 }
 
@@ -209,11 +209,7 @@ impl Sim {
         if size == 0 || size % GRANULARITY != 0 {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
         }
-        let d = &mut st.devices[dev as usize];
-        if size / PAGE > d.capacity / PAGE - d.used_pages {
-            return Err(CuError(CUDA_ERROR_OUT_OF_MEMORY));
-        }
-        d.used_pages += size / PAGE;
+        st.take_pages(dev, size / PAGE)?;
         let handle = st.vmm.next_handle;
         st.vmm.next_handle += 1;
         st.vmm.creates += 1;

@@ -187,7 +187,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
         if status != CUDA_SUCCESS {
             return status;
         }
-        let outcome = runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0));
+        let outcome = runtime::reserve(device, size as u64, 0);
         record::reserved(device, size as u64, 0, &outcome);
         match outcome {
             Ok(block) => {
@@ -256,7 +256,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, size: usize) -> c_int {
         if status != CUDA_SUCCESS {
             return status;
         }
-        let outcome = runtime::pool().and_then(|pool| pool.reserve(device, size as u64, 0));
+        let outcome = runtime::reserve(device, size as u64, 0);
         record::reserved(device, size as u64, 0, &outcome);
         match outcome {
             Ok(block) => {

@@ -20,6 +20,8 @@ STATS_FIELDS = (
     "driver_frees",
     "oom_retries",
     "ooms",
+    "shared_given_bytes",
+    "shared_received_bytes",
 )
 
 

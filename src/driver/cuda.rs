@@ -110,6 +110,13 @@ driver_table! {
     }
 }
 
+driver_table! {
+    /// The device's UUID (CUDA 9.2 and later), used when processes share idle cache.
+    UuidTable {
+    device_get_uuid = "cuDeviceGetUuid"(*mut [u8; 16], CUdevice);
+    }
+}
+
 /// `CUmemLocation`.
 #[repr(C)]
 struct MemLocation {
@@ -164,12 +171,20 @@ pub fn optional_symbols() -> &'static [&'static str] {
     VmmTable::SYMBOLS
 }
 
+/// The name of the function that identifies a device, needed only to share idle cache with
+/// other processes.
+pub fn uuid_symbols() -> &'static [&'static str] {
+    UuidTable::SYMBOLS
+}
+
 /// The CUDA driver, loaded from a shared library.
 pub struct CudaDriver {
     library: String,
     table: Table,
     /// The virtual-memory API, if the library exports it.
     vmm: Option<VmmTable>,
+    /// `cuDeviceGetUuid`, if the library exports it.
+    uuid: Option<UuidTable>,
     version: c_int,
     devices: Vec<CUdevice>,
     /// Each device's primary context, retained on first use.
@@ -214,10 +229,13 @@ impl CudaDriver {
         })?;
         // SAFETY: as for the table above.
         let vmm = unsafe { VmmTable::resolve(handle) }.ok();
+        // SAFETY: as for the table above.
+        let uuid = unsafe { UuidTable::resolve(handle) }.ok();
         let mut driver = CudaDriver {
             library: library.to_string(),
             table,
             vmm,
+            uuid,
             version: 0,
             devices: Vec::new(),
             contexts: Vec::new(),
@@ -415,6 +433,32 @@ impl Driver for CudaDriver {
             (t.mem_get_info)(&mut free, &mut total)
         })?;
         Ok((free as u64, total as u64))
+    }
+
+    fn device_uuid(&self, device: i32) -> DriverResult<[u8; 16]> {
+        let call = "cuDeviceGetUuid";
+        let Some(table) = &self.uuid else {
+            return Err(DriverError {
+                call,
+                code: 801,
+                name: "CUDA_ERROR_NOT_SUPPORTED".to_string(),
+                description: "the driver library lacks cuDeviceGetUuid".to_string(),
+            });
+        };
+        let handle = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.devices.get(d))
+            .ok_or_else(|| DriverError {
+                call,
+                code: 101,
+                name: "CUDA_ERROR_INVALID_DEVICE".to_string(),
+                description: "invalid device ordinal".to_string(),
+            })?;
+        let mut uuid = [0u8; 16];
+        // SAFETY: the out-pointer is valid for 16 bytes (a CUuuid); the device came from
+        // cuDeviceGet; the call needs no current context.
+        self.check(call, unsafe { (table.device_get_uuid)(&mut uuid, *handle) })?;
+        Ok(uuid)
     }
 
     fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
@@ -626,5 +670,6 @@ mod tests {
         assert!(required_symbols().contains(&"cuMemAlloc_v2"));
         assert_eq!(optional_symbols().len(), 9);
         assert!(optional_symbols().contains(&"cuMemMap"));
+        assert_eq!(uuid_symbols(), ["cuDeviceGetUuid"]);
     }
 }

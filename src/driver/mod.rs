@@ -74,6 +74,9 @@ pub trait Driver: Send + Sync {
     fn device_count(&self) -> i32;
     /// `(free, total)` bytes of device memory, as the driver reports them.
     fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)>;
+    /// The device's 16-byte UUID (`cuDeviceGetUuid`): the same in every process that sees the
+    /// device.
+    fn device_uuid(&self, device: i32) -> DriverResult<[u8; 16]>;
     /// Allocate `bytes` of device memory.
     fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr>;
     /// Free memory returned by [`Driver::mem_alloc`].

@@ -60,6 +60,12 @@ impl Driver for SimDriver {
             .map_err(fail("cuMemGetInfo_v2"))
     }
 
+    fn device_uuid(&self, device: i32) -> DriverResult<[u8; 16]> {
+        self.sim
+            .device_uuid(device)
+            .map_err(fail("cuDeviceGetUuid"))
+    }
+
     fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
         self.sim
             .mem_alloc(device, bytes)

@@ -304,6 +304,18 @@ impl DevicePool {
         self.release_idle(cx, u64::MAX)
     }
 
+    /// Return idle cache to the driver up to `bytes` at another process's request: whole idle
+    /// segments (so possibly a little more), and in virtual-memory mode the spare pages of
+    /// handles no range maps, as [`DevicePool::free_reusable`] would, but only up to `bytes`.
+    /// Never a block in use, and never waits for other streams' work. Returns the bytes
+    /// returned.
+    pub fn trim(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
+        self.flush_parked();
+        self.collect_pending(cx, false)?;
+        self.retry_stuck(cx)?;
+        self.release_idle(cx, bytes)
+    }
+
     /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
     /// Under a memory limit, free is at most what the limit leaves to new blocks.
     pub fn mem_get_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {

@@ -216,6 +216,17 @@ impl Pool {
         self.each_device(device, |pool, cx| pool.free_reusable(cx))
     }
 
+    /// Return idle cached memory of `device` to the driver, up to `bytes` of it (whole idle
+    /// segments, so possibly a little more), never a block in use: what another process asks
+    /// for when it runs short. Returns the bytes returned.
+    pub fn trim(&self, device: i32, bytes: u64) -> Result<u64> {
+        let (mut pool, cx) = self.lock(device)?;
+        if bytes == 0 {
+            return Ok(0);
+        }
+        pool.trim(&cx, bytes)
+    }
+
     /// Ensure at least `bytes` are reusable on `device`. Returns the bytes newly allocated.
     pub fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
         let (mut pool, cx) = self.lock(device)?;

@@ -896,3 +896,32 @@ fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_de
     assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1536 * MIB);
     assert_nothing_held(sim);
 }
+
+#[test]
+fn trim_returns_idle_segments_up_to_the_bytes_asked_and_never_a_live_block() {
+    let (pool, sim) = pool(24 * GIB);
+    let live = pool.reserve(0, 4 * GIB, 0).unwrap();
+    let idle: Vec<u64> = [2 * GIB, 6 * GIB, 8 * GIB]
+        .iter()
+        .map(|&size| pool.reserve(0, size, 0).unwrap())
+        .collect();
+    for ptr in idle {
+        pool.release(ptr).unwrap();
+    }
+    assert_eq!(pool.trim(0, 0).unwrap(), 0);
+    // The smallest idle segment that covers the bytes asked.
+    assert_eq!(pool.trim(0, 5 * GIB).unwrap(), 6 * GIB);
+    assert_eq!(sim.used_bytes(0), 14 * GIB);
+    // More than is idle: every idle segment, and the live block stays.
+    assert_eq!(pool.trim(0, 20 * GIB).unwrap(), 10 * GIB);
+    assert_eq!(pool.trim(0, GIB).unwrap(), 0);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.allocated_bytes), (4 * GIB, 4 * GIB));
+    assert_books(&pool, sim);
+    pool.release(live).unwrap();
+    assert_eq!(pool.trim(0, GIB).unwrap(), 4 * GIB);
+    assert_eq!(
+        pool.trim(7, GIB).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_DEVICE
+    );
+}

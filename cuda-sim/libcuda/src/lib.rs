@@ -361,6 +361,32 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
     })
 }
 
+/// `cuDeviceGetUuid`: writes the device's 16-byte UUID (a `CUuuid`), the same in every process
+/// that shares capacity under one `CUDA_SIM_SHARED` name.
+///
+/// # Safety
+/// `uuid` must be NULL or valid for a write of 16 bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(uuid)?;
+        let bytes = cu(sim().device_uuid(dev))?;
+        // SAFETY: the caller's contract on `uuid`.
+        unsafe { write_out(uuid, bytes) }
+    })
+}
+
+/// `cuDeviceGetUuid_v2`: as [`cuDeviceGetUuid`] (the simulator has no MIG instances).
+///
+/// # Safety
+/// As [`cuDeviceGetUuid`].
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetUuid_v2(uuid: *mut [u8; 16], dev: CUdevice) -> CUresult {
+    // SAFETY: the same contract.
+    unsafe { cuDeviceGetUuid(uuid, dev) }
+}
+
 /// `cuDevicePrimaryCtxRetain`: retains the device's primary context and
 /// writes its handle (the same handle every time for a device).
 ///
