@@ -1,8 +1,8 @@
 //! The C API: the exported `rm_*` functions of the core API (PyTorch's entry points are in
 //! [`crate::torch`]), and nothing else exported. Each one checks its arguments, runs its body
 //! behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`), returns an [`rm_status`],
-//! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::pool`];
-//! this file only translates, and tells [`crate::record`] what was done.
+//! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::front`] and
+//! [`crate::pool`]; this file only translates, and tells [`crate::record`] what was done.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -11,7 +11,8 @@ use std::sync::Once;
 
 use crate::driver::DevicePtr;
 use crate::error::{last_error_ptr, rm_status, set_last_error, Error, Result};
-use crate::pool::{Pool, Stats};
+use crate::front::Front;
+use crate::pool::Stats;
 use crate::{record, runtime};
 
 /// A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
@@ -174,7 +175,7 @@ unsafe fn write_out<T>(out: *mut T, value: T) {
     }
 }
 
-pub(crate) fn pool() -> Result<&'static Pool> {
+pub(crate) fn pool() -> Result<&'static Front> {
     runtime::pool()
 }
 

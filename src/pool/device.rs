@@ -160,6 +160,45 @@ impl DevicePool {
     ) -> Result<DevicePtr> {
         let block_size = size::block_size(size)?;
         self.stats.reserve_calls += 1;
+        if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
+            return Ok(ptr);
+        }
+        // 3. and 4. A new segment, returning cache to the driver first where needed.
+        let id = self.grow(
+            cx,
+            size::segment_size(block_size),
+            size::class_of(block_size),
+            stream,
+            size,
+            Grow::MayRelease,
+        )?;
+        Ok(self.take(id, block_size, size))
+    }
+
+    /// Like [`DevicePool::reserve`], but only from memory already held (steps 1 and 2): `None`
+    /// where the request would need the driver, and then nothing is counted.
+    pub fn reserve_cached(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
+        let block_size = size::block_size(size)?;
+        let found = self.reuse(cx, size, block_size, stream)?;
+        if found.is_some() {
+            self.stats.reserve_calls += 1;
+        }
+        Ok(found)
+    }
+
+    /// Steps 1 and 2 of [`DevicePool::reserve`].
+    fn reuse(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        block_size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
         if !self.pending.is_empty() {
             self.collect_pending(cx, false)?;
         }
@@ -168,11 +207,11 @@ impl DevicePool {
         if let Some(&slot) = self.slot_of.get(&stream) {
             if let Some(id) = self.unpark(slot, block_size) {
                 self.stats.cache_hits += 1;
-                return Ok(self.revive(id, size));
+                return Ok(Some(self.revive(id, size)));
             }
             if let Some(id) = self.slots[slot as usize].bins[class as usize].find(block_size) {
                 self.stats.cache_hits += 1;
-                return Ok(self.take(id, block_size, size));
+                return Ok(Some(self.take(id, block_size, size)));
             }
         }
         if self.parked > 0 {
@@ -184,24 +223,15 @@ impl DevicePool {
                 .and_then(|&slot| self.slots[slot as usize].bins[class as usize].find(block_size));
             if let Some(id) = found {
                 self.stats.cache_hits += 1;
-                return Ok(self.take(id, block_size, size));
+                return Ok(Some(self.take(id, block_size, size)));
             }
         }
         // 2. An idle segment of another stream, ordered after that stream's work.
         if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
             self.stats.cache_hits += 1;
-            return Ok(self.take(id, block_size, size));
+            return Ok(Some(self.take(id, block_size, size)));
         }
-        // 3. and 4. A new segment, returning cache to the driver first where needed.
-        let id = self.grow(
-            cx,
-            size::segment_size(block_size),
-            class,
-            stream,
-            size,
-            Grow::MayRelease,
-        )?;
-        Ok(self.take(id, block_size, size))
+        Ok(None)
     }
 
     /// Give the block at `ptr` back to the pool.

@@ -175,6 +175,21 @@ impl Pool {
         pool.reserve(&cx, size, stream)
     }
 
+    /// Like [`Pool::reserve`], but only from memory the pool already holds: `None` (and nothing
+    /// counted) where the request would need the driver. Size 0 is `Some(0)`.
+    pub fn reserve_cached(
+        &self,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
+        let (mut pool, cx) = self.lock(device)?;
+        if size == 0 {
+            return Ok(Some(0));
+        }
+        pool.reserve_cached(&cx, size, stream)
+    }
+
     /// Give a block back to the pool. `0` is accepted and does nothing.
     pub fn release(&self, ptr: DevicePtr) -> Result<()> {
         if ptr == 0 {
