@@ -224,15 +224,22 @@ fn a_reserve_that_would_grow_takes_cached_memory_back_first() {
         front.release(p).unwrap();
     }
     assert_eq!(front.mem_get_info(0).unwrap(), (200 * MIB, 200 * MIB));
-    // 150 MiB fits only once the cached segments go back to the driver.
+    // 150 MiB fits only once the cached blocks go back to the pool, which maps their pages
+    // into one range (page-granular reuse): nothing new from the driver.
     let big = front.reserve(0, 150 * MIB, 0).unwrap();
-    assert_eq!(sim.used_bytes(0), 150 * MIB);
+    assert_eq!(sim.used_bytes(0), 192 * MIB);
     assert_eq!(figures(&front, sim, 0), (150 * MIB, 150 * MIB, 1, 4, 0));
     front.release(big).unwrap();
     // A cap drains too: nothing stays above it.
     front.set_memory_limit(Some(0), Some(64 * MIB)).unwrap();
+    assert_eq!(sim.used_bytes(0), 64 * MIB);
+    // A block waiting in the cache goes back too under a lower cap.
+    let d = front.reserve(0, 64 * MIB, 0).unwrap();
+    front.release(d).unwrap();
+    assert_eq!(figures(&front, sim, 0).0, 0);
+    front.set_memory_limit(Some(0), Some(32 * MIB)).unwrap();
     assert_eq!(sim.used_bytes(0), 0);
-    assert_eq!(front.memory_limit(0).unwrap(), Some(64 * MIB));
+    assert_eq!(front.memory_limit(0).unwrap(), Some(32 * MIB));
 }
 
 #[test]
