@@ -210,8 +210,7 @@ pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr
     let pool = pool()?;
     match pool.reserve(device, size, stream) {
         Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
-            Some(share) => share
-                .after_out_of_memory(pool.pool(), device, size, e, || {
+            Some(share) => share.after_out_of_memory(pool.pool(), device, size, e, || {
                 pool.reserve(device, size, stream)
             }),
             None => Err(e),

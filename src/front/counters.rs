@@ -55,15 +55,15 @@ impl Counters {
     /// Add `d` to a set only this thread writes: plain loads and stores.
     #[inline]
     pub fn add_owned(&self, d: Delta) {
-        let values = [d.cached_bytes, d.cached_blocks, d.requested, d.hits];
-        for (field, v) in self.fields().into_iter().zip(values) {
-            if v != 0 {
-                field.store(field.load(Relaxed).wrapping_add(v), Relaxed);
-            }
-        }
+        // Plain loads and stores, no branch: only the owner writes these.
+        let add =
+            |field: &AtomicI64, v: i64| field.store(field.load(Relaxed).wrapping_add(v), Relaxed);
+        add(&self.cached_bytes, d.cached_bytes);
+        add(&self.cached_blocks, d.cached_blocks);
+        add(&self.requested, d.requested);
+        add(&self.hits, d.hits);
     }
 
-    /// Add `d` to a set several threads write: atomic adds.
     pub fn add_shared(&self, d: Delta) {
         let values = [d.cached_bytes, d.cached_blocks, d.requested, d.hits];
         for (field, v) in self.fields().into_iter().zip(values) {

@@ -87,15 +87,14 @@ struct Binding {
 
 /// The calling thread's caches, one per front it has used; handed back at thread exit.
 struct Bindings {
-    /// The front (by id; 0: none) and cache of the last call (the common case: one front in
-    /// the process).
-    last: Cell<(u64, *const ThreadCache)>,
     list: RefCell<Vec<Binding>>,
 }
 
 impl Drop for Bindings {
     fn drop(&mut self) {
-        self.last.set((0, ptr::null()));
+        // `LAST` has no destructor: it stays usable here, and is cleared first so that a call
+        // made later in this thread's exit binds again (and finds none: `BINDINGS` is gone).
+        LAST.set((0, ptr::null()));
         for binding in self.list.get_mut().drain(..) {
             if let Some(front) = binding.front.upgrade() {
                 front.hand_back(binding.cache);
@@ -105,15 +104,19 @@ impl Drop for Bindings {
 }
 
 thread_local! {
+    /// The front (by id; 0: none) and cache of the last call on this thread (the common case:
+    /// one front in the process). A constant with no destructor: reading it is one
+    /// thread-local access, with no check of a destructor's state.
+    static LAST: Cell<(u64, *const ThreadCache)> = const { Cell::new((0, ptr::null())) };
+    /// Every binding of this thread; its destructor hands the caches back at thread exit.
     static BINDINGS: Bindings = const {
         Bindings {
-            last: Cell::new((0, ptr::null())),
             list: RefCell::new(Vec::new()),
         }
     };
 }
 
-/// The id of the next front: never reused, so that a thread's `last` binding cannot name a
+/// The id of the next front: never reused, so that a thread's `LAST` cannot name a
 /// dropped front's successor at the same address.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -316,22 +319,21 @@ impl Inner {
     /// get none (every cache taken, or the thread is exiting).
     #[inline]
     fn with_cache<R>(self: &Arc<Self>, f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
+        let (id, cache) = LAST.get();
+        if id == self.id {
+            // SAFETY: ids are never reused, so `LAST` names a cache of this very front, which
+            // the caller keeps alive for this call, and the cache lives in the front's registry
+            // as long as the front.
+            return Some(f(unsafe { &*cache }));
+        }
         BINDINGS
-            .try_with(|bindings| {
-                let (id, cache) = bindings.last.get();
-                if id == self.id {
-                    // SAFETY: ids are never reused, so `last` names a cache of this very front,
-                    // which the caller keeps alive for this call, and the cache lives in the
-                    // front's registry as long as the front.
-                    return Some(f(unsafe { &*cache }));
-                }
-                self.bind(bindings).map(f)
-            })
+            .try_with(|bindings| self.bind(bindings))
             .ok()
             .flatten()
+            .map(f)
     }
 
-    /// The calling thread's cache in this front, claimed on first use, made the `last` one.
+    /// The calling thread's cache in this front, claimed on first use, made `LAST`.
     #[cold]
     fn bind<'a>(self: &'a Arc<Self>, bindings: &Bindings) -> Option<&'a ThreadCache> {
         let mut list = bindings.list.borrow_mut();
@@ -350,7 +352,7 @@ impl Inner {
                 cache
             }
         };
-        bindings.last.set((self.id, cache as *const ThreadCache));
+        LAST.set((self.id, cache as *const ThreadCache));
         Some(cache)
     }
 

@@ -109,20 +109,38 @@ impl ThreadCache {
     }
 
     /// The bin holding `(device, stream, size)`, if any (owner only).
-    #[inline]
+    #[inline(always)]
     pub fn find(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
         let start = slot_of(device, stream, size);
-        (0..PROBE)
+        // The key's own bin, where it almost always is, before the probe.
+        let home = &self.bins[start];
+        if home.is(device, stream, size) {
+            return Some(home);
+        }
+        self.probe(start, device, stream, size)
+    }
+
+    /// The rest of [`ThreadCache::find`]: the bins after the key's own.
+    #[inline(never)]
+    fn probe(&self, start: usize, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
+        (1..PROBE)
             .map(|i| &self.bins[(start + i) % BINS])
             .find(|bin| bin.is(device, stream, size))
     }
 
     /// The bin for `(device, stream, size)`, keying an empty one if there is none yet (owner
     /// only); `None` when every bin it may use holds other keys' blocks.
+    #[inline(always)]
     pub fn find_or_key(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
         if let Some(bin) = self.find(device, stream, size) {
             return Some(bin);
         }
+        self.key(device, stream, size)
+    }
+
+    /// The rest of [`ThreadCache::find_or_key`]: key an empty bin.
+    #[cold]
+    fn key(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
         let start = slot_of(device, stream, size);
         let bin = (0..PROBE)
             .map(|i| &self.bins[(start + i) % BINS])
