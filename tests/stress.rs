@@ -1,9 +1,10 @@
 //! Concurrency: 8 threads share one pool over two simulated devices with three streams each,
 //! doing mixed operations and handing blocks to each other, so that most blocks are released by
 //! another thread than the one that reserved them, with classic segments and with stitched ones
-//! (`vmm:true`), and behind the per-thread front caches (the C API's path). Every block handed out is checked against all other live blocks (no two
-//! overlap), and at the end the books are exact and, once the cache is returned, the driver
-//! holds nothing: no allocation, no physical memory, no address range. A watchdog fails the test
+//! (`vmm:true`), and behind the per-thread front caches (the C API's path). Every block handed
+//! out is checked against all other live blocks (no two overlap), and at the end the books are
+//! exact and, once the cache is returned, the driver holds nothing: no allocation, no physical
+//! memory, no address range. A watchdog fails the test
 //! if the threads stop making progress (a deadlock) instead of hanging.
 //!
 //! Two more tests hold the invariant that every live block stays known to the pool while

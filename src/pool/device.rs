@@ -380,21 +380,46 @@ impl DevicePool {
         self.limit
     }
 
-    /// The figures, exact now. Parked blocks are merged first, so that the largest reusable
-    /// block is seen whole.
-    pub fn stats(&mut self) -> Stats {
-        self.flush_parked();
+    /// The figures, exact now, read without changing anything: a parked block counts in the
+    /// largest reusable block together with the free and parked neighbours it would merge with.
+    pub fn stats(&self) -> Stats {
         let mut stats = self.stats;
         stats.reusable_bytes = stats.reusable();
         let (mut small, mut large) = (0, 0);
         for slot in &self.slots {
             small = small.max(slot.bins[Class::Small as usize].largest());
             large = large.max(slot.bins[Class::Large as usize].largest());
+            for &id in &slot.parked {
+                let run = self.free_run(id);
+                match self.segments[self.blocks[id].segment as usize].class {
+                    Class::Small => small = small.max(run),
+                    Class::Large => large = large.max(run),
+                }
+            }
         }
         // Small requests come only from small segments, large ones (over 1 MiB) only from large.
         let large = if large > SMALL_MAX { large } else { 0 };
         stats.largest_reusable_block = large.max(small.min(SMALL_MAX));
         stats
+    }
+
+    /// The size of the free block that parked block `id` would be part of once merged: it and
+    /// its free or parked neighbours on both sides.
+    fn free_run(&self, id: u32) -> u64 {
+        let unused =
+            |b: u32| b != NIL && matches!(self.blocks[b].state, State::Free | State::Parked);
+        let mut size = self.blocks[id].size;
+        let mut b = self.blocks[id].prev;
+        while unused(b) {
+            size += self.blocks[b].size;
+            b = self.blocks[b].prev;
+        }
+        let mut b = self.blocks[id].next;
+        while unused(b) {
+            size += self.blocks[b].size;
+            b = self.blocks[b].next;
+        }
+        size
     }
 
     /// Set the peaks to the current values.

@@ -248,9 +248,9 @@ impl Pool {
         pool.warmup(&cx, bytes)
     }
 
-    /// The figures of `device`.
+    /// The figures of `device`, read without changing anything.
     pub fn stats(&self, device: i32) -> Result<Stats> {
-        let (mut pool, _) = self.lock(device)?;
+        let (pool, _) = self.lock(device)?;
         Ok(pool.stats())
     }
 
