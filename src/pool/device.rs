@@ -324,14 +324,27 @@ impl DevicePool {
         Ok(segment)
     }
 
-    /// Return every idle segment to the driver, after waiting for pending blocks. Returns the
-    /// bytes returned.
-    pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
-        self.flush_parked();
-        self.collect_pending(cx, true)?;
-        // Ranges whose undoing failed first: once unmapped, their handles can go back too.
-        self.retry_stuck(cx)?;
-        self.release_idle(cx, u64::MAX)
+    /// One batch of returning every idle segment to the driver (see [`super::Pool::free_reusable`]):
+    /// the first (`first`) merges parked blocks and waits for pending ones; each returns at most
+    /// `segments` idle classic segments (virtual-memory mode returns everything at once).
+    /// Returns the bytes returned and whether idle segments remain.
+    pub fn free_reusable_batch(
+        &mut self,
+        cx: &Context<'_>,
+        first: bool,
+        segments: usize,
+    ) -> Result<(u64, bool)> {
+        if first {
+            self.flush_parked();
+            self.collect_pending(cx, true)?;
+            // Ranges whose undoing failed first: once unmapped, their handles can go back too.
+            self.retry_stuck(cx)?;
+        }
+        if matches!(self.vmm, VmmMode::On(_)) {
+            return Ok((self.release_idle(cx, u64::MAX)?, false));
+        }
+        let released = self.release_idle_segments(cx, segments)?;
+        Ok((released, !self.idle.is_empty()))
     }
 
     /// Return idle cache to the driver up to `bytes` at another process's request: whole idle

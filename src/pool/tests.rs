@@ -954,3 +954,35 @@ fn the_largest_reusable_block_counts_parked_neighbours_merged() {
     }
     assert_books(&pool, sim);
 }
+
+#[test]
+fn free_reusable_returns_many_idle_segments_in_batches_with_exact_books() {
+    let (pool, sim) = pool(24 * GIB);
+    let pool = Arc::new(pool);
+    let n = 3 * FREE_BATCH as u64 + 5;
+    // One 20 MiB segment each (as PyTorch sizes them); the kept block gets one of its own.
+    let blocks: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    let keep = pool.reserve(0, 4 * MIB, 0).unwrap();
+    for p in blocks {
+        pool.release(p).unwrap();
+    }
+    // Another thread takes the lock between batches meanwhile.
+    let other = Arc::clone(&pool);
+    let reader = std::thread::spawn(move || {
+        for _ in 0..1000 {
+            other.stats(0).unwrap();
+        }
+    });
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), n * 20 * MIB);
+    reader.join().unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.segments, s.reserved_bytes, s.driver_frees),
+        (1, 20 * MIB, n)
+    );
+    assert_eq!(sim.free_calls(), n);
+    pool.release(keep).unwrap();
+    assert_books(&pool, sim);
+}
