@@ -15,8 +15,8 @@ use crate::front::Front;
 use crate::pool::Stats;
 use crate::{record, runtime};
 
-/// A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
-/// the call.
+/// A device's figures, as `rm_get_stats` reports them. They are exact whenever no other call
+/// is in flight (calls running meanwhile may or may not be counted yet).
 #[repr(C)]
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -294,7 +294,8 @@ pub unsafe extern "C" fn rm_record_stream(ptr: *mut c_void, stream: *mut c_void)
 
 /// Return every idle cached segment to the driver (what `torch.cuda.empty_cache()` does), after
 /// waiting for blocks still in use by other streams. `device` -1 means every device. The bytes
-/// returned are stored in `*released_bytes` unless it is NULL.
+/// returned are stored in `*released_bytes` unless it is NULL. Idle segments go back in
+/// batches, so other threads' calls on the device wait for one batch at most.
 ///
 /// # Safety
 /// `released_bytes` is NULL or valid for writing a `size_t`.
@@ -328,7 +329,9 @@ pub unsafe extern "C" fn rm_warmup(device: c_int, bytes: usize) -> rm_status {
     })
 }
 
-/// Fill `*out` with `device`'s figures.
+/// Fill `*out` with `device`'s figures. Reading them changes nothing (no later placement);
+/// they are exact whenever no other call is in flight. Blocks waiting in a thread's front
+/// cache count as reusable, not allocated.
 ///
 /// # Safety
 /// `out` is NULL or valid for writing an `rm_stats`.
