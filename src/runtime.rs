@@ -177,13 +177,13 @@ fn start() -> Result<&'static Front, Error> {
         return Err(forked_error(started.pid, std::process::id()));
     }
     let front = started.pool.as_ref().map_err(Clone::clone)?;
-    SHARING.get_or_init(|| start_sharing(front.pool()));
+    SHARING.get_or_init(|| start_sharing(front));
     Ok(front)
 }
 
 /// Join the devices' registries if `RESMEM_CONF` says `share:true`; never in a privileged
 /// process. The registries are in `RESMEM_SHARE_DIR`, else `/dev/shm`.
-fn start_sharing(pool: &'static Pool) -> Option<Sharing> {
+fn start_sharing(pool: &'static Front) -> Option<Sharing> {
     let settings = settings().ok()?;
     if !settings.share.enabled || is_secure() {
         return None;
@@ -210,9 +210,8 @@ pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr
     let pool = pool()?;
     match pool.reserve(device, size, stream) {
         Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
-            Some(share) => share.after_out_of_memory(pool.pool(), device, size, e, || {
-                pool.reserve(device, size, stream)
-            }),
+            Some(share) => share
+                .after_out_of_memory(pool, device, size, e, || pool.reserve(device, size, stream)),
             None => Err(e),
         },
         other => other,
@@ -228,9 +227,7 @@ pub fn warmup(device: i32, bytes: u64) -> Result<u64, Error> {
             Some(share) => {
                 let reusable = pool.stats(device)?.reusable_bytes;
                 let missing = bytes.saturating_sub(reusable);
-                share.after_out_of_memory(pool.pool(), device, missing, e, || {
-                    pool.warmup(device, bytes)
-                })
+                share.after_out_of_memory(pool, device, missing, e, || pool.warmup(device, bytes))
             }
             None => Err(e),
         },

@@ -10,7 +10,8 @@
  *   stats <cached> <ns per rm_get_stats>
  *   free_reusable <segments> <ms> <bytes> <calls, median, p99.9, max us, calls over 100 us:
  *                 with nothing else running, then during the call>
- * `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
+ * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
+ * unless given). `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
  * instruction counts over the difference of N is the instructions of one pair
  * (scripts/bench-c.sh does this).
@@ -281,7 +282,7 @@ int main(int argc, char **argv) {
       }
     }
   } else {
-    free_reusable_pauses(100000);
+    free_reusable_pauses(argc > 2 ? (size_t)atol(argv[2]) : 100000);
   }
   return 0;
 }

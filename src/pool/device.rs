@@ -326,8 +326,9 @@ impl DevicePool {
 
     /// One batch of returning every idle segment to the driver (see [`super::Pool::free_reusable`]):
     /// the first (`first`) merges parked blocks and waits for pending ones; each returns at most
-    /// `segments` idle classic segments (virtual-memory mode returns everything at once).
-    /// Returns the bytes returned and whether idle segments remain.
+    /// `segments` idle segments (in virtual-memory mode: takes apart at most `segments` unused
+    /// segments, and returns the handles left unused). Returns the bytes returned and whether
+    /// idle segments remain.
     pub fn free_reusable_batch(
         &mut self,
         cx: &Context<'_>,
@@ -341,7 +342,7 @@ impl DevicePool {
             self.retry_stuck(cx)?;
         }
         if matches!(self.vmm, VmmMode::On(_)) {
-            return Ok((self.release_idle(cx, u64::MAX)?, false));
+            return self.release_stitched_batch(cx, segments);
         }
         let released = self.release_idle_segments(cx, segments)?;
         Ok((released, !self.idle.is_empty()))

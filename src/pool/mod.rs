@@ -249,8 +249,8 @@ impl Pool {
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
-    /// Classic segments go back [`FREE_BATCH`] at a time, the device's lock released between
-    /// batches, so that reserves and releases on the device wait for one batch at most.
+    /// Segments go back [`FREE_BATCH`] at a time, the device's lock released between batches,
+    /// so that reserves and releases on the device wait for one batch at most.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
         // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {

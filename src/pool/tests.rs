@@ -986,3 +986,21 @@ fn free_reusable_returns_many_idle_segments_in_batches_with_exact_books() {
     pool.release(keep).unwrap();
     assert_books(&pool, sim);
 }
+
+#[test]
+fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
+    let (pool, sim) = pool_with(&[24 * GIB], PoolConfig::default());
+    let n = 2 * FREE_BATCH as u64 + 3;
+    let blocks: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    for p in blocks {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), n * 20 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.segments, s.reserved_bytes), (0, 0));
+    assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
+    assert_eq!(sim.reserved_ranges(), 0);
+    assert_books(&pool, sim);
+}

@@ -622,6 +622,33 @@ impl DevicePool {
         Ok(released)
     }
 
+    /// One batch of returning all cached memory: at most `count` unused segments taken apart,
+    /// then every handle left unused. Returns the bytes returned and whether unused segments
+    /// remain.
+    pub(super) fn release_stitched_batch(
+        &mut self,
+        cx: &Context<'_>,
+        count: usize,
+    ) -> Result<(u64, bool)> {
+        let mut released = self.release_unused(cx, u64::MAX)?;
+        let mut waited = false;
+        for _ in 0..count {
+            let Some(seg) = self.unused_segment() else {
+                return Ok((released, false));
+            };
+            if !waited {
+                // Work queued before the blocks were released may still use them.
+                cx.driver.synchronize(self.device).map_err(|e| {
+                    Error::driver("waiting for the device before returning cached memory", &e)
+                })?;
+                waited = true;
+            }
+            self.dismantle(cx, seg)?;
+            released += self.release_unused(cx, u64::MAX)?;
+        }
+        Ok((released, self.unused_segment().is_some()))
+    }
+
     /// The largest stitched segment whose blocks are all free or holes.
     fn unused_segment(&self) -> Option<u32> {
         let unused = |s: &super::Segment| {
