@@ -12,10 +12,11 @@
 //! to the pool; so do blocks beyond the [`entries::CAPACITY`] the front can know at once.
 //!
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange, no
-//! lock per thread) on `free_reusable`, `warmup`, `set_memory_limit` and `reset_peak_stats`,
-//! before a reserve that the pool could serve only from the driver (so the pool grows only
-//! after the caches gave back what they held, and another stream's need is met from it), after
-//! an out-of-memory with blocks cached, and when a thread exits (its cache is handed back).
+//! lock per thread) on `free_reusable`, `warmup`, `set_memory_limit`, `reset_peak_stats` and
+//! `trim` (another process sharing the device asks), before a reserve that the pool could
+//! serve only from the driver (so the pool grows only after the caches gave back what they held,
+//! and another stream's need is met from it), after an out-of-memory with blocks cached, and
+//! when a thread exits (its cache is handed back).
 //!
 //! Pointer checks stay as strict as the pool's: every block the front knows is in an
 //! [`map::AddressMap`] read without a lock; a release of a block waiting in a cache is refused
