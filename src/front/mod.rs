@@ -327,6 +327,11 @@ impl Inner {
             // as long as the front.
             return Some(f(unsafe { &*cache }));
         }
+        if crate::unload::exiting() {
+            // From an `atexit` handler: a binding made now would register a thread-local
+            // destructor that never runs (a leak); the pool serves the call directly.
+            return None;
+        }
         BINDINGS
             .try_with(|bindings| self.bind(bindings))
             .ok()
