@@ -292,6 +292,7 @@ pub(crate) unsafe fn drop_state() {
         }
     }
     drop(started);
+    crate::front::forget_key();
     // SAFETY: the caller's contract.
     drop(unsafe { SETTINGS.take() });
     // SAFETY: the caller's contract; the simulator is reached only through the pool.

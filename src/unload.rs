@@ -53,12 +53,6 @@ extern "C" fn note_exit() {
     EXITING.store(true, Ordering::Relaxed);
 }
 
-/// Whether the process is exiting (the `atexit` handler has run). A thread-local with a
-/// destructor made now would never be destroyed: callers skip making one.
-pub(crate) fn exiting() -> bool {
-    EXITING.load(Ordering::Relaxed)
-}
-
 /// Register the `atexit` handler, once; called when process-wide state is first built.
 pub(crate) fn watch_exit() {
     static ONCE: Once = Once::new();

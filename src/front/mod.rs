@@ -39,21 +39,22 @@
 //! allocated bytes counts cached blocks as allocated while they are cached (the pool's peak);
 //! `reset_peak_stats` drains first, so the peaks it sets are exact.
 
+mod bindings;
 mod counters;
 mod entries;
 mod giveback;
 mod map;
 mod thread;
 
-use std::cell::{Cell, RefCell};
-use std::ptr;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
 use crate::pool::{Pool, Stats};
+pub(crate) use bindings::forget_key;
+use bindings::{Binding, Bindings, LAST};
 use counters::{Counters, Delta};
 use entries::{Entries, Entry, CACHED, NIL, USER};
 use map::AddressMap;
@@ -76,45 +77,6 @@ struct Inner {
     threads: Registry,
     /// Figures changed outside a thread's own calls (drains, exits), per device.
     shared: Box<[Counters]>,
-}
-
-/// Which thread cache the calling thread uses in a front. It does not keep the front alive: a
-/// front dropped meanwhile is skipped at the thread's exit.
-struct Binding {
-    front: Weak<Inner>,
-    id: u64,
-    cache: u32,
-}
-
-/// The calling thread's caches, one per front it has used; handed back at thread exit.
-struct Bindings {
-    list: RefCell<Vec<Binding>>,
-}
-
-impl Drop for Bindings {
-    fn drop(&mut self) {
-        // `LAST` has no destructor: it stays usable here, and is cleared first so that a call
-        // made later in this thread's exit binds again (and finds none: `BINDINGS` is gone).
-        LAST.set((0, ptr::null()));
-        for binding in self.list.get_mut().drain(..) {
-            if let Some(front) = binding.front.upgrade() {
-                front.hand_back(binding.cache);
-            }
-        }
-    }
-}
-
-thread_local! {
-    /// The front (by id; 0: none) and cache of the last call on this thread (the common case:
-    /// one front in the process). A constant with no destructor: reading it is one
-    /// thread-local access, with no check of a destructor's state.
-    static LAST: Cell<(u64, *const ThreadCache)> = const { Cell::new((0, ptr::null())) };
-    /// Every binding of this thread; its destructor hands the caches back at thread exit.
-    static BINDINGS: Bindings = const {
-        Bindings {
-            list: RefCell::new(Vec::new()),
-        }
-    };
 }
 
 /// The id of the next front: never reused, so that a thread's `LAST` cannot name a
@@ -327,14 +289,7 @@ impl Inner {
             // as long as the front.
             return Some(f(unsafe { &*cache }));
         }
-        if crate::unload::exiting() {
-            // From an `atexit` handler: a binding made now would register a thread-local
-            // destructor that never runs (a leak); the pool serves the call directly.
-            return None;
-        }
-        BINDINGS
-            .try_with(|bindings| self.bind(bindings))
-            .ok()
+        bindings::with_bindings(|bindings| self.bind(bindings))
             .flatten()
             .map(f)
     }
