@@ -200,7 +200,10 @@ mod tests {
                 ptr: 0x7000_0000_0200,
             },
             Call::Free { ptr: u64::MAX },
-            Call::RecordStream { ptr: 512, stream: 7 },
+            Call::RecordStream {
+                ptr: 512,
+                stream: 7,
+            },
             Call::Warmup {
                 device: -1,
                 bytes: 8 << 20,
