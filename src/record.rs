@@ -210,15 +210,19 @@ impl Recorder {
         }
     }
 
-    /// The ring is full: the writer sets the pace. Wait for it, unless recording stopped.
+    /// The ring is full: the writer sets the pace. Sleep until it has emptied the rings (it
+    /// wakes the threads that wait), unless recording stopped.
     #[cold]
     fn push_when_room(&self, ring: &Ring, entry: Entry) {
         loop {
-            self.wake_writer();
             if !self.is_recording() || self.forked() {
                 return;
             }
-            std::thread::yield_now();
+            lock(&self.shared.stalled).push(std::thread::current());
+            self.wake_writer();
+            // A bound on the sleep, in case the writer emptied the ring before this thread
+            // was on its list.
+            std::thread::park_timeout(Duration::from_millis(1));
             if ring.push(entry).is_some() {
                 return;
             }

@@ -23,8 +23,8 @@ use resmem::record::Recorder;
 
 const SIZES: [(usize, &str); 2] = [(512, "512B"), (4 << 20, "4MiB")];
 
-/// Pairs per burst: 400 recorded calls, fewer than the half ring that wakes the writer.
-const BURST: u64 = 200;
+/// Pairs per burst: 800 recorded calls, fewer than the half ring (1024) that wakes the writer.
+const BURST: u64 = 400;
 
 fn capi_reserve(size: usize) -> u64 {
     let mut p: *mut c_void = std::ptr::null_mut();

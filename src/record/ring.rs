@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use super::line::{Entry, Words};
 
 /// Entries a ring holds; a power of two.
-pub(crate) const CAPACITY: usize = 1024;
+pub(crate) const CAPACITY: usize = 2048;
 
 pub(crate) struct Ring {
     slots: Box<[[AtomicU64; 5]]>,

@@ -7,6 +7,7 @@ use std::fs::File;
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use super::line::{format_line, Entry};
@@ -34,6 +35,8 @@ pub(crate) struct Shared {
     pub rings: Mutex<Vec<Arc<Ring>>>,
     /// Calls of threads whose ring is gone (recorded from a thread-local destructor).
     pub stray: Mutex<Vec<Entry>>,
+    /// Threads waiting for room in their ring, woken after each round's draining.
+    pub stalled: Mutex<Vec<Thread>>,
     pub progress: Mutex<Progress>,
     pub written: Condvar,
     /// Set when the recorder is dropped: the writer makes one last round and returns.
@@ -60,6 +63,7 @@ impl Shared {
             order: Counter(AtomicU64::new(0)),
             rings: Mutex::new(Vec::new()),
             stray: Mutex::new(Vec::new()),
+            stalled: Mutex::new(Vec::new()),
             progress: Mutex::new(Progress {
                 written_below: 0,
                 wanted: 0,
@@ -148,6 +152,9 @@ pub(crate) fn run(mut file: File, shared: &Shared, meta: Vec<u8>) {
             rings.retain(|_| !gone.next().unwrap_or(false));
         }
         order.waiting().append(&mut lock(&shared.stray));
+        for thread in lock(&shared.stalled).drain(..) {
+            thread.unpark();
+        }
         let before = order.next();
         order.take_ready(&mut text);
         if shared.on.load(Ordering::Relaxed) {
