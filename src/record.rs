@@ -40,7 +40,7 @@ use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Result;
 use crate::runtime;
 use line::{push_u64, Call, Entry};
-use ring::{Ring, CAPACITY};
+use ring::{Producer, Ring};
 use writer::{lock, Shared};
 
 /// The longest a flush waits for the writer thread (which gives up a missing call sooner).
@@ -56,14 +56,7 @@ thread_local! {
 
 struct Local {
     recorder: u64,
-    ring: Arc<Ring>,
-}
-
-impl Drop for Local {
-    /// The thread exits (or moves to another recorder): the writer empties the ring and forgets it.
-    fn drop(&mut self) {
-        self.ring.close();
-    }
+    producer: Producer,
 }
 
 /// A trace being written to one file: callers number their calls and put them in their own
@@ -161,10 +154,10 @@ impl Recorder {
     /// Put a numbered call in this thread's ring.
     #[inline]
     fn put(&self, entry: Entry) {
-        let pushed = RING.try_with(|slot| match slot.try_borrow() {
-            Ok(local) => match &*local {
+        let pushed = RING.try_with(|slot| match slot.try_borrow_mut() {
+            Ok(mut local) => match &mut *local {
                 Some(local) if local.recorder == self.id => {
-                    self.push(&local.ring, entry);
+                    self.push(&mut local.producer, entry);
                     true
                 }
                 _ => false,
@@ -189,10 +182,12 @@ impl Recorder {
             };
             let ring = Arc::new(Ring::new());
             lock(&self.shared.rings).push(Arc::clone(&ring));
-            self.push(&ring, entry);
+            let mut producer = Producer::new(ring);
+            self.push(&mut producer, entry);
+            // The ring of another recorder, if any, is closed by its producer's drop.
             *local = Some(Local {
                 recorder: self.id,
-                ring,
+                producer,
             });
             true
         });
@@ -202,18 +197,18 @@ impl Recorder {
     }
 
     #[inline]
-    fn push(&self, ring: &Ring, entry: Entry) {
-        match ring.push(entry) {
-            Some(waiting) if waiting == CAPACITY / 2 => self.wake_writer(),
-            Some(_) => {}
-            None => self.push_when_room(ring, entry),
+    fn push(&self, producer: &mut Producer, entry: Entry) {
+        match producer.push(entry) {
+            Some(true) => self.wake_writer(),
+            Some(false) => {}
+            None => self.push_when_room(producer, entry),
         }
     }
 
     /// The ring is full: the writer sets the pace. Sleep until it has emptied the rings (it
     /// wakes the threads that wait), unless recording stopped.
     #[cold]
-    fn push_when_room(&self, ring: &Ring, entry: Entry) {
+    fn push_when_room(&self, producer: &mut Producer, entry: Entry) {
         loop {
             if !self.is_recording() || self.forked() {
                 return;
@@ -223,7 +218,7 @@ impl Recorder {
             // A bound on the sleep, in case the writer emptied the ring before this thread
             // was on its list.
             std::thread::park_timeout(Duration::from_millis(1));
-            if ring.push(entry).is_some() {
+            if producer.push(entry).is_some() {
                 return;
             }
         }
@@ -512,7 +507,7 @@ mod tests {
     fn a_threads_calls_reach_the_file_after_the_thread_exits() {
         let path = scratch("thread-exit.jsonl");
         let r = Recorder::open(&path, None).unwrap();
-        let n = 3 * CAPACITY as u64 + 10; // more than a ring holds: the thread waits for room
+        let n = 3 * ring::CAPACITY as u64 + 10; // more than a ring holds: the thread waits for room
         std::thread::scope(|s| {
             s.spawn(|| {
                 for k in 1..=n {

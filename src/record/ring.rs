@@ -3,55 +3,50 @@
 //! plain stores and one release store of `head`: no lock, no read-modify-write.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use super::line::{Entry, Words};
 
 /// Entries a ring holds; a power of two.
 pub(crate) const CAPACITY: usize = 2048;
 
+/// A counter alone on its cache line, so that the thread's stores and the writer's do not
+/// take the line from each other.
+#[repr(align(128))]
+struct Own(AtomicUsize);
+
 pub(crate) struct Ring {
     slots: Box<[[AtomicU64; 5]]>,
     /// Entries pushed so far; stored only by the owning thread.
-    head: AtomicUsize,
+    head: Own,
     /// Entries taken so far; stored only by the writer.
-    tail: AtomicUsize,
+    tail: Own,
     /// Set when the owning thread is gone: once drained, the ring can be forgotten.
     closed: AtomicBool,
+}
+
+/// The owning thread's end of a ring: where it writes next and how far it may go without
+/// looking at the writer's progress.
+pub(crate) struct Producer {
+    ring: Arc<Ring>,
+    head: usize,
+    room_until: usize,
 }
 
 impl Ring {
     pub fn new() -> Ring {
         Ring {
             slots: (0..CAPACITY).map(|_| Default::default()).collect(),
-            head: AtomicUsize::new(0),
-            tail: AtomicUsize::new(0),
+            head: Own(AtomicUsize::new(0)),
+            tail: Own(AtomicUsize::new(0)),
             closed: AtomicBool::new(false),
         }
     }
 
-    /// Append `entry` (owning thread only): the number of entries now waiting, or `None` when
-    /// the ring is full and nothing was appended.
-    #[inline]
-    pub fn push(&self, entry: Entry) -> Option<usize> {
-        let head = self.head.load(Ordering::Relaxed);
-        // Acquire: the writer has finished reading the slots it gave back.
-        let waiting = head.wrapping_sub(self.tail.load(Ordering::Acquire));
-        if waiting >= CAPACITY {
-            return None;
-        }
-        let slot = &self.slots[head & (CAPACITY - 1)];
-        for (word, value) in slot.iter().zip(entry.to_words()) {
-            word.store(value, Ordering::Relaxed);
-        }
-        // Release: the slot's words are visible to whoever sees the new head.
-        self.head.store(head.wrapping_add(1), Ordering::Release);
-        Some(waiting + 1)
-    }
-
     /// Move every entry pushed so far to `out` (writer only).
     pub fn drain(&self, out: &mut Vec<Entry>) {
-        let tail = self.tail.load(Ordering::Relaxed);
-        let head = self.head.load(Ordering::Acquire);
+        let tail = self.tail.0.load(Ordering::Relaxed);
+        let head = self.head.0.load(Ordering::Acquire);
         let mut at = tail;
         while at != head {
             let slot = &self.slots[at & (CAPACITY - 1)];
@@ -59,12 +54,8 @@ impl Ring {
             out.push(Entry::from_words(words));
             at = at.wrapping_add(1);
         }
-        self.tail.store(head, Ordering::Release);
-    }
-
-    /// The owning thread is gone (it pushes nothing more).
-    pub fn close(&self) {
-        self.closed.store(true, Ordering::Release);
+        // Release: the slots are read before the producer may write them again.
+        self.tail.0.store(head, Ordering::Release);
     }
 
     /// Whether the owning thread is gone; read before the last [`Ring::drain`].
@@ -73,11 +64,49 @@ impl Ring {
     }
 }
 
+impl Producer {
+    /// The only producer of `ring`, a new one.
+    pub fn new(ring: Arc<Ring>) -> Producer {
+        Producer {
+            ring,
+            head: 0,
+            room_until: CAPACITY,
+        }
+    }
+
+    /// Append `entry`: `Some(wake)`, `wake` true every half ring (time to wake the writer),
+    /// or `None` when the ring is full and nothing was appended.
+    #[inline]
+    pub fn push(&mut self, entry: Entry) -> Option<bool> {
+        if self.head == self.room_until {
+            // Acquire: the writer has finished reading the slots it gave back.
+            self.room_until = self.ring.tail.0.load(Ordering::Acquire) + CAPACITY;
+            if self.head == self.room_until {
+                return None;
+            }
+        }
+        let slot = &self.ring.slots[self.head & (CAPACITY - 1)];
+        for (word, value) in slot.iter().zip(entry.to_words()) {
+            word.store(value, Ordering::Relaxed);
+        }
+        self.head += 1;
+        // Release: the slot's words are visible to whoever sees the new head.
+        self.ring.head.0.store(self.head, Ordering::Release);
+        Some(self.head & (CAPACITY / 2 - 1) == 0)
+    }
+}
+
+impl Drop for Producer {
+    /// The thread is gone (or records for another recorder now): it pushes nothing more.
+    fn drop(&mut self) {
+        self.ring.closed.store(true, Ordering::Release);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::line::Call;
     use super::*;
-    use std::sync::Arc;
 
     fn free(seq: u64) -> Entry {
         Entry {
@@ -88,26 +117,31 @@ mod tests {
 
     #[test]
     fn a_full_ring_refuses_until_drained() {
-        let ring = Ring::new();
-        for n in 0..CAPACITY as u64 {
-            assert_eq!(ring.push(free(n)), Some(n as usize + 1));
+        let ring = Arc::new(Ring::new());
+        let mut producer = Producer::new(Arc::clone(&ring));
+        for n in 1..=CAPACITY as u64 {
+            let half = n % (CAPACITY as u64 / 2) == 0;
+            assert_eq!(producer.push(free(n)), Some(half));
         }
-        assert_eq!(ring.push(free(9999)), None);
+        assert_eq!(producer.push(free(9999)), None);
         let mut out = Vec::new();
         ring.drain(&mut out);
         assert_eq!(out.len(), CAPACITY);
-        assert_eq!(out[0], free(0));
-        assert_eq!(out[CAPACITY - 1], free(CAPACITY as u64 - 1));
-        assert_eq!(ring.push(free(7)), Some(1));
+        assert_eq!(out[0], free(1));
+        assert_eq!(out[CAPACITY - 1], free(CAPACITY as u64));
+        assert_eq!(producer.push(free(7)), Some(false));
         out.clear();
         ring.drain(&mut out);
         assert_eq!(out, vec![free(7)]);
+        assert!(!ring.is_closed());
+        drop(producer);
+        assert!(ring.is_closed());
     }
 
     #[test]
     fn entries_cross_threads_whole_and_in_order() {
         let ring = Arc::new(Ring::new());
-        let producer = Arc::clone(&ring);
+        let mut producer = Producer::new(Arc::clone(&ring));
         const N: u64 = 100_000;
         let thread = std::thread::spawn(move || {
             for n in 0..N {
@@ -115,7 +149,6 @@ mod tests {
                     std::thread::yield_now();
                 }
             }
-            producer.close();
         });
         let mut out = Vec::new();
         loop {
