@@ -25,12 +25,12 @@ pub(crate) struct Ring {
     closed: AtomicBool,
 }
 
-/// The owning thread's end of a ring: where it writes next and how far it may go without
-/// looking at the writer's progress.
+/// The owning thread's end of a ring: where it writes next, and where it next looks at the
+/// writer's progress (half a ring behind: time to wake the writer; a whole ring: full).
 pub(crate) struct Producer {
     ring: Arc<Ring>,
     head: usize,
-    room_until: usize,
+    look_at: usize,
 }
 
 impl Ring {
@@ -70,20 +70,27 @@ impl Producer {
         Producer {
             ring,
             head: 0,
-            room_until: CAPACITY,
+            look_at: CAPACITY / 2,
         }
     }
 
-    /// Append `entry`: `Some(wake)`, `wake` true every half ring (time to wake the writer),
-    /// or `None` when the ring is full and nothing was appended.
+    /// Append `entry`: `Some(wake)`, `wake` true when half a ring or more waits for the writer
+    /// (said once per half ring), or `None` when the ring is full and nothing was appended.
     #[inline]
     pub fn push(&mut self, entry: Entry) -> Option<bool> {
-        if self.head == self.room_until {
+        let mut wake = false;
+        if self.head == self.look_at {
             // Acquire: the writer has finished reading the slots it gave back.
-            self.room_until = self.ring.tail.0.load(Ordering::Acquire) + CAPACITY;
-            if self.head == self.room_until {
+            let tail = self.ring.tail.0.load(Ordering::Acquire);
+            if self.head == tail + CAPACITY {
                 return None;
             }
+            wake = self.head >= tail + CAPACITY / 2;
+            self.look_at = if wake {
+                tail + CAPACITY
+            } else {
+                tail + CAPACITY / 2
+            };
         }
         let slot = &self.ring.slots[self.head & (CAPACITY - 1)];
         for (word, value) in slot.iter().zip(entry.to_words()) {
@@ -92,7 +99,7 @@ impl Producer {
         self.head += 1;
         // Release: the slot's words are visible to whoever sees the new head.
         self.ring.head.0.store(self.head, Ordering::Release);
-        Some(self.head & (CAPACITY / 2 - 1) == 0)
+        Some(wake)
     }
 }
 
@@ -120,7 +127,8 @@ mod tests {
         let ring = Arc::new(Ring::new());
         let mut producer = Producer::new(Arc::clone(&ring));
         for n in 1..=CAPACITY as u64 {
-            let half = n % (CAPACITY as u64 / 2) == 0;
+            // Half a ring waiting: the writer is to be woken, once.
+            let half = n == CAPACITY as u64 / 2 + 1;
             assert_eq!(producer.push(free(n)), Some(half));
         }
         assert_eq!(producer.push(free(9999)), None);
@@ -133,6 +141,11 @@ mod tests {
         out.clear();
         ring.drain(&mut out);
         assert_eq!(out, vec![free(7)]);
+        // Drained as it goes: nothing to wake the writer for, a whole ring later.
+        for n in 0..2 * CAPACITY as u64 {
+            assert_eq!(producer.push(free(n)), Some(false));
+            ring.drain(&mut out);
+        }
         assert!(!ring.is_closed());
         drop(producer);
         assert!(ring.is_closed());
