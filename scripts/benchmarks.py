@@ -93,6 +93,10 @@ def record_section(w):
       f"for the calling thread's CPU time (worst ratio {worst:.2f}).\n")
     alone = median("record", "wall_recorder-alone")
     w(f"Recorder alone (an `alloc` entry and a `free` entry, wall): {alone:.1f} ns.\n")
+    p2 = median("record", "wall_2-threads_pair")
+    r2 = median("record", "wall_2-threads_pair-recorded")
+    w(f"Two threads making 512 B pairs at once, wall per pair: {p2:.1f} ns plain, {r2:.1f} ns recorded "
+      f"({r2 / p2:.2f}).\n")
 
 
 def main():

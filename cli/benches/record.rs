@@ -13,10 +13,12 @@
 //!   what recording costs the program's own thread, waits for the writer excluded.
 //! - `writer-cpu`: the writer thread's CPU time per recorded pair: the work moved off the
 //!   program's threads, paid wherever a core is free.
+//!
+//! And `wall/2-threads`: two threads making pairs at once, elapsed time per pair.
 
 use std::ffi::c_void;
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use resmem::capi::{rm_release, rm_reserve};
@@ -95,6 +97,21 @@ fn cpu_of(
     cpu_time(clock) - start
 }
 
+/// Elapsed time for `iters` runs of `pair`, half in each of two threads at once.
+fn two_threads(iters: u64, pair: impl Fn() + Sync) -> Duration {
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| {
+                for _ in 0..iters / 2 {
+                    pair();
+                }
+            });
+        }
+    });
+    start.elapsed()
+}
+
 fn pairs(c: &mut Criterion) {
     // Before the first call, with no thread spawned yet: the pool reads these once.
     std::env::set_var("RESMEM_DRIVER", "sim");
@@ -130,6 +147,14 @@ fn pairs(c: &mut Criterion) {
             })
         });
     }
+    // Two threads at once: the plain pairs share the pool's lock; recorded, they also share the
+    // recorder (its order counter).
+    group.bench_function("wall/2-threads/pair", |b| {
+        b.iter_custom(|iters| two_threads(iters, || capi_release(capi_reserve(black_box(512)))))
+    });
+    group.bench_function("wall/2-threads/pair-recorded", |b| {
+        b.iter_custom(|iters| two_threads(iters, || recorded_pair(&recorder, 512)))
+    });
     group.bench_function("wall/recorder-alone", |b| {
         b.iter(|| {
             recorder.alloc(0, 512, 0, black_box(4096));
