@@ -93,6 +93,11 @@ def record_section(w):
       f"for the calling thread's CPU time (worst ratio {worst:.2f}).\n")
     alone = median("record", "wall_recorder-alone")
     w(f"Recorder alone (an `alloc` entry and a `free` entry, wall): {alone:.1f} ns.\n")
+    bp, br = median("record", "bursts_pair"), median("record", "bursts_pair-recorded")
+    ba = median("record", "bursts_recorder-alone")
+    w(f"512 B pairs in bursts of 400 with an untimed flush after each (no writer running beside "
+      f"them), wall per pair: {bp:.1f} ns plain, {br:.1f} ns recorded ({br / bp:.2f}); the "
+      f"recorder's two calls alone: {ba:.1f} ns.\n")
     p2 = median("record", "wall_2-threads_pair")
     r2 = median("record", "wall_2-threads_pair-recorded")
     w(f"Two threads making 512 B pairs at once, wall per pair: {p2:.1f} ns plain, {r2:.1f} ns recorded "

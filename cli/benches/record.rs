@@ -14,7 +14,9 @@
 //! - `writer-cpu`: the writer thread's CPU time per recorded pair: the work moved off the
 //!   program's threads, paid wherever a core is free.
 //!
-//! And `wall/2-threads`: two threads making pairs at once, elapsed time per pair.
+//! And `bursts`: 512 B pairs timed in bursts too short to fill a thread's ring, each followed by
+//! an untimed flush, so that no writer runs beside the timed calls; `wall/2-threads`: two
+//! threads making pairs at once, elapsed time per pair.
 
 use std::ffi::c_void;
 use std::hint::black_box;
@@ -97,6 +99,27 @@ fn cpu_of(
     cpu_time(clock) - start
 }
 
+/// Pairs per burst: 800 recorded calls, fewer than the half ring (1024) that wakes the writer.
+const BURST: u64 = 400;
+
+/// Elapsed time of `iters` runs of `pair`, timed in bursts of [`BURST`] with an untimed flush
+/// after each: the calling thread's cost with no writer running beside it.
+fn in_bursts(iters: u64, recorder: &Recorder, mut pair: impl FnMut()) -> Duration {
+    let mut timed = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(BURST);
+        let start = Instant::now();
+        for _ in 0..n {
+            pair();
+        }
+        timed += start.elapsed();
+        recorder.flush();
+        left -= n;
+    }
+    timed
+}
+
 /// Elapsed time for `iters` runs of `pair`, half in each of two threads at once.
 fn two_threads(iters: u64, pair: impl Fn() + Sync) -> Duration {
     let start = Instant::now();
@@ -147,6 +170,24 @@ fn pairs(c: &mut Criterion) {
             })
         });
     }
+    group.bench_function("bursts/pair", |b| {
+        b.iter_custom(|iters| {
+            in_bursts(iters, &recorder, || {
+                capi_release(capi_reserve(black_box(512)))
+            })
+        })
+    });
+    group.bench_function("bursts/pair-recorded", |b| {
+        b.iter_custom(|iters| in_bursts(iters, &recorder, || recorded_pair(&recorder, 512)))
+    });
+    group.bench_function("bursts/recorder-alone", |b| {
+        b.iter_custom(|iters| {
+            in_bursts(iters, &recorder, || {
+                recorder.alloc(0, 512, 0, black_box(4096));
+                recorder.release(4096, || Ok(())).unwrap();
+            })
+        })
+    });
     // Two threads at once: the plain pairs share the pool's lock; recorded, they also share the
     // recorder (its order counter).
     group.bench_function("wall/2-threads/pair", |b| {
