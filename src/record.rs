@@ -602,6 +602,39 @@ mod tests {
     }
 
     #[test]
+    fn a_call_from_a_thread_local_destructor_after_the_ring_is_gone_is_recorded() {
+        static RECORDER: OnceLock<Recorder> = OnceLock::new();
+        struct Late;
+        impl Drop for Late {
+            fn drop(&mut self) {
+                RECORDER.get().unwrap().alloc(0, 512, 0, 0x3000);
+            }
+        }
+        thread_local! {
+            static LATE: Late = const { Late };
+        }
+        let path = scratch("late.jsonl");
+        let r = RECORDER.get_or_init(|| Recorder::open(&path, None).unwrap());
+        std::thread::spawn(|| {
+            // Registered first, destroyed last: after this thread's ring.
+            LATE.with(|_| {});
+            RECORDER.get().unwrap().alloc(0, 512, 0, 0x1000);
+        })
+        .join()
+        .unwrap();
+        r.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text.lines().skip(1).collect::<Vec<_>>(),
+            [
+                r#"{"op":"alloc","id":4096,"size":512,"stream":0,"device":0}"#,
+                r#"{"op":"alloc","id":12288,"size":512,"stream":0,"device":0}"#,
+            ]
+        );
+        assert!(lock(&r.shared.stray).is_empty());
+    }
+
+    #[test]
     fn a_write_error_stops_the_recording_and_the_calls_go_on() {
         // /dev/full accepts the open and fails every write with ENOSPC.
         let r = Recorder::open("/dev/full", None).unwrap();
