@@ -2,9 +2,9 @@
 //! `LD_PRELOAD` hooks) written to PATH as a trace in `resmem replay`'s JSON-lines format
 //! (`traces/README.md`), so that the policies can be compared on exactly this workload.
 //!
-//! - A recorded call costs a few nanoseconds: it takes the next number of the process's order
-//!   of calls (one atomic add) and goes, binary, into its thread's ring ([`ring`]): no lock, no
-//!   formatting. A writer thread ([`writer`]) empties the rings when one is half full, every
+//! - On the calling thread a recorded call takes the next number of the process's order of
+//!   calls (one atomic add) and goes, binary, into its thread's ring ([`ring`]): no lock, no
+//!   formatting (`BENCHMARKS.md` has what it costs). A writer thread ([`writer`]) empties the rings when one is half full, every
 //!   quarter second, and when asked to flush; it puts the calls back in order, formats them
 //!   ([`line`]) and writes each round with one `write(2)` to the file, opened with `O_APPEND`:
 //!   lines of several threads or processes never interleave. `%p` in PATH becomes the process
