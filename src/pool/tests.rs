@@ -925,3 +925,20 @@ fn trim_returns_idle_segments_up_to_the_bytes_asked_and_never_a_live_block() {
         rm_status::RM_ERROR_INVALID_DEVICE
     );
 }
+
+#[test]
+fn a_request_just_under_10_mib_gets_a_shared_20_mib_segment_when_stitching_too() {
+    // 9 MiB is 10 MiB of 2 MiB pages, but PyTorch sizes its segment by the request: 20 MiB,
+    // which the next 9 MiB request shares. Stitching creates the same handle.
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[GIB], config);
+        let a = pool.reserve(0, 9 * MIB, 0).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.driver_allocs), (20 * MIB, 1));
+        let b = pool.reserve(0, 9 * MIB, 0).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.driver_allocs), (20 * MIB, 1));
+        assert_eq!(b, a + 9 * MIB, "the second lies right after the first");
+        assert_books(&pool, sim);
+    }
+}
