@@ -2,90 +2,87 @@
 //! `LD_PRELOAD` hooks) written to PATH as a trace in `resmem replay`'s JSON-lines format
 //! (`traces/README.md`), so that the policies can be compared on exactly this workload.
 //!
-//! - Calls go, binary, into one buffer under one lock (which orders them); every 2048 calls, and
-//!   at exit, a writer thread formats the batch and writes it with one `write(2)` to the file,
-//!   opened with `O_APPEND`: lines of several threads or processes never interleave. `%p` in
-//!   PATH becomes the process id: one file per process.
-//! - A release (and a `record_stream`) is recorded under that lock together with the pool call,
-//!   so a block's `free` line always precedes the `alloc` line of whoever gets its address next.
-//!   Block ids are the addresses, which CUDA keeps distinct across devices.
+//! - On the calling thread a recorded call takes the next number of the process's order of
+//!   calls (one atomic add) and goes, binary, into its thread's ring ([`ring`]): no lock, no
+//!   formatting (`BENCHMARKS.md` has what it costs). A writer thread ([`writer`]) empties the rings when one is half full, every
+//!   quarter second, and when asked to flush; it puts the calls back in order, formats them
+//!   ([`line`]) and writes each round with one `write(2)` to the file, opened with `O_APPEND`:
+//!   lines of several threads or processes never interleave. `%p` in PATH becomes the process
+//!   id: one file per process.
+//! - The order is what a replay needs: a call that happens before another (through the pool,
+//!   or through the program handing a block from thread to thread) has a smaller number,
+//!   because numbers come from one counter, whose additions follow happens-before. A release
+//!   and a `record_stream` take their number *before* running, an allocation *after*: so a
+//!   block's `free` line precedes the `alloc` line of whoever gets its address next, and its
+//!   `alloc` line precedes everything done with it. (A number is taken even when the call then
+//!   fails; it is written as nothing.) Block ids are the addresses, which CUDA keeps distinct
+//!   across devices.
+//! - A thread's ring outlives the thread: the writer empties it after the thread exits. At
+//!   normal exit every call made so far is written before the process ends.
 //! - Failing to open or write the file stops the recording with one line on stderr; the program
 //!   and its allocations go on.
 //! - PATH comes from `RESMEM_CONF`, which a setuid or setgid program ignores
 //!   ([`crate::runtime::var`]).
 
-use std::fs::File;
+mod line;
+mod ring;
+mod writer;
+
+use std::cell::RefCell;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::{JoinHandle, Thread};
+use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Result;
 use crate::runtime;
+use line::{push_u64, Call, Entry};
+use ring::{Producer, Ring};
+use writer::{lock, Shared};
 
-/// Calls are handed to the writer thread this many at a time.
-const BATCH: usize = 2048;
+/// The longest a flush waits for the writer thread (which gives up a missing call sooner).
+const FLUSH_WAIT: Duration = Duration::from_secs(5);
 
-/// One recorded call, kept binary until the writer thread formats it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Call {
-    Alloc {
-        device: i32,
-        size: u64,
-        stream: StreamHandle,
-        ptr: DevicePtr,
-    },
-    Free {
-        ptr: DevicePtr,
-    },
-    RecordStream {
-        ptr: DevicePtr,
-        stream: StreamHandle,
-    },
-    Warmup {
-        device: i32,
-        bytes: u64,
-    },
-    EmptyCache {
-        device: Option<i32>,
-    },
-    OutOfMemory {
-        device: i32,
-        size: u64,
-    },
+/// Tells recorders apart in the threads' slots (a test opens several in one process).
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    /// This thread's ring, for the recorder it was registered with.
+    static RING: RefCell<Option<Local>> = const { RefCell::new(None) };
 }
 
-enum Message {
-    /// Lines already formatted (the `meta` line).
-    Text(Vec<u8>),
-    Calls(Vec<Call>),
-    /// Answer once everything sent before has been written.
-    Flush(SyncSender<()>),
+struct Local {
+    recorder: u64,
+    producer: Producer,
 }
 
-/// What the callers and the writer thread share.
-struct Shared {
-    path: String,
-    /// False once recording stopped (a write failed): calls then skip the lock.
-    on: AtomicBool,
-}
-
-/// A trace being written to one file: callers append calls to a buffer under one lock (which
-/// also orders them), and a writer thread formats each full buffer and writes it with one
-/// `write(2)`, so that formatting and the system call stay off the callers' path.
+/// A trace being written to one file: callers number their calls and put them in their own
+/// thread's ring; a writer thread puts them in order, formats them and writes them.
 pub struct Recorder {
     shared: Arc<Shared>,
-    /// The process that opened the file: a forked child (which has no writer thread) drops the
-    /// parent's buffered calls instead of writing them a second time.
+    id: u64,
+    /// The process that opened the file: a forked child (which has no writer thread) stops
+    /// recording instead of waiting for a writer that is not there.
     pid: u32,
-    state: Mutex<State>,
+    /// The writer thread, woken by `unpark`.
+    writer: Thread,
+    /// Joined when the recorder is dropped.
+    joined: Option<JoinHandle<()>>,
 }
 
-struct State {
-    calls: Vec<Call>,
-    to_writer: SyncSender<Message>,
+/// A call that has its number and is recorded, as what it turned out to be, when dropped.
+struct Placed<'a> {
+    recorder: &'a Recorder,
+    entry: Entry,
+}
+
+impl Drop for Placed<'_> {
+    fn drop(&mut self) {
+        self.recorder.put(self.entry);
+    }
 }
 
 impl Recorder {
@@ -114,27 +111,19 @@ impl Recorder {
             push_u64(&mut meta, pid.into());
             meta.extend_from_slice(b"\"}\n");
         }
-        let shared = Arc::new(Shared {
-            path: path.clone(),
-            on: AtomicBool::new(true),
-        });
-        let (to_writer, from_callers) = sync_channel(4);
-        let writer = Arc::clone(&shared);
+        let shared = Arc::new(Shared::new(path.clone()));
+        let for_writer = Arc::clone(&shared);
         crate::unload::pin();
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("resmem-record".into())
-            .spawn(move || write_batches(file, &writer, from_callers))
+            .spawn(move || writer::run(file, &for_writer, meta))
             .map_err(cannot)?;
-        if !meta.is_empty() {
-            let _ = to_writer.send(Message::Text(meta));
-        }
         Ok(Recorder {
             shared,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             pid,
-            state: Mutex::new(State {
-                calls: Vec::with_capacity(BATCH),
-                to_writer,
-            }),
+            writer: writer.thread().clone(),
+            joined: Some(writer),
         })
     }
 
@@ -148,221 +137,223 @@ impl Recorder {
         self.shared.on.load(Ordering::Relaxed)
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    /// The next number of the order. Relaxed is enough: the additions to one counter follow
+    /// happens-before (write-write coherence), and the entry itself reaches the writer through
+    /// its ring's release store.
+    #[inline]
+    fn take_place(&self) -> u64 {
+        self.shared.order.0.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Append a call; hand the buffer to the writer when it is full.
-    fn push(&self, state: &mut State, call: Call) {
-        state.calls.push(call);
-        if state.calls.len() >= BATCH {
-            let calls = std::mem::replace(&mut state.calls, Vec::with_capacity(BATCH));
-            // The writer only goes away when recording stopped; then the calls are dropped.
-            let _ = state.to_writer.send(Message::Calls(calls));
+    /// Record a call with its new number.
+    #[inline]
+    fn record(&self, call: Call) {
+        let seq = self.take_place();
+        self.put(Entry { seq, call });
+    }
+
+    /// Put a numbered call in this thread's ring.
+    #[inline]
+    fn put(&self, entry: Entry) {
+        let pushed = RING.try_with(|slot| match slot.try_borrow_mut() {
+            Ok(mut local) => match &mut *local {
+                Some(local) if local.recorder == self.id => {
+                    self.push(&mut local.producer, entry);
+                    true
+                }
+                _ => false,
+            },
+            Err(_) => false,
+        });
+        if pushed != Ok(true) {
+            self.put_first(entry);
         }
     }
 
-    /// Write everything recorded so far, and return once it is in the file.
+    /// This thread's first call for this recorder: register a ring. A thread whose
+    /// thread-locals are already destroyed hands its calls over one by one, under a lock.
+    #[cold]
+    fn put_first(&self, entry: Entry) {
+        if self.forked() {
+            return;
+        }
+        let registered = RING.try_with(|slot| {
+            let Ok(mut local) = slot.try_borrow_mut() else {
+                return false;
+            };
+            let ring = Arc::new(Ring::new());
+            lock(&self.shared.rings).push(Arc::clone(&ring));
+            let mut producer = Producer::new(ring);
+            self.push(&mut producer, entry);
+            // The ring of another recorder, if any, is closed by its producer's drop.
+            *local = Some(Local {
+                recorder: self.id,
+                producer,
+            });
+            true
+        });
+        if registered != Ok(true) {
+            lock(&self.shared.stray).push(entry);
+        }
+    }
+
+    #[inline]
+    fn push(&self, producer: &mut Producer, entry: Entry) {
+        match producer.push(entry) {
+            Some(true) => self.wake_writer(),
+            Some(false) => {}
+            None => self.push_when_room(producer, entry),
+        }
+    }
+
+    /// The ring is full: the writer sets the pace. Sleep until it has emptied the rings (it
+    /// wakes the threads that wait), unless recording stopped.
+    #[cold]
+    fn push_when_room(&self, producer: &mut Producer, entry: Entry) {
+        loop {
+            if !self.is_recording() || self.forked() {
+                return;
+            }
+            lock(&self.shared.stalled).push(std::thread::current());
+            self.wake_writer();
+            // A bound on the sleep, in case the writer emptied the ring before this thread
+            // was on its list.
+            std::thread::park_timeout(Duration::from_millis(1));
+            if producer.push(entry).is_some() {
+                return;
+            }
+        }
+    }
+
+    fn wake_writer(&self) {
+        self.writer.unpark();
+    }
+
+    /// Whether this is a forked child, which has no writer thread; it then stops recording.
+    fn forked(&self) -> bool {
+        let forked = std::process::id() != self.pid;
+        if forked {
+            self.shared.on.store(false, Ordering::Relaxed);
+        }
+        forked
+    }
+
+    /// Write everything recorded so far, and return once it is in the file (or recording
+    /// stopped). A call still under way in another thread is waited for a moment, then written
+    /// when it ends.
     pub fn flush(&self) {
-        let (done, wait) = sync_channel(1);
-        {
-            let mut state = self.lock();
-            if std::process::id() != self.pid {
-                // A forked child: the calls are the parent's to write, and no writer runs here.
-                state.calls.clear();
-                self.shared.on.store(false, Ordering::Relaxed);
-                return;
-            }
-            let calls = std::mem::take(&mut state.calls);
-            if state.to_writer.send(Message::Calls(calls)).is_err()
-                || state.to_writer.send(Message::Flush(done)).is_err()
-            {
-                return;
-            }
+        if self.forked() || !self.is_recording() {
+            return;
         }
-        let _ = wait.recv();
+        let target = self.shared.order.0.load(Ordering::Relaxed);
+        let deadline = Instant::now() + FLUSH_WAIT;
+        let mut progress = self.shared.progress();
+        progress.wanted = progress.wanted.max(target);
+        let rounds = progress.rounds + 2;
+        progress.wanted_rounds = progress.wanted_rounds.max(rounds);
+        self.wake_writer();
+        while (progress.written_below < target || progress.rounds < rounds) && self.is_recording() {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return;
+            };
+            progress = self
+                .shared
+                .written
+                .wait_timeout(progress, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// A successful reservation of `size` bytes at `ptr` (0 for size 0: nothing is recorded).
+    /// Numbered after the reservation: after the release that gave the address back.
     pub fn alloc(&self, device: i32, size: u64, stream: StreamHandle, ptr: DevicePtr) {
         if ptr != 0 && self.is_recording() {
-            let call = Call::Alloc {
+            self.record(Call::Alloc {
                 device,
                 size,
                 stream,
                 ptr,
-            };
-            self.push(&mut self.lock(), call);
+            });
         }
     }
 
     /// A reservation that failed with out-of-memory, as a `mark` (the replay has no block for it).
     pub fn out_of_memory(&self, device: i32, size: u64) {
         if self.is_recording() {
-            self.push(&mut self.lock(), Call::OutOfMemory { device, size });
+            self.record(Call::OutOfMemory { device, size });
         }
     }
 
-    /// Run the release of `ptr` and record it if it succeeds, under the recorder's lock.
-    pub fn release(&self, ptr: DevicePtr, release: impl FnOnce() -> Result<()>) -> Result<()> {
+    /// Run `call`, numbered before it runs, and record `recorded` if it succeeds.
+    fn numbered_before(&self, recorded: Call, call: impl FnOnce() -> Result<()>) -> Result<()> {
         if !self.is_recording() {
-            return release();
+            return call();
         }
-        let mut state = self.lock();
-        let result = release();
-        if result.is_ok() && ptr != 0 {
-            self.push(&mut state, Call::Free { ptr });
+        let mut placed = Placed {
+            recorder: self,
+            entry: Entry {
+                seq: self.take_place(),
+                call: Call::Skip,
+            },
+        };
+        let result = call();
+        if result.is_ok() {
+            placed.entry.call = recorded;
         }
         result
     }
 
-    /// Run `record_stream(ptr, stream)` and record it if it succeeds, under the recorder's lock.
+    /// Run the release of `ptr` and record it if it succeeds. Numbered before it runs: before
+    /// the reservation that gets the address next.
+    pub fn release(&self, ptr: DevicePtr, release: impl FnOnce() -> Result<()>) -> Result<()> {
+        let recorded = if ptr == 0 {
+            Call::Skip
+        } else {
+            Call::Free { ptr }
+        };
+        self.numbered_before(recorded, release)
+    }
+
+    /// Run `record_stream(ptr, stream)` and record it if it succeeds (numbered before it runs,
+    /// like a release).
     pub fn record_stream(
         &self,
         ptr: DevicePtr,
         stream: StreamHandle,
         call: impl FnOnce() -> Result<()>,
     ) -> Result<()> {
-        if !self.is_recording() {
-            return call();
-        }
-        let mut state = self.lock();
-        let result = call();
-        if result.is_ok() {
-            self.push(&mut state, Call::RecordStream { ptr, stream });
-        }
-        result
+        self.numbered_before(Call::RecordStream { ptr, stream }, call)
     }
 
     /// A successful `rm_warmup(device, bytes)`.
     pub fn warmup(&self, device: i32, bytes: u64) {
         if self.is_recording() {
-            self.push(&mut self.lock(), Call::Warmup { device, bytes });
+            self.record(Call::Warmup { device, bytes });
         }
     }
 
     /// A successful `rm_free_reusable` (`None`: every device).
     pub fn empty_cache(&self, device: Option<i32>) {
         if self.is_recording() {
-            self.push(&mut self.lock(), Call::EmptyCache { device });
+            self.record(Call::EmptyCache { device });
         }
     }
 }
 
-/// The writer thread: format each batch and write it with one `write(2)` (`O_APPEND`, so whole
-/// lines land together even with other writers); the first failure stops the recording with
-/// one line on stderr.
-fn write_batches(mut file: File, shared: &Shared, messages: Receiver<Message>) {
-    let mut text = Vec::with_capacity(BATCH * 96);
-    for message in messages {
-        text.clear();
-        match message {
-            Message::Text(lines) => text = lines,
-            Message::Calls(calls) => {
-                for call in &calls {
-                    format_line(&mut text, call);
-                }
-            }
-            Message::Flush(done) => {
-                let _ = done.send(());
-            }
+impl Drop for Recorder {
+    /// Write what is left, then stop the writer thread.
+    fn drop(&mut self) {
+        if std::process::id() != self.pid {
+            return;
         }
-        if !text.is_empty() && shared.on.load(Ordering::Relaxed) {
-            if let Err(e) = file.write_all(&text) {
-                shared.on.store(false, Ordering::Relaxed);
-                let _ = writeln!(
-                    std::io::stderr(),
-                    "resmem: recording to {} stopped: {e}; the program goes on unrecorded",
-                    shared.path
-                );
-            }
+        self.flush();
+        self.shared.stop.store(true, Ordering::Release);
+        self.wake_writer();
+        if let Some(writer) = self.joined.take() {
+            let _ = writer.join();
         }
     }
-}
-
-/// `call` as one line of the replay format.
-fn format_line(b: &mut Vec<u8>, call: &Call) {
-    match *call {
-        Call::Alloc {
-            device,
-            size,
-            stream,
-            ptr,
-        } => {
-            b.extend_from_slice(br#"{"op":"alloc","id":"#);
-            push_u64(b, ptr);
-            b.extend_from_slice(br#","size":"#);
-            push_u64(b, size);
-            b.extend_from_slice(br#","stream":"#);
-            push_u64(b, stream);
-            push_device(b, device);
-        }
-        Call::Free { ptr } => {
-            b.extend_from_slice(br#"{"op":"free","id":"#);
-            push_u64(b, ptr);
-        }
-        Call::RecordStream { ptr, stream } => {
-            b.extend_from_slice(br#"{"op":"record_stream","id":"#);
-            push_u64(b, ptr);
-            b.extend_from_slice(br#","stream":"#);
-            push_u64(b, stream);
-        }
-        Call::Warmup { device, bytes } => {
-            b.extend_from_slice(br#"{"op":"warmup","bytes":"#);
-            push_u64(b, bytes);
-            push_device(b, device);
-        }
-        Call::EmptyCache { device } => {
-            b.extend_from_slice(br#"{"op":"empty_cache""#);
-            if let Some(device) = device {
-                push_device(b, device);
-            }
-        }
-        Call::OutOfMemory { device, size } => {
-            b.extend_from_slice(br#"{"op":"mark","label":"out of memory: "#);
-            push_u64(b, size);
-            b.extend_from_slice(b" bytes on device ");
-            push_i64(b, device.into());
-            b.push(b'"');
-        }
-    }
-    b.extend_from_slice(b"}\n");
-}
-
-fn push_device(b: &mut Vec<u8>, device: i32) {
-    b.extend_from_slice(br#","device":"#);
-    push_i64(b, device.into());
-}
-
-fn push_i64(b: &mut Vec<u8>, value: i64) {
-    if value < 0 {
-        b.push(b'-');
-    }
-    push_u64(b, value.unsigned_abs());
-}
-
-/// The decimal digits of 0 to 99, two by two.
-const PAIRS: &[u8; 200] = b"00010203040506070809101112131415161718192021222324252627282930313233343536373839404142434445464748495051525354555657585960616263646566676869707172737475767778798081828384858687888990919293949596979899";
-
-/// `value` in decimal, two digits per division, without going through `fmt`.
-fn push_u64(b: &mut Vec<u8>, mut value: u64) {
-    let mut digits = [0u8; 20];
-    let mut i = digits.len();
-    while value >= 100 {
-        let pair = (value % 100) as usize * 2;
-        value /= 100;
-        i -= 2;
-        digits[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
-    }
-    if value >= 10 {
-        let pair = value as usize * 2;
-        i -= 2;
-        digits[i..i + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
-    } else {
-        i -= 1;
-        digits[i] = b'0' + value as u8;
-    }
-    b.extend_from_slice(&digits[i..]);
 }
 
 static RECORDER: OnceLock<Option<Recorder>> = OnceLock::new();
@@ -514,31 +505,134 @@ mod tests {
     }
 
     #[test]
-    fn calls_reach_the_file_in_whole_batches() {
-        let path = scratch("batches.jsonl");
+    fn a_threads_calls_reach_the_file_after_the_thread_exits() {
+        let path = scratch("thread-exit.jsonl");
         let r = Recorder::open(&path, None).unwrap();
-        r.flush();
-        let meta = std::fs::read_to_string(&path).unwrap();
-        assert_eq!(meta.lines().count(), 1, "{meta}");
-        for n in 0..BATCH as u64 - 1 {
-            r.alloc(0, 512, 0, 512 * (n + 1));
-        }
-        // One short of a batch: nothing handed to the writer yet.
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), meta);
-        for n in BATCH as u64 - 1..2 * BATCH as u64 + 10 {
-            r.alloc(0, 512, 0, 512 * (n + 1));
-        }
+        let n = 3 * ring::CAPACITY as u64 + 10; // more than a ring holds: the thread waits for room
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for k in 1..=n {
+                    r.alloc(0, 512, 0, 512 * k);
+                }
+            });
+        });
         r.flush();
         let written = std::fs::read_to_string(&path).unwrap();
         let lines: Vec<&str> = written.lines().collect();
-        assert_eq!(lines.len(), 1 + 2 * BATCH + 10);
+        assert_eq!(lines.len(), 1 + n as usize);
+        for (k, line) in lines[1..].iter().enumerate() {
+            let id = 512 * (k as u64 + 1);
+            assert_eq!(
+                *line,
+                format!(r#"{{"op":"alloc","id":{id},"size":512,"stream":0,"device":0}}"#)
+            );
+        }
+        // The exited thread's ring was forgotten once emptied.
+        assert!(lock(&r.shared.rings).len() <= 1);
+    }
+
+    #[test]
+    fn a_release_comes_before_the_calls_made_after_it_started_in_other_threads() {
+        let path = scratch("order.jsonl");
+        let r = Recorder::open(&path, None).unwrap();
+        r.alloc(0, 512, 0, 0x1000); // this thread's ring is drained first
+        let (inside, started) = std::sync::mpsc::channel();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let r = &r;
+            s.spawn(move || {
+                r.release(0x1000, || {
+                    inside.send(()).unwrap();
+                    wait.recv().unwrap();
+                    Ok(())
+                })
+                .unwrap();
+            });
+            started.recv().unwrap();
+            // The release has its place: these come after it, though pushed before it.
+            r.alloc(0, 512, 0, 0x2000);
+            r.alloc(0, 512, 0, 0x1000);
+            go.send(()).unwrap();
+        });
+        r.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<&str> = text.lines().skip(1).collect();
         assert_eq!(
-            lines[2 * BATCH + 10],
-            format!(
-                r#"{{"op":"alloc","id":{},"size":512,"stream":0,"device":0}}"#,
-                512 * (2 * BATCH + 10)
-            )
+            lines,
+            [
+                r#"{"op":"alloc","id":4096,"size":512,"stream":0,"device":0}"#,
+                r#"{"op":"free","id":4096}"#,
+                r#"{"op":"alloc","id":8192,"size":512,"stream":0,"device":0}"#,
+                r#"{"op":"alloc","id":4096,"size":512,"stream":0,"device":0}"#,
+            ]
         );
+    }
+
+    #[test]
+    fn a_flush_does_not_wait_forever_for_a_call_still_under_way() {
+        let path = scratch("stuck.jsonl");
+        let r = Recorder::open(&path, None).unwrap();
+        let (inside, started) = std::sync::mpsc::channel();
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::scope(|s| {
+            let r = &r;
+            s.spawn(move || {
+                r.release(0x1000, || {
+                    inside.send(()).unwrap();
+                    wait.recv().unwrap();
+                    Ok(())
+                })
+                .unwrap();
+            });
+            started.recv().unwrap();
+            r.alloc(0, 512, 0, 0x2000);
+            r.flush();
+            // The release's place was given up: what followed it is written.
+            let text = std::fs::read_to_string(&path).unwrap();
+            assert_eq!(
+                text.lines().skip(1).collect::<Vec<_>>(),
+                [r#"{"op":"alloc","id":8192,"size":512,"stream":0,"device":0}"#]
+            );
+            go.send(()).unwrap();
+        });
+        r.flush();
+        // The release, once over, is written late rather than lost.
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(text.lines().last(), Some(r#"{"op":"free","id":4096}"#));
+        assert_eq!(text.lines().count(), 3);
+    }
+
+    #[test]
+    fn a_call_from_a_thread_local_destructor_after_the_ring_is_gone_is_recorded() {
+        static RECORDER: OnceLock<Recorder> = OnceLock::new();
+        struct Late;
+        impl Drop for Late {
+            fn drop(&mut self) {
+                RECORDER.get().unwrap().alloc(0, 512, 0, 0x3000);
+            }
+        }
+        thread_local! {
+            static LATE: Late = const { Late };
+        }
+        let path = scratch("late.jsonl");
+        let r = RECORDER.get_or_init(|| Recorder::open(&path, None).unwrap());
+        std::thread::spawn(|| {
+            // Registered first, destroyed last: after this thread's ring.
+            LATE.with(|_| {});
+            RECORDER.get().unwrap().alloc(0, 512, 0, 0x1000);
+        })
+        .join()
+        .unwrap();
+        r.flush();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text.lines().skip(1).collect::<Vec<_>>(),
+            [
+                r#"{"op":"alloc","id":4096,"size":512,"stream":0,"device":0}"#,
+                r#"{"op":"alloc","id":12288,"size":512,"stream":0,"device":0}"#,
+            ]
+        );
+        assert!(lock(&r.shared.stray).is_empty());
     }
 
     #[test]
@@ -556,8 +650,11 @@ mod tests {
         })
         .unwrap();
         assert!(released);
+        // Stopped: calls take no place any more.
+        let taken = r.shared.order.0.load(Ordering::Relaxed);
         r.alloc(0, 512, 0, 1024);
-        assert!(r.lock().calls.is_empty());
+        r.warmup(0, 512);
+        assert_eq!(r.shared.order.0.load(Ordering::Relaxed), taken);
     }
 
     #[test]
@@ -568,20 +665,6 @@ mod tests {
         assert!(
             e.starts_with("resmem: cannot record to /nonexistent-dir/trace.jsonl: "),
             "{e}"
-        );
-    }
-
-    #[test]
-    fn numbers_are_written_in_decimal() {
-        let mut b = Vec::new();
-        for v in [0, 7, 10, 99, 100, 512, 1000, u64::MAX] {
-            push_u64(&mut b, v);
-            b.push(b' ');
-        }
-        push_i64(&mut b, -1);
-        assert_eq!(
-            String::from_utf8(b).unwrap(),
-            "0 7 10 99 100 512 1000 18446744073709551615 -1"
         );
     }
 }

@@ -4,7 +4,7 @@
 //!   of the same size and the PyTorch-policy baseline's pair;
 //! - the same pairs from 2 threads on 2 streams at once;
 //! - `rm_mem_get_info` against the bare simulated driver call it adds to;
-//! - stitching (`vmm:true`): a 1 GiB segment from 512 cached 2 MiB chunks, against creating it
+//! - stitching (`vmm:true`): a 1 GiB segment from twelve cached 64 MiB holes, against creating it
 //!   afresh with classic segments (one `cuMemAlloc`), both on a simulated driver.
 //!
 //! Everything runs on simulated devices (`RESMEM_DRIVER=sim`, 80 GiB), set before the first
@@ -222,31 +222,43 @@ fn mem_get_info(c: &mut Criterion) {
     group.finish();
 }
 
-/// A pool over a fresh 8 GiB simulated device with 512 idle 2 MiB segments cached.
-fn cached_chunks(vmm: bool) -> resmem::Pool {
-    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[8 << 30])));
+/// A pool over a fresh 2 GiB simulated device. With `holes`, a 1.5 GiB warm-up split into 24
+/// blocks of 64 MiB, every other one released: 768 MiB of free memory in twelve pieces, and
+/// 512 MiB left on the driver, so a 1 GiB request must be built from the holes.
+fn two_gib_device(vmm: bool, holes: bool) -> resmem::Pool {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 << 30])));
     let driver = Arc::new(SimDriver::new(sim).expect("the simulator starts"));
     let config = resmem::PoolConfig {
         vmm,
         ..resmem::PoolConfig::default()
     };
     let pool = resmem::Pool::new(driver, config);
-    let ptrs: Vec<u64> = (0..512)
-        .map(|_| pool.reserve(0, (1 << 20) + 512, 0).unwrap())
-        .collect();
-    for p in ptrs {
-        pool.release(p).unwrap();
+    if holes {
+        pool.warmup(0, 1536 << 20).unwrap();
+        for i in 0..24 {
+            let p = pool.reserve(0, 64 << 20, 0).unwrap();
+            if i % 2 == 0 {
+                pool.release(p).unwrap();
+            }
+        }
     }
     pool
 }
 
+/// A 1 GiB segment: mapped from twelve 64 MiB holes plus one new 256 MiB handle (the default),
+/// against a fresh 1 GiB segment on an empty device, with the virtual-memory API and with
+/// `cuMemAlloc`. (Classic segments cannot serve the request from the holes at all.)
 fn stitch(c: &mut Criterion) {
     let mut group = c.benchmark_group("stitch-1GiB");
     group.sample_size(10);
-    for (name, vmm) in [("resmem-vmm", true), ("resmem-classic", false)] {
+    for (name, vmm, holes) in [
+        ("resmem-vmm-from-holes", true, true),
+        ("resmem-vmm-fresh", true, false),
+        ("resmem-classic-fresh", false, false),
+    ] {
         group.bench_function(name, |b| {
             b.iter_batched(
-                || cached_chunks(vmm),
+                || two_gib_device(vmm, holes),
                 |pool| {
                     let p = pool.reserve(0, 1 << 30, 0).unwrap();
                     black_box(p);

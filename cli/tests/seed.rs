@@ -106,7 +106,9 @@ fn the_seed_under_the_default_stays_at_one_warm_up() {
     let peak = four_loads(&pool);
     pool.check().unwrap();
     assert!(peak * 100 <= warmup * 102, "{peak} bytes");
-    // One warm-up segment, 8 MiB created for the pages the survivor keeps when the next warm-up
-    // is mapped from the first one's free pages, and one 2 MiB small segment: 1.0014x.
-    assert_eq!(peak, 8_824_815_616 + 8 * MIB + 2 * MIB);
+    // One warm-up segment, and 20 MiB: when the next warm-up is mapped from the first one's free
+    // pages, the 8.12 MiB the survivor keeps are created as PyTorch would size a segment for
+    // them (so that growth keeps pace with PyTorch's driver calls: 3, as PyTorch's); the 2 MiB
+    // small segment is mapped from cached pages: 1.0026x.
+    assert_eq!(peak, 8_824_815_616 + 20 * MIB);
 }

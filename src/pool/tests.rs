@@ -1004,3 +1004,20 @@ fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
     assert_eq!(sim.reserved_ranges(), 0);
     assert_books(&pool, sim);
 }
+
+#[test]
+fn a_request_just_under_10_mib_gets_a_shared_20_mib_segment_when_stitching_too() {
+    // 9 MiB is 10 MiB of 2 MiB pages, but PyTorch sizes its segment by the request: 20 MiB,
+    // which the next 9 MiB request shares. Stitching creates the same handle.
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[GIB], config);
+        let a = pool.reserve(0, 9 * MIB, 0).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.driver_allocs), (20 * MIB, 1));
+        let b = pool.reserve(0, 9 * MIB, 0).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.driver_allocs), (20 * MIB, 1));
+        assert_eq!(b, a + 9 * MIB, "the second lies right after the first");
+        assert_books(&pool, sim);
+    }
+}

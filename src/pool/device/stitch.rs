@@ -245,7 +245,13 @@ impl DevicePool {
                 VmmMode::On(g) => g,
                 _ => SEGMENT_ROUND,
             };
-            let sized = segment_size(need)
+            // Sized by the bytes the request still lacks, not by `need`: rounded up to the
+            // granularity, a 9 MiB request's 10 MiB would get a segment of its own where PyTorch
+            // gives it a shared 20 MiB one.
+            let lacking = crate::pool::size::block_size(requested)
+                .map_or(need, |block| block.saturating_sub(have))
+                .clamp(1, need);
+            let sized = segment_size(lacking)
                 .min(segment)
                 .max(need)
                 .next_multiple_of(granularity);
