@@ -62,8 +62,8 @@ typedef enum rm_status {
 } rm_status;
 
 /**
- * A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
- * the call.
+ * A device's figures, as `rm_get_stats` reports them. They are exact whenever no other call
+ * is in flight (calls running meanwhile may or may not be counted yet).
  */
 typedef struct rm_stats {
   /**
@@ -195,7 +195,8 @@ enum rm_status rm_record_stream(void *ptr, void *stream);
 /**
  * Return every idle cached segment to the driver (what `torch.cuda.empty_cache()` does), after
  * waiting for blocks still in use by other streams. `device` -1 means every device. The bytes
- * returned are stored in `*released_bytes` unless it is NULL.
+ * returned are stored in `*released_bytes` unless it is NULL. Idle segments go back in
+ * batches, so other threads' calls on the device wait for one batch at most.
  *
  * # Safety
  * `released_bytes` is NULL or valid for writing a `size_t`.
@@ -214,7 +215,9 @@ enum rm_status rm_free_reusable(int device, size_t *released_bytes);
 enum rm_status rm_warmup(int device, size_t bytes);
 
 /**
- * Fill `*out` with `device`'s figures.
+ * Fill `*out` with `device`'s figures. Reading them changes nothing (no later placement);
+ * they are exact whenever no other call is in flight. Blocks waiting in a thread's front
+ * cache count as reusable, not allocated.
  *
  * # Safety
  * `out` is NULL or valid for writing an `rm_stats`.

@@ -1,8 +1,8 @@
 //! The C API: the exported `rm_*` functions of the core API (PyTorch's entry points are in
 //! [`crate::torch`]), and nothing else exported. Each one checks its arguments, runs its body
 //! behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`), returns an [`rm_status`],
-//! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::pool`];
-//! this file only translates, and tells [`crate::record`] what was done.
+//! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::front`] and
+//! [`crate::pool`]; this file only translates, and tells [`crate::record`] what was done.
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -11,11 +11,12 @@ use std::sync::Once;
 
 use crate::driver::DevicePtr;
 use crate::error::{last_error_ptr, rm_status, set_last_error, Error, Result};
-use crate::pool::{Pool, Stats};
+use crate::front::Front;
+use crate::pool::Stats;
 use crate::{record, runtime};
 
-/// A device's figures, as `rm_get_stats` reports them. Byte counts are exact at the moment of
-/// the call.
+/// A device's figures, as `rm_get_stats` reports them. They are exact whenever no other call
+/// is in flight (calls running meanwhile may or may not be counted yet).
 #[repr(C)]
 #[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -174,7 +175,7 @@ unsafe fn write_out<T>(out: *mut T, value: T) {
     }
 }
 
-pub(crate) fn pool() -> Result<&'static Pool> {
+pub(crate) fn pool() -> Result<&'static Front> {
     runtime::pool()
 }
 
@@ -293,7 +294,8 @@ pub unsafe extern "C" fn rm_record_stream(ptr: *mut c_void, stream: *mut c_void)
 
 /// Return every idle cached segment to the driver (what `torch.cuda.empty_cache()` does), after
 /// waiting for blocks still in use by other streams. `device` -1 means every device. The bytes
-/// returned are stored in `*released_bytes` unless it is NULL.
+/// returned are stored in `*released_bytes` unless it is NULL. Idle segments go back in
+/// batches, so other threads' calls on the device wait for one batch at most.
 ///
 /// # Safety
 /// `released_bytes` is NULL or valid for writing a `size_t`.
@@ -327,7 +329,9 @@ pub unsafe extern "C" fn rm_warmup(device: c_int, bytes: usize) -> rm_status {
     })
 }
 
-/// Fill `*out` with `device`'s figures.
+/// Fill `*out` with `device`'s figures. Reading them changes nothing (no later placement);
+/// they are exact whenever no other call is in flight. Blocks waiting in a thread's front
+/// cache count as reusable, not allocated.
 ///
 /// # Safety
 /// `out` is NULL or valid for writing an `rm_stats`.

@@ -10,10 +10,11 @@
 //! The library is used from C through `include/resmem.h` (see [`capi`]); from Rust, build a
 //! [`Pool`] over a [`Driver`] directly.
 //!
-//! Module map (dependencies run one way: capi → runtime → share → pool → driver trait ← cuda |
-//! sim):
+//! Module map (dependencies run one way: capi → runtime → share and front → pool → driver
+//! trait ← cuda | sim):
 //! - [`capi`]: the core `rm_*` exports and the panic boundary;
 //! - [`error`]: status codes, the error type, the thread-local last-error message;
+//! - [`front`]: per-thread front caches ahead of the pool, used by the C API;
 //! - [`pool`]: the caching pool, pure logic over the [`Driver`] trait;
 //! - [`driver`]: the trait, the CUDA driver loaded at run time, the simulated driver;
 //! - [`config`]: `RESMEM_CONF` and driver settings, parsed from text;
@@ -27,6 +28,7 @@ pub mod capi;
 pub mod config;
 pub mod driver;
 pub mod error;
+pub mod front;
 pub mod pool;
 pub mod record;
 pub mod runtime;
@@ -36,4 +38,5 @@ mod unload;
 
 pub use driver::{Driver, DriverError};
 pub use error::{rm_status, Error, Result};
+pub use front::Front;
 pub use pool::{Pool, PoolConfig, Stats};

@@ -23,14 +23,16 @@ use crate::driver::cuda::CudaDriver;
 use crate::driver::sim::SimDriver;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error};
+use crate::front::Front;
 use crate::pool::Pool;
 use crate::share::{self, Sharing};
 use crate::unload::{self, Unloadable};
 
-/// The pool, or why it could not start, and the process that built it.
+/// The pool (behind its front caches), or why it could not start, and the process that built
+/// it.
 struct Started {
     pid: u32,
-    pool: Result<Pool, Error>,
+    pool: Result<Front, Error>,
 }
 
 static SETTINGS: Unloadable<Result<Settings, Error>> = Unloadable::new();
@@ -140,9 +142,25 @@ pub fn forked_error(parent: u32, child: u32) -> Error {
     )
 }
 
-/// The process-wide pool, created on first use from [`settings`]. In a child forked after it
-/// started, an error that says what to do instead.
-pub fn pool() -> Result<&'static Pool, Error> {
+/// The process-wide pool behind its front caches, created on first use from [`settings`]. In
+/// a child forked after it started, an error that says what to do instead.
+#[inline]
+pub fn pool() -> Result<&'static Front, Error> {
+    // The path of every call once started: two loads and the sharing flag, no error built.
+    if let Some(Started {
+        pool: Ok(front), ..
+    }) = POOL.get().get()
+    {
+        if !FORKED.load(Ordering::Relaxed) && SHARING.get().is_some() {
+            return Ok(front);
+        }
+    }
+    start()
+}
+
+/// [`pool`] before the pool started, after a failure to start, or in a forked child.
+#[cold]
+fn start() -> Result<&'static Front, Error> {
     let started = POOL.get().get_or_init(|| {
         unload::watch_exit();
         // SAFETY: the handler only stores to an atomic, which is safe in a forked child; it is
@@ -150,7 +168,7 @@ pub fn pool() -> Result<&'static Pool, Error> {
         unsafe { libc::pthread_atfork(None, None, Some(note_fork)) };
         Started {
             pid: std::process::id(),
-            pool: settings().and_then(build),
+            pool: settings().and_then(build).map(Front::new),
         }
     });
     // One atomic load on every call: the child learns of the fork from `note_fork`, not from a
@@ -158,14 +176,14 @@ pub fn pool() -> Result<&'static Pool, Error> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(forked_error(started.pid, std::process::id()));
     }
-    let pool = started.pool.as_ref().map_err(Clone::clone)?;
-    SHARING.get_or_init(|| start_sharing(pool));
-    Ok(pool)
+    let front = started.pool.as_ref().map_err(Clone::clone)?;
+    SHARING.get_or_init(|| start_sharing(front));
+    Ok(front)
 }
 
 /// Join the devices' registries if `RESMEM_CONF` says `share:true`; never in a privileged
 /// process. The registries are in `RESMEM_SHARE_DIR`, else `/dev/shm`.
-fn start_sharing(pool: &'static Pool) -> Option<Sharing> {
+fn start_sharing(pool: &'static Front) -> Option<Sharing> {
     let settings = settings().ok()?;
     if !settings.share.enabled || is_secure() {
         return None;
@@ -250,9 +268,9 @@ extern "C" fn note_fork() {
     FORKED.store(true, Ordering::Relaxed);
 }
 
-/// The process-wide pool if a call has already started it in this process; `None` otherwise
-/// (nothing is loaded).
-pub fn started() -> Option<&'static Pool> {
+/// The process-wide pool (behind its front caches) if a call has already started it in this
+/// process; `None` otherwise (nothing is loaded).
+pub fn started() -> Option<&'static Front> {
     POOL.get()
         .get()
         .filter(|_| !FORKED.load(Ordering::Relaxed))
@@ -274,6 +292,7 @@ pub(crate) unsafe fn drop_state() {
         }
     }
     drop(started);
+    crate::front::forget_key();
     // SAFETY: the caller's contract.
     drop(unsafe { SETTINGS.take() });
     // SAFETY: the caller's contract; the simulator is reached only through the pool.

@@ -2,7 +2,7 @@
 //! devices and streams, with sizes from 1 byte to GiBs, checked after every step against a
 //! reference model of the live blocks and against the simulated driver's own books.
 //!
-//! `PROPTEST_CASES` sets the number of sequences (default 10000 per test, two tests, each sequence up to 80 operations);
+//! `PROPTEST_CASES` sets the number of sequences (default 10000 per test, four tests, each sequence up to 80 operations);
 //! a long run: `PROPTEST_CASES=200000 cargo test --release --test model`.
 
 use std::collections::BTreeMap;
@@ -14,7 +14,10 @@ use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use resmem::driver::sim::SimDriver;
-use resmem::{rm_status, Pool, PoolConfig, Stats};
+use resmem::{rm_status, Front, Pool, PoolConfig, Stats};
+
+mod common;
+use common::under::Under;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -102,7 +105,7 @@ struct Block {
 
 /// The reference model: what the caller knows.
 struct Model {
-    pool: Pool,
+    pool: Box<dyn Under>,
     sim: &'static Sim,
     /// Streams per device: the default stream (0) and the created ones.
     streams: Vec<Vec<u64>>,
@@ -143,7 +146,7 @@ fn segment_for(block: u64) -> u64 {
 }
 
 impl Model {
-    fn new(config: PoolConfig) -> Model {
+    fn new(config: PoolConfig, front: bool) -> Model {
         let sim: &'static Sim = Box::leak(Box::new(Sim::new(&CAPACITIES)));
         let driver = SimDriver::new(sim).expect("the simulator initialises");
         let streams = (0..CAPACITIES.len() as i32)
@@ -155,7 +158,14 @@ impl Model {
             .collect();
         Model {
             stitched: config.vmm,
-            pool: Pool::new(Arc::new(driver), config),
+            pool: {
+                let pool = Pool::new(Arc::new(driver), config);
+                if front {
+                    Box::new(Front::new(pool))
+                } else {
+                    Box::new(pool)
+                }
+            },
             sim,
             streams,
             live: BTreeMap::new(),
@@ -505,8 +515,9 @@ fn cases() -> u32 {
         .unwrap_or(10_000)
 }
 
-/// Run `cases()` random sequences against a pool with `config`.
-fn run_sequences(config: PoolConfig) {
+/// Run `cases()` random sequences against a pool with `config`, behind the front caches if
+/// `front`.
+fn run_sequences(config: PoolConfig, front: bool) {
     let runner_config = Config {
         cases: cases(),
         failure_persistence: None,
@@ -515,7 +526,7 @@ fn run_sequences(config: PoolConfig) {
     let mut runner = TestRunner::new(runner_config);
     let result = runner.run(&prop::collection::vec(op(), 1..80), |ops| {
         SEQUENCES.fetch_add(1, Relaxed);
-        let mut model = Model::new(config);
+        let mut model = Model::new(config, front);
         for op in &ops {
             model.apply(op)?;
         }
@@ -560,22 +571,35 @@ fn run_sequences(config: PoolConfig) {
 /// The default: page-granular reuse with the virtual-memory API.
 #[test]
 fn random_sequences_keep_the_books_exact() {
-    run_sequences(PoolConfig::default());
+    run_sequences(PoolConfig::default(), false);
+}
+
+/// The same through the front caches: released blocks wait in this thread's cache, counted as
+/// reusable, and go back to the pool before it would grow.
+#[test]
+fn random_sequences_through_the_front_caches_keep_the_books_exact() {
+    run_sequences(PoolConfig::default(), true);
 }
 
 #[test]
 fn random_sequences_keep_the_books_exact_with_classic_segments() {
-    run_sequences(PoolConfig {
-        vmm: false,
-        ..PoolConfig::default()
-    });
+    run_sequences(
+        PoolConfig {
+            vmm: false,
+            ..PoolConfig::default()
+        },
+        false,
+    );
 }
 
 #[test]
 fn random_sequences_keep_the_books_exact_without_release_before_grow() {
-    run_sequences(PoolConfig {
-        release_before_grow: false,
-        vmm: false,
-        ..PoolConfig::default()
-    });
+    run_sequences(
+        PoolConfig {
+            release_before_grow: false,
+            vmm: false,
+            ..PoolConfig::default()
+        },
+        false,
+    );
 }

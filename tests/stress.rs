@@ -1,9 +1,10 @@
 //! Concurrency: 8 threads share one pool over two simulated devices with three streams each,
 //! doing mixed operations and handing blocks to each other, so that most blocks are released by
 //! another thread than the one that reserved them, with classic segments and with stitched ones
-//! (`vmm:true`). Every block handed out is checked against all other live blocks (no two
-//! overlap), and at the end the books are exact and, once the cache is returned, the driver
-//! holds nothing: no allocation, no physical memory, no address range. A watchdog fails the test
+//! (`vmm:true`), and behind the per-thread front caches (the C API's path). Every block handed
+//! out is checked against all other live blocks (no two overlap), and at the end the books are
+//! exact and, once the cache is returned, the driver holds nothing: no allocation, no physical
+//! memory, no address range. A watchdog fails the test
 //! if the threads stop making progress (a deadlock) instead of hanging.
 //!
 //! Two more tests hold the invariant that every live block stays known to the pool while
@@ -22,7 +23,10 @@ use std::time::Duration;
 use cuda_sim::Sim;
 use resmem::driver::sim::SimDriver;
 use resmem::driver::{DevicePtr, Driver, DriverResult, EventHandle, PhysHandle, StreamHandle};
-use resmem::{rm_status, Pool, PoolConfig};
+use resmem::{rm_status, Front, Pool, PoolConfig};
+
+mod common;
+use common::under::Under;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -82,12 +86,24 @@ fn eight_threads_exchanging_blocks_keep_the_books_exact_with_stitching() {
 }
 
 fn eight_threads(stitched: bool) {
+    eight_threads_over(stitched, Arc::new);
+}
+
+/// The same through the front caches (the C API's path): blocks released by another thread go
+/// to the reserving thread's remote list, threads exit with full caches, and drains run while
+/// other threads hit.
+#[test]
+fn eight_threads_exchanging_blocks_through_the_front_caches_keep_the_books_exact() {
+    eight_threads_over(false, |pool| Arc::new(Front::new(pool)));
+}
+
+fn eight_threads_over<P: Under + 'static>(stitched: bool, wrap: impl FnOnce(Pool) -> Arc<P>) {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[16 * GIB, 16 * GIB])));
     let config = PoolConfig {
         vmm: stitched,
         ..PoolConfig::default()
     };
-    let pool = Arc::new(Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config));
+    let pool = wrap(Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config));
     let streams: Arc<Vec<Vec<u64>>> = Arc::new(
         (0..DEVICES)
             .map(|d| {
@@ -239,9 +255,9 @@ fn eight_threads(stitched: bool) {
         assert_eq!(s.reusable_bytes, s.reserved_bytes);
         allocs += s.driver_allocs;
     }
-    assert_driver_agrees(&pool, sim);
+    assert_driver_agrees(&*pool, sim);
     pool.free_reusable(None).unwrap();
-    assert_returned(&pool, sim);
+    assert_returned(&*pool, sim);
     eprintln!(
         "stress{}: {THREADS} threads, {} operations, {} blocks released by another thread, \
          {allocs} driver allocations",
@@ -252,7 +268,7 @@ fn eight_threads(stitched: bool) {
 }
 
 /// The driver's successful allocations and frees are the pool's (chunks with stitching).
-fn assert_driver_agrees(pool: &Pool, sim: &Sim) {
+fn assert_driver_agrees(pool: &dyn Under, sim: &Sim) {
     let (mut allocs, mut frees) = (0, 0);
     for d in 0..DEVICES {
         let s = pool.stats(d).unwrap();
@@ -269,7 +285,7 @@ fn assert_driver_agrees(pool: &Pool, sim: &Sim) {
 
 /// After `free_reusable(-1)` with no block live, the books are exact and the driver holds
 /// nothing on any device: no allocation, no physical memory, no address range.
-fn assert_returned(pool: &Pool, sim: &Sim) {
+fn assert_returned(pool: &dyn Under, sim: &Sim) {
     pool.check().unwrap();
     for d in 0..DEVICES {
         let s = pool.stats(d).unwrap();
@@ -315,9 +331,9 @@ fn one_thread_per_device_returning_memory_keeps_every_block_known() {
         for t in threads {
             t.join().unwrap();
         }
-        assert_driver_agrees(&pool, sim);
+        assert_driver_agrees(&*pool, sim);
         pool.free_reusable(None).unwrap();
-        assert_returned(&pool, sim);
+        assert_returned(&*pool, sim);
     }
 }
 
@@ -467,7 +483,7 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
         pool.release(grown).unwrap();
         pool.check().unwrap();
         pool.free_reusable(None).unwrap();
-        assert_returned(&pool, sim);
+        assert_returned(&*pool, sim);
     }
 }
 

@@ -160,6 +160,45 @@ impl DevicePool {
     ) -> Result<DevicePtr> {
         let block_size = size::block_size(size)?;
         self.stats.reserve_calls += 1;
+        if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
+            return Ok(ptr);
+        }
+        // 3. and 4. A new segment, returning cache to the driver first where needed.
+        let id = self.grow(
+            cx,
+            size::segment_size(block_size),
+            size::class_of(block_size),
+            stream,
+            size,
+            Grow::MayRelease,
+        )?;
+        Ok(self.take(id, block_size, size))
+    }
+
+    /// Like [`DevicePool::reserve`], but only from memory already held (steps 1 and 2): `None`
+    /// where the request would need the driver, and then nothing is counted.
+    pub fn reserve_cached(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
+        let block_size = size::block_size(size)?;
+        let found = self.reuse(cx, size, block_size, stream)?;
+        if found.is_some() {
+            self.stats.reserve_calls += 1;
+        }
+        Ok(found)
+    }
+
+    /// Steps 1 and 2 of [`DevicePool::reserve`].
+    fn reuse(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        block_size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
         if !self.pending.is_empty() {
             self.collect_pending(cx, false)?;
         }
@@ -168,11 +207,11 @@ impl DevicePool {
         if let Some(&slot) = self.slot_of.get(&stream) {
             if let Some(id) = self.unpark(slot, block_size) {
                 self.stats.cache_hits += 1;
-                return Ok(self.revive(id, size));
+                return Ok(Some(self.revive(id, size)));
             }
             if let Some(id) = self.slots[slot as usize].bins[class as usize].find(block_size) {
                 self.stats.cache_hits += 1;
-                return Ok(self.take(id, block_size, size));
+                return Ok(Some(self.take(id, block_size, size)));
             }
         }
         if self.parked > 0 {
@@ -184,24 +223,15 @@ impl DevicePool {
                 .and_then(|&slot| self.slots[slot as usize].bins[class as usize].find(block_size));
             if let Some(id) = found {
                 self.stats.cache_hits += 1;
-                return Ok(self.take(id, block_size, size));
+                return Ok(Some(self.take(id, block_size, size)));
             }
         }
         // 2. An idle segment of another stream, ordered after that stream's work.
         if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
             self.stats.cache_hits += 1;
-            return Ok(self.take(id, block_size, size));
+            return Ok(Some(self.take(id, block_size, size)));
         }
-        // 3. and 4. A new segment, returning cache to the driver first where needed.
-        let id = self.grow(
-            cx,
-            size::segment_size(block_size),
-            class,
-            stream,
-            size,
-            Grow::MayRelease,
-        )?;
-        Ok(self.take(id, block_size, size))
+        Ok(None)
     }
 
     /// Give the block at `ptr` back to the pool.
@@ -294,14 +324,28 @@ impl DevicePool {
         Ok(segment)
     }
 
-    /// Return every idle segment to the driver, after waiting for pending blocks. Returns the
-    /// bytes returned.
-    pub fn free_reusable(&mut self, cx: &Context<'_>) -> Result<u64> {
-        self.flush_parked();
-        self.collect_pending(cx, true)?;
-        // Ranges whose undoing failed first: once unmapped, their handles can go back too.
-        self.retry_stuck(cx)?;
-        self.release_idle(cx, u64::MAX)
+    /// One batch of returning every idle segment to the driver (see [`super::Pool::free_reusable`]):
+    /// the first (`first`) merges parked blocks and waits for pending ones; each returns at most
+    /// `segments` idle segments (in virtual-memory mode: takes apart at most `segments` unused
+    /// segments, and returns the handles left unused). Returns the bytes returned and whether
+    /// idle segments remain.
+    pub fn free_reusable_batch(
+        &mut self,
+        cx: &Context<'_>,
+        first: bool,
+        segments: usize,
+    ) -> Result<(u64, bool)> {
+        if first {
+            self.flush_parked();
+            self.collect_pending(cx, true)?;
+            // Ranges whose undoing failed first: once unmapped, their handles can go back too.
+            self.retry_stuck(cx)?;
+        }
+        if matches!(self.vmm, VmmMode::On(_)) {
+            return self.release_stitched_batch(cx, segments);
+        }
+        let released = self.release_idle_segments(cx, segments)?;
+        Ok((released, !self.idle.is_empty()))
     }
 
     /// Return idle cache to the driver up to `bytes` at another process's request: whole idle
@@ -350,21 +394,46 @@ impl DevicePool {
         self.limit
     }
 
-    /// The figures, exact now. Parked blocks are merged first, so that the largest reusable
-    /// block is seen whole.
-    pub fn stats(&mut self) -> Stats {
-        self.flush_parked();
+    /// The figures, exact now, read without changing anything: a parked block counts in the
+    /// largest reusable block together with the free and parked neighbours it would merge with.
+    pub fn stats(&self) -> Stats {
         let mut stats = self.stats;
         stats.reusable_bytes = stats.reusable();
         let (mut small, mut large) = (0, 0);
         for slot in &self.slots {
             small = small.max(slot.bins[Class::Small as usize].largest());
             large = large.max(slot.bins[Class::Large as usize].largest());
+            for &id in &slot.parked {
+                let run = self.free_run(id);
+                match self.segments[self.blocks[id].segment as usize].class {
+                    Class::Small => small = small.max(run),
+                    Class::Large => large = large.max(run),
+                }
+            }
         }
         // Small requests come only from small segments, large ones (over 1 MiB) only from large.
         let large = if large > SMALL_MAX { large } else { 0 };
         stats.largest_reusable_block = large.max(small.min(SMALL_MAX));
         stats
+    }
+
+    /// The size of the free block that parked block `id` would be part of once merged: it and
+    /// its free or parked neighbours on both sides.
+    fn free_run(&self, id: u32) -> u64 {
+        let unused =
+            |b: u32| b != NIL && matches!(self.blocks[b].state, State::Free | State::Parked);
+        let mut size = self.blocks[id].size;
+        let mut b = self.blocks[id].prev;
+        while unused(b) {
+            size += self.blocks[b].size;
+            b = self.blocks[b].prev;
+        }
+        let mut b = self.blocks[id].next;
+        while unused(b) {
+            size += self.blocks[b].size;
+            b = self.blocks[b].next;
+        }
+        size
     }
 
     /// Set the peaks to the current values.

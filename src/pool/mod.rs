@@ -17,7 +17,7 @@
 //!
 //! 1. at most one device mutex at a time: [`Pool::free_reusable`] and
 //!    [`Pool::set_memory_limit`] over every device take them one after the other, releasing each
-//!    before the next;
+//!    before the next (and `free_reusable` releases it between batches of segments too);
 //! 2. then, while holding it, the directory's write lock (a segment added or returned), held for
 //!    a map update only;
 //! 3. the driver is called with the device mutex held, never the directory's lock; the driver
@@ -37,12 +37,21 @@ pub mod size;
 pub mod stats;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
+use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
 use device::DevicePool;
 pub use stats::Stats;
+
+/// Idle segments [`Pool::free_reusable`] returns to the driver per hold of a device's lock.
+pub const FREE_BATCH: usize = 32;
+
+/// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
+/// device's lock.
+const WAITERS_GRACE: Duration = Duration::from_micros(200);
 
 /// Settings of the pool (from `RESMEM_CONF`, parsed elsewhere).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,17 +119,20 @@ pub(crate) struct Context<'a> {
 pub struct Pool {
     driver: Arc<dyn Driver>,
     devices: Box<[Mutex<DevicePool>]>,
+    /// Per device, the threads blocked on its lock (see [`Pool::let_waiters_in`]).
+    waiting: Box<[AtomicU32]>,
     directory: Directory,
 }
 
 impl Pool {
     /// A pool over every device `driver` sees.
     pub fn new(driver: Arc<dyn Driver>, config: PoolConfig) -> Pool {
-        let devices = (0..driver.device_count().max(0))
+        let devices: Box<[Mutex<DevicePool>]> = (0..driver.device_count().max(0))
             .map(|device| Mutex::new(DevicePool::new(device, config)))
             .collect();
         Pool {
             driver,
+            waiting: devices.iter().map(|_| AtomicU32::new(0)).collect(),
             devices,
             directory: Directory::default(),
         }
@@ -143,7 +155,17 @@ impl Pool {
             .ok()
             .and_then(|d| self.devices.get(d))
             .ok_or_else(|| self.invalid_device(device))?;
-        let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = match slot.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                let waiting = &self.waiting[device as usize];
+                waiting.fetch_add(1, Ordering::Relaxed);
+                let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+                waiting.fetch_sub(1, Ordering::Relaxed);
+                guard
+            }
+        };
         let cx = Context {
             driver: &*self.driver,
             directory: &self.directory,
@@ -173,6 +195,21 @@ impl Pool {
             return Ok(0);
         }
         pool.reserve(&cx, size, stream)
+    }
+
+    /// Like [`Pool::reserve`], but only from memory the pool already holds: `None` (and nothing
+    /// counted) where the request would need the driver. Size 0 is `Some(0)`.
+    pub fn reserve_cached(
+        &self,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<Option<DevicePtr>> {
+        let (mut pool, cx) = self.lock(device)?;
+        if size == 0 {
+            return Ok(Some(0));
+        }
+        pool.reserve_cached(&cx, size, stream)
     }
 
     /// Give a block back to the pool. `0` is accepted and does nothing.
@@ -212,8 +249,46 @@ impl Pool {
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
+    /// Segments go back [`FREE_BATCH`] at a time, the device's lock released between batches,
+    /// so that reserves and releases on the device wait for one batch at most.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
-        self.each_device(device, |pool, cx| pool.free_reusable(cx))
+        // One ordinal is checked by `lock`, INT_MAX included.
+        let devices = match device {
+            Some(d) => vec![d],
+            None => (0..self.device_count()).collect(),
+        };
+        let mut total = 0;
+        for device in devices {
+            let mut first = true;
+            loop {
+                let (mut pool, cx) = self.lock(device)?;
+                let (bytes, more) = pool.free_reusable_batch(&cx, first, FREE_BATCH)?;
+                drop(pool);
+                total += bytes;
+                if !more {
+                    break;
+                }
+                first = false;
+                self.let_waiters_in(device);
+            }
+        }
+        Ok(total)
+    }
+
+    /// Between two batches of a long operation on `device`: give the threads blocked on its
+    /// lock the time to take it (a mutex lets the thread that just released it take it again
+    /// before a woken waiter runs), up to [`WAITERS_GRACE`].
+    fn let_waiters_in(&self, device: i32) {
+        let Some(waiting) = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.waiting.get(d))
+        else {
+            return;
+        };
+        let start = Instant::now();
+        while waiting.load(Ordering::Relaxed) > 0 && start.elapsed() < WAITERS_GRACE {
+            std::thread::yield_now();
+        }
     }
 
     /// Return idle cached memory of `device` to the driver, up to `bytes` of it (whole idle
@@ -233,9 +308,9 @@ impl Pool {
         pool.warmup(&cx, bytes)
     }
 
-    /// The figures of `device`.
+    /// The figures of `device`, read without changing anything.
     pub fn stats(&self, device: i32) -> Result<Stats> {
-        let (mut pool, _) = self.lock(device)?;
+        let (pool, _) = self.lock(device)?;
         Ok(pool.stats())
     }
 

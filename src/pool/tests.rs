@@ -577,10 +577,12 @@ fn parked_blocks_are_reused_by_size_and_merged_when_needed() {
     let d = pool.reserve(0, 12288, 0).unwrap();
     assert_eq!(d, c + 4096);
     pool.release(d).unwrap();
-    // Statistics merge them, and then a and b's space serves the same size.
+    // Statistics count them merged with their free neighbours, without merging them: reading
+    // the figures changes no later placement, so d's place serves the same size again.
     let s = pool.stats(0).unwrap();
     assert_eq!(s.largest_reusable_block, MIB);
-    assert_eq!(pool.reserve(0, 12288, 0).unwrap(), a);
+    assert_eq!(pool.stats(0).unwrap(), s);
+    assert_eq!(pool.reserve(0, 12288, 0).unwrap(), d);
     let s = pool.stats(0).unwrap();
     assert_eq!((s.allocated_bytes, s.driver_allocs), (12288 + 4096, 1));
     pool.release(c).unwrap();
@@ -924,6 +926,83 @@ fn trim_returns_idle_segments_up_to_the_bytes_asked_and_never_a_live_block() {
         pool.trim(7, GIB).unwrap_err().status,
         rm_status::RM_ERROR_INVALID_DEVICE
     );
+}
+
+#[test]
+fn the_largest_reusable_block_counts_parked_neighbours_merged() {
+    let (pool, sim) = pool(24 * GIB);
+    // Eight 128 KiB blocks fill one 1 MiB stretch of a 2 MiB small segment; a ninth keeps the
+    // rest apart.
+    let blocks: Vec<u64> = (0..8)
+        .map(|_| pool.reserve(0, 128 << 10, 0).unwrap())
+        .collect();
+    let rest = pool.reserve(0, MIB, 0).unwrap();
+    assert_eq!(pool.stats(0).unwrap().largest_reusable_block, 0);
+    // Two neighbours and one apart, all parked (unmerged).
+    for i in [2, 3, 6] {
+        pool.release(blocks[i]).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.largest_reusable_block, s.reusable_bytes),
+        (256 << 10, 384 << 10)
+    );
+    assert_eq!(pool.stats(0).unwrap(), s);
+    pool.release(rest).unwrap();
+    for i in [0, 1, 4, 5, 7] {
+        pool.release(blocks[i]).unwrap();
+    }
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn free_reusable_returns_many_idle_segments_in_batches_with_exact_books() {
+    let (pool, sim) = pool(24 * GIB);
+    let pool = Arc::new(pool);
+    let n = 3 * FREE_BATCH as u64 + 5;
+    // One 20 MiB segment each (as PyTorch sizes them); the kept block gets one of its own.
+    let blocks: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    let keep = pool.reserve(0, 4 * MIB, 0).unwrap();
+    for p in blocks {
+        pool.release(p).unwrap();
+    }
+    // Another thread takes the lock between batches meanwhile.
+    let other = Arc::clone(&pool);
+    let reader = std::thread::spawn(move || {
+        for _ in 0..1000 {
+            other.stats(0).unwrap();
+        }
+    });
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), n * 20 * MIB);
+    reader.join().unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.segments, s.reserved_bytes, s.driver_frees),
+        (1, 20 * MIB, n)
+    );
+    assert_eq!(sim.free_calls(), n);
+    pool.release(keep).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
+    let (pool, sim) = pool_with(&[24 * GIB], PoolConfig::default());
+    let n = 2 * FREE_BATCH as u64 + 3;
+    let blocks: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    for p in blocks {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), n * 20 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.segments, s.reserved_bytes), (0, 0));
+    assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
+    assert_eq!(sim.reserved_ranges(), 0);
+    assert_books(&pool, sim);
 }
 
 #[test]

@@ -1,13 +1,14 @@
 //! The helper thread of one shared device: it sleeps on the registry's request counter, and on
 //! each request (or every [`REFRESH`]) says how much this process could give up and returns
-//! idle cache, up to what the others still want, through [`Pool::trim`]: never a block in use.
+//! idle cache, up to what the others still want, through [`Front::trim`] (blocks waiting in the front caches
+//! given back to the pool first): never a block in use.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::registry::Registry;
-use crate::pool::Pool;
+use crate::front::Front;
 
 /// How often the thread refreshes this process's reusable bytes without a request.
 pub const REFRESH: Duration = Duration::from_millis(100);
@@ -16,7 +17,7 @@ const LOCK_PATIENCE: Duration = Duration::from_secs(1);
 
 /// What the thread works with.
 pub struct Helper {
-    pub pool: &'static Pool,
+    pub pool: &'static Front,
     pub device: i32,
     pub registry: Arc<Registry>,
     /// Bytes this process returned at others' requests.

@@ -7,7 +7,7 @@
 //! shortfall, waits (at most `share_wait_ms`) for the driver's free memory to rise, and retries
 //! once. With `share_count:true`, [`Sharing::others_reusable`] is what `rm_mem_get_info` adds.
 //!
-//! This module never touches the pool's books: it asks [`Pool::trim`] and [`Pool::reserve`],
+//! This module never touches the pool's books: it asks [`Front::trim`] and [`Front::reserve`],
 //! which never free a block in use.
 
 mod helper;
@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use crate::config::ShareConfig;
 use crate::error::{Error, Result};
+use crate::front::Front;
 use crate::pool::size::{round_up, MAX_REQUEST, SEGMENT_ROUND};
-use crate::pool::Pool;
 use helper::Helper;
 use registry::Registry;
 
@@ -53,7 +53,7 @@ impl Sharing {
     /// Join the registry in `dir` of every device of `pool` and start their helper threads. A
     /// device whose UUID is unknown or whose registry is refused does not share; each such
     /// device gets one line on standard error saying why.
-    pub fn start(pool: &'static Pool, config: ShareConfig, dir: &Path, logging: bool) -> Sharing {
+    pub fn start(pool: &'static Front, config: ShareConfig, dir: &Path, logging: bool) -> Sharing {
         let stall = test_stall();
         let devices = (0..pool.device_count())
             .map(|device| {
@@ -151,7 +151,7 @@ impl Sharing {
     /// received added.
     pub fn after_out_of_memory<T>(
         &self,
-        pool: &Pool,
+        pool: &Front,
         device: i32,
         bytes: u64,
         error: Error,
@@ -258,14 +258,14 @@ mod tests {
     use super::*;
     use crate::driver::sim::SimDriver;
     use crate::error::rm_status;
-    use crate::pool::PoolConfig;
+    use crate::pool::{Pool, PoolConfig};
     use cuda_sim::Sim;
 
     const GIB: u64 = 1 << 30;
 
     /// Two pools on two simulators that share one 24 GiB device through a scratch file, each
     /// sharing through a registry in a scratch directory.
-    fn pair(name: &str, wait_ms: u64) -> [(&'static Pool, Sharing); 2] {
+    fn pair(name: &str, wait_ms: u64) -> [(&'static Front, Sharing); 2] {
         let dir = std::env::temp_dir().join(format!("resmem-share-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -279,8 +279,10 @@ mod tests {
             let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[24 * GIB])));
             sim.share_capacity(&capacity).unwrap();
             let driver = SimDriver::new(sim).unwrap();
-            let pool: &'static Pool =
-                Box::leak(Box::new(Pool::new(Arc::new(driver), PoolConfig::default())));
+            let pool: &'static Front = Box::leak(Box::new(Front::new(Pool::new(
+                Arc::new(driver),
+                PoolConfig::default(),
+            ))));
             let sharing = Sharing::start(pool, config, &dir, false);
             (pool, sharing)
         })

@@ -104,6 +104,33 @@ impl DevicePool {
         Ok(released)
     }
 
+    /// Return up to `count` idle classic segments to the driver, the largest first, after the
+    /// device's queued work. Returns the bytes returned.
+    pub(super) fn release_idle_segments(&mut self, cx: &Context<'_>, count: usize) -> Result<u64> {
+        let mut idle: Vec<(u64, u32)> = self
+            .idle
+            .iter()
+            .map(|&seg| (self.segments[seg as usize].size, seg))
+            .collect();
+        if idle.is_empty() || count == 0 {
+            return Ok(0);
+        }
+        if idle.len() > count {
+            idle.select_nth_unstable_by(count - 1, |a, b| b.cmp(a));
+            idle.truncate(count);
+        }
+        // Work queued before the blocks were released may still use them.
+        cx.driver.synchronize(self.device).map_err(|e| {
+            Error::driver("waiting for the device before returning cached memory", &e)
+        })?;
+        let mut released = 0;
+        for (size, seg) in idle {
+            self.free_segment(cx, seg)?;
+            released += size;
+        }
+        Ok(released)
+    }
+
     /// Give an idle segment back to the driver and forget it.
     pub(super) fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
         let (base, size) = (

@@ -628,24 +628,66 @@ impl DevicePool {
         Ok(released)
     }
 
+    /// One batch of returning all cached memory: every handle mapped nowhere, and at most
+    /// `count` unused segments taken apart, largest first, with the handles that leaves unused.
+    /// Returns the bytes returned and whether more unused segments were found than taken.
+    pub(super) fn release_stitched_batch(
+        &mut self,
+        cx: &Context<'_>,
+        count: usize,
+    ) -> Result<(u64, bool)> {
+        let mut released = self.release_unused(cx, u64::MAX)?;
+        // One scan finds the batch, largest first; each is checked again before it is taken
+        // apart, since taking one apart changes its lenders.
+        let mut found = self.unused_segments();
+        let more = found.len() > count;
+        found.sort_unstable_by(|a, b| b.cmp(a));
+        found.truncate(count);
+        if !found.is_empty() {
+            // Work queued before the blocks were released may still use them.
+            cx.driver.synchronize(self.device).map_err(|e| {
+                Error::driver("waiting for the device before returning cached memory", &e)
+            })?;
+        }
+        for (_, seg) in found {
+            if self.is_unused(seg) {
+                self.dismantle(cx, seg)?;
+                released += self.release_unused(cx, u64::MAX)?;
+            }
+        }
+        Ok((released, more))
+    }
+
+    /// Every stitched segment whose blocks are all free or holes, with its size.
+    fn unused_segments(&self) -> Vec<(u64, u32)> {
+        (0..self.segments.len() as u32)
+            .filter(|&seg| self.is_unused(seg))
+            .map(|seg| (self.segments[seg as usize].size, seg))
+            .collect()
+    }
+
     /// The largest stitched segment whose blocks are all free or holes.
     fn unused_segment(&self) -> Option<u32> {
-        let unused = |s: &super::Segment| {
-            let mut id = s.first;
-            while id != NIL {
-                if !matches!(self.blocks[id].state, State::Free | State::Hole) {
-                    return false;
-                }
-                id = self.blocks[id].next;
-            }
-            true
-        };
         (0..self.segments.len() as u32)
-            .filter(|&seg| {
-                let s = &self.segments[seg as usize];
-                s.in_use && s.stitched && !self.lending.contains(&seg) && unused(s)
-            })
+            .filter(|&seg| self.is_unused(seg))
             .max_by_key(|&seg| (self.segments[seg as usize].size, seg))
+    }
+
+    /// Whether `seg` is a stitched segment in use whose blocks are all free or holes, lending
+    /// nothing in flight.
+    fn is_unused(&self, seg: u32) -> bool {
+        let s = &self.segments[seg as usize];
+        if !(s.in_use && s.stitched && !self.lending.contains(&seg)) {
+            return false;
+        }
+        let mut id = s.first;
+        while id != NIL {
+            if !matches!(self.blocks[id].state, State::Free | State::Hole) {
+                return false;
+            }
+            id = self.blocks[id].next;
+        }
+        true
     }
 
     /// Release handles mapped nowhere, largest first, until `needed` bytes went back.

@@ -1,0 +1,288 @@
+/*
+ * Cache-hit rm_reserve + rm_release pairs through the shipped libresmem.so, next to glibc's
+ * malloc + free in the same run; and the pool's pauses while rm_free_reusable returns 100k idle
+ * segments, and the time of rm_get_stats with 100k blocks cached.
+ *
+ * Run by scripts/bench-c.sh, with the simulated driver library as the CUDA driver
+ * (RESMEM_DRIVER=cuda, RESMEM_CUDA_LIBRARY=libcuda_sim.so), so that each thread can create a
+ * real (simulated) stream. Prints one line per measurement:
+ *   pair <impl> <threads> <size> <cached> <ns per pair per thread>
+ *   stats <cached> <ns per rm_get_stats>
+ *   free_reusable <segments> <ms> <bytes> <calls, median, p99.9, max us, calls over 100 us:
+ *                 with nothing else running, then during the call>
+ * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
+ * unless given). `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
+ * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
+ * instruction counts over the difference of N is the instructions of one pair
+ * (scripts/bench-c.sh does this).
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "resmem.h"
+
+typedef int (*cu_fn)();
+static cu_fn cu_init, cu_retain, cu_push, cu_stream_create;
+
+static double now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
+
+static void check(rm_status s, const char *what) {
+  if (s != RM_SUCCESS) {
+    fprintf(stderr, "%s failed: %s\n", what, rm_last_error());
+    exit(1);
+  }
+}
+
+static void *reserve(size_t size, void *stream) {
+  void *p = NULL;
+  check(rm_reserve(0, size, stream, &p), "rm_reserve");
+  return p;
+}
+
+/* A new simulated stream for the calling thread (its context made current first). */
+static void *new_stream(void) {
+  void *ctx = NULL, *stream = NULL;
+  if (cu_retain(&ctx, 0) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
+    fprintf(stderr, "creating a simulated stream failed\n");
+    exit(1);
+  }
+  return stream;
+}
+
+/* ----- pairs from N threads ----- */
+
+static atomic_int go, stop;
+static size_t pair_size;
+static int use_glibc;
+static void *volatile sink;
+
+struct worker {
+  pthread_t thread;
+  unsigned long long pairs;
+  double ns;
+};
+
+static void *work(void *arg) {
+  struct worker *w = arg;
+  void *stream = use_glibc ? NULL : new_stream();
+  if (!use_glibc) {
+    check(rm_release(reserve(pair_size, stream)), "rm_release"); /* now cached */
+  }
+  while (!atomic_load(&go)) {
+  }
+  unsigned long long n = 0;
+  double start = now_ns();
+  while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
+    for (int i = 0; i < 256; i++) {
+      if (use_glibc) {
+        void *p = malloc(pair_size);
+        sink = p;
+        free(p);
+      } else {
+        void *p = NULL;
+        rm_reserve(0, pair_size, stream, &p);
+        rm_release(p);
+      }
+    }
+    n += 256;
+  }
+  w->ns = now_ns() - start;
+  w->pairs = n;
+  return NULL;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* The median over threads of each thread's time per pair. */
+static double run_pairs(int threads, size_t size, int glibc) {
+  struct worker w[64];
+  double per[64];
+  pair_size = size;
+  use_glibc = glibc;
+  atomic_store(&go, 0);
+  atomic_store(&stop, 0);
+  for (int t = 0; t < threads; t++) {
+    memset(&w[t], 0, sizeof w[t]);
+    pthread_create(&w[t].thread, NULL, work, &w[t]);
+  }
+  struct timespec warm = {0, 20 * 1000 * 1000}, run = {0, 200 * 1000 * 1000};
+  nanosleep(&warm, NULL);
+  atomic_store(&go, 1);
+  nanosleep(&run, NULL);
+  atomic_store(&stop, 1);
+  for (int t = 0; t < threads; t++) {
+    pthread_join(w[t].thread, NULL);
+    per[t] = w[t].ns / (double)w[t].pairs;
+  }
+  qsort(per, threads, sizeof per[0], cmp_double);
+  return per[threads / 2];
+}
+
+/* ----- the cache ----- */
+
+/* The size of the i-th other cached block: 90% small (up to 128 KiB), 10% large. */
+static size_t other_size(size_t i) {
+  return i % 10 == 9 ? (1u << 20) + 512 * (1 + i % 1024) : 512 * (1 + i % 256);
+}
+
+static void **fences;
+static size_t have;
+
+/* Cache blocks have..to: each reserved with a live 512-byte fence after it (so that released
+ * neighbours do not merge), then released; then the front caches are drained into the pool. */
+static void add_cached(size_t to) {
+  void **others = malloc(sizeof(void *) * (to - have + 1));
+  fences = realloc(fences, sizeof(void *) * (to + 1));
+  for (size_t i = have; i < to; i++) {
+    others[i - have] = reserve(other_size(i), NULL);
+    fences[i] = reserve(512, NULL);
+  }
+  for (size_t i = have; i < to; i++) check(rm_release(others[i - have]), "rm_release");
+  free(others);
+  have = to;
+  check(rm_free_reusable(0, NULL), "rm_free_reusable");
+}
+
+static double time_stats(void) {
+  rm_stats s;
+  int n = 20000;
+  double start = now_ns();
+  for (int i = 0; i < n; i++) check(rm_get_stats(0, &s), "rm_get_stats");
+  return (now_ns() - start) / n;
+}
+
+/* ----- rm_free_reusable with many idle segments ----- */
+
+static atomic_int phase; /* 0: wait, 1: baseline, 2: during rm_free_reusable, 3: stop */
+#define SAMPLES (1 << 22)
+static float *waits[3];
+static size_t counts[3];
+
+/* rm_mem_get_info calls, which take the device's lock, timed one by one in each phase: while
+ * nothing else runs (the machine's own noise: preemption by other processes), and while
+ * rm_free_reusable runs (how long a call that needs the device's lock waits behind it). */
+static void *probe(void *arg) {
+  (void)arg;
+  size_t free_bytes, total;
+  int p;
+  while ((p = atomic_load(&phase)) != 3) {
+    if (p == 0) continue;
+    double start = now_ns();
+    check(rm_mem_get_info(0, &free_bytes, &total), "rm_mem_get_info (probe)");
+    if (counts[p] < SAMPLES) waits[p][counts[p]++] = (float)(now_ns() - start);
+  }
+  return NULL;
+}
+
+static int cmp_float(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+/* Median, 99.9th percentile and maximum of a phase's waits in microseconds, and how many
+ * exceeded 100 us. */
+static void summarize(int p, double out[4]) {
+  size_t n = counts[p];
+  qsort(waits[p], n, sizeof(float), cmp_float);
+  out[0] = n ? waits[p][n / 2] / 1e3 : 0;
+  out[1] = n ? waits[p][(size_t)((double)n * 0.999)] / 1e3 : 0;
+  out[2] = n ? waits[p][n - 1] / 1e3 : 0;
+  out[3] = 0;
+  for (size_t i = 0; i < n; i++) out[3] += waits[p][i] > 100e3;
+}
+
+/* `segments` idle 2 MiB segments returned by rm_free_reusable while the probe runs. Prints:
+ * free_reusable <segments> <ms> <bytes> then, for the baseline and for the time of the call:
+ * <calls> <median us> <p99.9 us> <max us> <calls over 100 us> */
+static void free_reusable_pauses(size_t segments) {
+  void **blocks = malloc(sizeof(void *) * segments);
+  for (size_t i = 0; i < segments; i++) blocks[i] = reserve((size_t)2 << 20, NULL);
+  for (size_t i = 0; i < segments; i++) check(rm_release(blocks[i]), "rm_release");
+  free(blocks);
+  waits[1] = malloc(sizeof(float) * SAMPLES);
+  waits[2] = malloc(sizeof(float) * SAMPLES);
+  pthread_t t;
+  pthread_create(&t, NULL, probe, NULL);
+  struct timespec baseline = {0, 200 * 1000 * 1000};
+  atomic_store(&phase, 1);
+  nanosleep(&baseline, NULL);
+  atomic_store(&phase, 2);
+  size_t released = 0;
+  double start = now_ns();
+  check(rm_free_reusable(0, &released), "rm_free_reusable");
+  double took = now_ns() - start;
+  atomic_store(&phase, 3);
+  pthread_join(t, NULL);
+  double b[4], d[4];
+  summarize(1, b);
+  summarize(2, d);
+  printf("free_reusable %zu %.2f %zu %zu %.2f %.1f %.1f %.0f %zu %.2f %.1f %.1f %.0f\n", segments,
+         took / 1e6, released, counts[1], b[0], b[1], b[2], b[3], counts[2], d[0], d[1], d[2],
+         d[3]);
+}
+
+int main(int argc, char **argv) {
+  const char *lib = getenv("RESMEM_CUDA_LIBRARY");
+  void *cuda = lib ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : NULL;
+  if (!cuda) {
+    fprintf(stderr, "set RESMEM_CUDA_LIBRARY to libcuda_sim.so (%s)\n", dlerror());
+    return 1;
+  }
+  cu_init = (cu_fn)dlsym(cuda, "cuInit");
+  cu_retain = (cu_fn)dlsym(cuda, "cuDevicePrimaryCtxRetain");
+  cu_push = (cu_fn)dlsym(cuda, "cuCtxPushCurrent_v2");
+  cu_stream_create = (cu_fn)dlsym(cuda, "cuStreamCreate");
+  if (!cu_init || !cu_retain || !cu_push || !cu_stream_create || cu_init(0) != 0) {
+    fprintf(stderr, "%s lacks the stream functions\n", lib);
+    return 1;
+  }
+  const size_t sizes[] = {512, 64 << 10, 4 << 20, 64 << 20};
+  const size_t cached[] = {0, 1000, 100000};
+  const int threads[] = {1, 2, 4, 8};
+  int only_pauses = argc > 1 && strcmp(argv[1], "pauses") == 0;
+  if (argc > 3 && strcmp(argv[1], "count") == 0) {
+    long n = atol(argv[2]);
+    size_t size = (size_t)atol(argv[3]);
+    void *stream = new_stream();
+    check(rm_release(reserve(size, stream)), "rm_release");
+    for (long i = 0; i < n; i++) {
+      void *p = NULL;
+      rm_reserve(0, size, stream, &p);
+      rm_release(p);
+    }
+    return 0;
+  }
+  if (!only_pauses) {
+    for (int c = 0; c < 3; c++) {
+      add_cached(cached[c]);
+      printf("stats %zu %.1f\n", cached[c], time_stats());
+      fflush(stdout);
+      for (int s = 0; s < 4; s++) {
+        for (int t = 0; t < 4; t++) {
+          printf("pair resmem %d %zu %zu %.2f\n", threads[t], sizes[s], cached[c],
+                 run_pairs(threads[t], sizes[s], 0));
+          printf("pair glibc %d %zu %zu %.2f\n", threads[t], sizes[s], cached[c],
+                 run_pairs(threads[t], sizes[s], 1));
+          fflush(stdout);
+        }
+      }
+    }
+  } else {
+    free_reusable_pauses(argc > 2 ? (size_t)atol(argv[2]) : 100000);
+  }
+  return 0;
+}

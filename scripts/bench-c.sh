@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The C benchmark (benches/c/pairs.c) through the shipped libresmem.so, with glibc's malloc +
+# free measured in the same run: cache-hit pairs from 1, 2, 4 and 8 threads (each on its own
+# simulated stream) at 512 B, 64 KiB, 4 MiB and 64 MiB with 0, 1k and 100k other blocks cached;
+# rm_get_stats with those caches; and the longest wait behind rm_free_reusable returning 100k
+# idle segments (the default policy and classic segments); and the instructions of one pair
+# under callgrind. Runs everything RUNS times (default 3) and prints a Markdown section with the
+# minimum and the median of the runs.
+#
+#   scripts/bench-c.sh            # build (release), run, print the section
+#   RUNS=1 scripts/bench-c.sh     # one run
+#   REPORT_ONLY=1 scripts/bench-c.sh   # print the section from the last runs' files
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${RUNS:-3}
+cargo build --release -q -p resmem -p libcuda-sim
+out=target/bench-c
+mkdir -p "$out"
+# The library's SONAME is libresmem.so.0: the program finds it beside itself.
+ln -sf "$PWD/target/release/libresmem.so" "$out/libresmem.so.0"
+gcc -O2 -std=c11 -Wall -Wextra -Iinclude benches/c/pairs.c -o "$out/pairs" \
+  -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -lpthread -ldl
+export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
+if [ -z "${REPORT_ONLY:-}" ]; then
+  for i in $(seq 1 "$runs"); do
+    CUDA_SIM_DEVICES=80GiB "$out/pairs" > "$out/pairs.$i"
+    CUDA_SIM_DEVICES=240GiB "$out/pairs" pauses > "$out/pauses.$i"
+    CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/pairs" pauses > "$out/pauses-classic.$i"
+  done
+  # Instructions of one cache-hit pair (callgrind: 120k pairs less 20k pairs, over 100k).
+  : > "$out/instructions"
+  if command -v valgrind >/dev/null; then
+    for size in 512 65536 4194304 67108864; do
+      count() {
+        CUDA_SIM_DEVICES=80GiB valgrind --tool=callgrind --callgrind-out-file=/dev/null \
+          "$out/pairs" count "$1" "$size" 2>&1 | sed -n 's/.*Collected : \([0-9]*\).*/\1/p'
+      }
+      a=$(count 20000)
+      b=$(count 120000)
+      echo "$size $(( (b - a) / 100000 ))" >> "$out/instructions"
+    done
+  fi
+fi
+python3 - "$out" "$runs" <<'PY'
+import statistics, sys, platform, subprocess, datetime, os
+out, runs = sys.argv[1], int(sys.argv[2])
+pairs, stats, pauses = {}, {}, []
+for i in range(1, runs + 1):
+    for line in open(f"{out}/pairs.{i}"):
+        f = line.split()
+        if f[0] == "pair":
+            pairs.setdefault((f[1], int(f[2]), int(f[3]), int(f[4])), []).append(float(f[5]))
+        elif f[0] == "stats":
+            stats.setdefault(int(f[1]), []).append(float(f[2]))
+    for policy, name in (("default", "pauses"), ("classic", "pauses-classic")):
+        for line in open(f"{out}/{name}.{i}"):
+            f = line.split()
+            pauses.append((policy, float(f[2]), int(f[3]), [float(x) for x in f[4:9]], [float(x) for x in f[9:14]]))
+def human(n):
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+def mm(v):
+    return min(v), statistics.median(v)
+cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+print("## Cache-hit pairs through `libresmem.so` from C, 1 to 8 threads (front caches)\n")
+print(f"`scripts/bench-c.sh` (benches/c/pairs.c), {runs} runs; date {datetime.date.today()}; "
+      f"{platform.machine()}, {cpu} CPUs (`nproc`), Linux {platform.release()}; simulated "
+      "device through `libcuda_sim.so` (80 GiB). Each thread has its own stream and repeats "
+      "`rm_reserve` + `rm_release` of one size for 200 ms; the figure is the median over "
+      "threads of each thread's wall time per pair, then the minimum / median over the runs. "
+      "glibc is `malloc` + `free` of the same size in the same process and run. With more "
+      "threads than the 2 CPUs, threads share a CPU, so a thread's wall time per pair grows "
+      "with them.\n")
+print("| cached | size | threads | resmem min / median (ns) | glibc min / median (ns) | resmem / glibc (min) | resmem / 1 thread (min) | glibc / 1 thread (min) |")
+print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+for cached in sorted({k[3] for k in pairs}):
+    for size in sorted({k[2] for k in pairs}):
+        one = min(pairs[("resmem", 1, size, cached)])
+        g_one = min(pairs[("glibc", 1, size, cached)])
+        for threads in sorted({k[1] for k in pairs}):
+            r = mm(pairs[("resmem", threads, size, cached)])
+            g = mm(pairs[("glibc", threads, size, cached)])
+            print(f"| {cached:,} | {human(size)} | {threads} | {r[0]:.1f} / {r[1]:.1f} | "
+                  f"{g[0]:.1f} / {g[1]:.1f} | {r[0] / g[0]:.2f} | {r[0] / one:.2f} | "
+                  f"{g[0] / g_one:.2f} |")
+print()
+flat = []
+for size in sorted({k[2] for k in pairs}):
+    a, b = min(pairs[("resmem", 1, size, 0)]), min(pairs[("resmem", 1, size, max(k[3] for k in pairs))])
+    flat.append(f"{human(size)} {b / a:.2f}")
+print("Flatness (one thread, 100k cached / 0 cached, minima): " + ", ".join(flat) + "\n")
+print("| cached | `rm_get_stats` min / median (ns) |")
+print("| ---: | ---: |")
+for cached in sorted(stats):
+    s = mm(stats[cached])
+    print(f"| {cached:,} | {s[0]:.0f} / {s[1]:.0f} |")
+print()
+print("`rm_free_reusable` returning 100k idle 2 MiB segments (240 GiB device) while another "
+      "thread calls `rm_mem_get_info` (which takes the device's lock) in a loop, each call timed: "
+      "first 200 ms with nothing else running (the machine's own noise, mostly preemption by "
+      "other processes on the 2 shared CPUs), then during `rm_free_reusable`. Waits in µs.\n")
+print("| policy | run | rm_free_reusable (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")
+print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+for i, (policy, total, released, base, during) in enumerate(pauses, 1):
+    for name, p in (("alone", base), ("during", during)):
+        print(f"| {policy} | {(i + 1) // 2} | {total:.1f} | {name} | {int(p[0]):,} | {p[1]:.2f} | "
+              f"{p[2]:.1f} | {p[3]:.0f} | {int(p[4])} |")
+print()
+instructions = [line.split() for line in open(f"{out}/instructions")]
+if instructions:
+    print("Instructions of one cache-hit pair, one thread (callgrind, `pairs count`): " +
+          ", ".join(f"{human(int(size))} {n}" for size, n in instructions) + "\n")
+PY

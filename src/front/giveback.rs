@@ -1,0 +1,134 @@
+//! Giving blocks back to the pool: one block ([`Inner::evict`]), a block also used on other
+//! streams ([`Inner::release_shared`]), every cache or one (drains: each list taken whole with
+//! an exchange), and a thread's exit ([`Inner::hand_back`]).
+
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::Arc;
+
+use super::counters::Delta;
+use super::entries::{Entry, CACHED, NIL, USER};
+use super::thread::ThreadCache;
+use super::Inner;
+use crate::driver::DevicePtr;
+use crate::error::Result;
+
+impl Inner {
+    /// Forget entry `index` (its block at `ptr` is claimed by the caller, and was held by the
+    /// user or cached as `state` says) and give the block to the pool.
+    pub(super) fn evict(&self, index: u32, ptr: DevicePtr, state: u64) {
+        let e = self.entries.get(index);
+        let device = e.device.load(Relaxed);
+        let (size, pool_requested) = (e.size.load(Relaxed), e.pool_requested.load(Relaxed));
+        let d = if state == USER {
+            Delta {
+                requested: pool_requested as i64 - e.requested.load(Relaxed) as i64,
+                ..Delta::default()
+            }
+        } else {
+            Delta {
+                cached_bytes: -(size as i64),
+                cached_blocks: -1,
+                requested: pool_requested as i64,
+                hits: 0,
+            }
+        };
+        self.forget(index, ptr);
+        self.shared[device as usize].add_shared(d);
+        // The pool holds the block live: its release cannot be refused.
+        let _ = self.pool.release(ptr);
+    }
+
+    /// Drop entry `index` for the block at `ptr` from the map and the arena.
+    pub(super) fn forget(&self, index: u32, ptr: DevicePtr) {
+        self.map.clear(ptr);
+        self.entries.get(index).word.store(0, Release);
+        self.entries.put(index);
+    }
+
+    /// Release a block also used on other streams through the pool, which records their work.
+    /// On failure the block stays held by the caller, as the pool leaves it.
+    pub(super) fn release_shared(self: &Arc<Self>, index: u32, ptr: DevicePtr) -> Result<()> {
+        let e = self.entries.get(index);
+        let fields = (
+            e.owner.load(Relaxed),
+            e.device.load(Relaxed),
+            e.stream.load(Relaxed),
+            e.size.load(Relaxed),
+            e.pool_requested.load(Relaxed),
+            e.requested.load(Relaxed),
+        );
+        let (owner, device, stream, size, pool_requested, requested) = fields;
+        self.forget(index, ptr);
+        match self.pool.release(ptr) {
+            Ok(()) => {
+                self.shared[device as usize].add_shared(Delta {
+                    requested: pool_requested as i64 - requested as i64,
+                    ..Delta::default()
+                });
+                Ok(())
+            }
+            Err(err) => {
+                match self.entries.take() {
+                    Some(index) => {
+                        let e = self.entries.get(index);
+                        e.fill(owner, device, stream, size, requested);
+                        e.pool_requested.store(pool_requested, Relaxed);
+                        e.shared.store(true, Relaxed);
+                        e.word.store(Entry::word_of(ptr, USER), Release);
+                        self.map.set(ptr, index);
+                    }
+                    None => self.shared[device as usize].add_shared(Delta {
+                        requested: pool_requested as i64 - requested as i64,
+                        ..Delta::default()
+                    }),
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Give the blocks of every cache, live threads' and exited ones', back to the pool.
+    pub(super) fn drain(&self) {
+        for cache in self.threads.iter() {
+            self.drain_cache(cache);
+        }
+    }
+
+    /// Give the blocks of one cache back to the pool: each list taken with one exchange.
+    pub(super) fn drain_cache(&self, cache: &ThreadCache) {
+        for bin in cache.bins.iter() {
+            let (bytes, blocks) = self.evict_list(bin.head.swap(NIL, Acquire));
+            if blocks != 0 {
+                cache.drained(bytes, blocks);
+            }
+        }
+        self.evict_list(cache.remote.swap(NIL, Acquire));
+    }
+
+    /// Give every block of a list taken whole back to the pool; its bytes and blocks.
+    pub(super) fn evict_list(&self, mut index: u32) -> (u64, u64) {
+        let (mut bytes, mut blocks) = (0, 0);
+        while index != NIL {
+            let e = self.entries.get(index);
+            let next = e.next.load(Relaxed);
+            bytes += e.size.load(Relaxed);
+            blocks += 1;
+            self.evict(index, e.ptr(), CACHED);
+            index = next;
+        }
+        (bytes, blocks)
+    }
+
+    /// The exit of the thread using cache `index`: its blocks go back to the pool, its figures
+    /// to the shared set, and the cache to the next thread that needs one.
+    pub(super) fn hand_back(&self, index: u32) {
+        let Some(cache) = self.threads.get(index) else {
+            return;
+        };
+        self.drain_cache(cache);
+        for (own, shared) in cache.counters.iter().zip(self.shared.iter()) {
+            shared.add_shared(own.take());
+        }
+        cache.retire();
+    }
+}

@@ -1,0 +1,102 @@
+//! From a block's address to its entry, without a lock: a radix tree over 48-bit addresses with
+//! one slot per 512-byte granule (the pool's alignment). Levels are created on first use and
+//! never freed while the front lives, so a reader follows them with plain atomic loads; a slot
+//! holds an entry index plus one (`0`: no block the front knows starts there).
+//!
+//! Bits 47..33 pick one of 32 Ki top slots, 32..18 one of 32 Ki in a middle level covering
+//! 8 GiB, and 17..9 the slot in a 2 KiB leaf covering 256 KiB, so memory follows the blocks'
+//! spread: a sparse 4 MiB block costs one leaf.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+
+use crate::driver::DevicePtr;
+
+/// Addresses at or above this are not kept (the front passes them to the pool).
+pub const LIMIT: DevicePtr = 1 << 48;
+
+const WIDE: usize = 1 << 15;
+const LEAF: usize = 512;
+
+type Leaf = Box<[AtomicU32]>;
+type Level<T> = Box<[OnceLock<T>]>;
+
+fn level<T>(n: usize) -> Level<T> {
+    (0..n).map(|_| OnceLock::new()).collect()
+}
+
+/// The map.
+pub struct AddressMap {
+    top: Level<Level<Leaf>>,
+}
+
+impl Default for AddressMap {
+    fn default() -> Self {
+        AddressMap { top: level(WIDE) }
+    }
+}
+
+fn parts(ptr: DevicePtr) -> [usize; 3] {
+    [
+        (ptr >> 33) as usize & (WIDE - 1),
+        (ptr >> 18) as usize & (WIDE - 1),
+        (ptr >> 9) as usize & (LEAF - 1),
+    ]
+}
+
+impl AddressMap {
+    /// The entry whose block starts at `ptr`, if one was set and not cleared.
+    #[inline]
+    pub fn get(&self, ptr: DevicePtr) -> Option<u32> {
+        if ptr >= LIMIT || ptr % 512 != 0 {
+            return None;
+        }
+        let [a, b, c] = parts(ptr);
+        let leaf = self.top[a].get()?[b].get()?;
+        leaf[c].load(Ordering::Acquire).checked_sub(1)
+    }
+
+    /// Note that the block at `ptr` (below [`LIMIT`], 512-byte aligned) has entry `index`.
+    pub fn set(&self, ptr: DevicePtr, index: u32) {
+        debug_assert!(ptr < LIMIT && ptr % 512 == 0);
+        let [a, b, c] = parts(ptr);
+        let leaf = self.top[a].get_or_init(|| level(WIDE))[b]
+            .get_or_init(|| (0..LEAF).map(|_| AtomicU32::new(0)).collect());
+        leaf[c].store(index + 1, Ordering::Release);
+    }
+
+    /// Forget the block at `ptr`.
+    pub fn clear(&self, ptr: DevicePtr) {
+        let [a, b, c] = parts(ptr);
+        if let Some(leaf) = self.top[a].get().and_then(|l| l[b].get()) {
+            leaf[c].store(0, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_get_clear_at_exact_addresses_only() {
+        let map = AddressMap::default();
+        let base = 0x7000_0000_0000;
+        assert_eq!(map.get(base), None);
+        map.set(base, 0);
+        map.set(base + 512, 7);
+        map.set(base + (3 << 30), 9);
+        assert_eq!(map.get(base), Some(0));
+        assert_eq!(map.get(base + 512), Some(7));
+        assert_eq!(map.get(base + (3 << 30)), Some(9));
+        // Interior, unaligned, neighbouring and out-of-range addresses find nothing.
+        assert_eq!(map.get(base + 1024), None);
+        assert_eq!(map.get(base + 8), None);
+        assert_eq!(map.get(base - 512), None);
+        assert_eq!(map.get(LIMIT + base), None);
+        map.clear(base + 512);
+        assert_eq!(map.get(base + 512), None);
+        assert_eq!(map.get(base), Some(0));
+        map.clear(0x10_0000_0000); // never set: nothing happens
+    }
+}

@@ -1,0 +1,506 @@
+//! The front cache: per-thread caches of released blocks ahead of the [`Pool`], so that the
+//! common reserve-release-reserve of one size on one stream touches no lock and no cache line
+//! another thread writes.
+//!
+//! A block released by the caller stays *live* to the pool and waits in a front cache, keyed
+//! by device, stream and block size; the next reserve of that key on the same thread takes it
+//! back with one compare-and-swap. Only the same stream gets it, so stream-ordered reuse holds
+//! as in the pool: a block released on one stream reaches another only through the pool, after
+//! that stream's work. A block released on another thread than the one that reserved it goes
+//! to the reserving thread's remote list (as mimalloc does). Blocks up to [`MAX_BLOCK`] are
+//! cached, up to a bound of bytes and blocks per thread (see [`thread`]); others go straight
+//! to the pool; so do blocks beyond the [`entries::CAPACITY`] the front can know at once.
+//!
+//! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange, no
+//! lock per thread) on `free_reusable`, `warmup`, `set_memory_limit`, `reset_peak_stats` and
+//! `trim` (another process sharing the device asks), before a reserve that the pool could
+//! serve only from the driver (so the pool grows only after the caches gave back what they held,
+//! and another stream's need is met from it), after an out-of-memory with blocks cached, and
+//! when a thread exits (its cache is handed back).
+//!
+//! Pointer checks stay as strict as the pool's: every block the front knows is in an
+//! [`map::AddressMap`] read without a lock; a release of a block waiting in a cache is refused
+//! with `RM_ERROR_INVALID_POINTER` and changes nothing, and any pointer the front does not
+//! hold (unknown, interior) goes to the pool, which refuses it the same way.
+//!
+//! # Locks
+//!
+//! A hit, and a release into a cache, take no lock: a few atomic operations on lines only the
+//! calling thread writes, except for a release from another thread (one compare-and-swap on the
+//! owner's remote list). Everything else calls the [`Pool`], which takes its own locks as it
+//! always does, and takes the arena's free-list mutex ([`entries`]) for a block newly known or
+//! forgotten; the two are never held together, so no lock order is added.
+//!
+//! # Figures
+//!
+//! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable, from running
+//! counters each thread keeps for itself ([`counters`]), summed when read: they read without
+//! a side effect in O(threads), and are exact whenever no call is in flight. The peak of
+//! allocated bytes counts cached blocks as allocated while they are cached (the pool's peak);
+//! `reset_peak_stats` drains first, so the peaks it sets are exact.
+
+mod bindings;
+mod counters;
+mod entries;
+mod giveback;
+mod map;
+mod thread;
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
+use std::sync::Arc;
+
+use crate::driver::{DevicePtr, Driver, StreamHandle};
+use crate::error::{rm_status, Error, Result};
+use crate::pool::{Pool, Stats};
+pub(crate) use bindings::forget_key;
+use bindings::{Binding, Bindings, LAST};
+use counters::{Counters, Delta};
+use entries::{Entries, Entry, CACHED, NIL, USER};
+use map::AddressMap;
+use thread::{Registry, ThreadCache};
+
+/// The largest block size the front caches.
+pub const MAX_BLOCK: u64 = 64 << 20;
+
+/// A pool with per-thread front caches; safe to share between threads.
+pub struct Front {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    id: u64,
+    pool: Pool,
+    devices: u32,
+    entries: Entries,
+    map: AddressMap,
+    threads: Registry,
+    /// Figures changed outside a thread's own calls (drains, exits), per device.
+    shared: Box<[Counters]>,
+}
+
+/// The id of the next front: never reused, so that a thread's `LAST` cannot name a
+/// dropped front's successor at the same address.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Front {
+    /// A front over `pool`.
+    pub fn new(pool: Pool) -> Front {
+        let devices = pool.device_count().max(0) as u32;
+        Front {
+            inner: Arc::new(Inner {
+                id: NEXT_ID.fetch_add(1, Relaxed),
+                devices,
+                entries: Entries::default(),
+                map: AddressMap::default(),
+                threads: Registry::new(devices as usize),
+                shared: (0..devices).map(|_| Counters::default()).collect(),
+                pool,
+            }),
+        }
+    }
+
+    /// The pool underneath (calls on it bypass the front caches).
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    /// A block of at least `size` bytes on `device` for use on `stream`; `0` for size 0.
+    #[inline]
+    pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        let inner = &self.inner;
+        if size == 0 || device as u32 >= inner.devices {
+            return inner.pool.reserve(device, size, stream);
+        }
+        if size > MAX_BLOCK {
+            // Not cached, but it may need what the caches hold.
+            return inner.miss(device, size, 0, stream);
+        }
+        let block = (size + 511) & !511;
+        let hit = inner.with_cache(|cache| inner.pop(cache, device, stream, block, size));
+        match hit.flatten() {
+            Some(ptr) => Ok(ptr),
+            None => inner.miss(device, size, block, stream),
+        }
+    }
+
+    /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
+    /// `RM_ERROR_INVALID_POINTER` and change nothing.
+    #[inline]
+    pub fn release(&self, ptr: DevicePtr) -> Result<()> {
+        let inner = &self.inner;
+        if ptr == 0 {
+            return Ok(());
+        }
+        let Some(index) = inner.map.get(ptr) else {
+            return inner.pool.release(ptr);
+        };
+        let e = inner.entries.get(index);
+        match e.word.compare_exchange(
+            Entry::word_of(ptr, USER),
+            Entry::word_of(ptr, CACHED),
+            Acquire,
+            Acquire,
+        ) {
+            Ok(_) => {}
+            Err(w) if w == Entry::word_of(ptr, CACHED) => return Err(already_released(ptr)),
+            // The entry was given back meanwhile: the pool knows what the pointer is.
+            Err(_) => return inner.pool.release(ptr),
+        }
+        if e.shared.load(Relaxed) {
+            return inner.release_shared(index, ptr);
+        }
+        let cached = inner.with_cache(|cache| inner.cache_released(cache, index, e));
+        if cached != Some(true) {
+            inner.evict(index, ptr, USER);
+        }
+        Ok(())
+    }
+
+    /// Note that the live block at `ptr` is also used on `stream`: its release then goes to the
+    /// pool, which orders its reuse after that stream's work.
+    pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        let inner = &self.inner;
+        let known = inner.map.get(ptr).map(|i| inner.entries.get(i));
+        if let Some(e) = known {
+            if e.word.load(Acquire) == Entry::word_of(ptr, CACHED) {
+                return Err(already_released(ptr));
+            }
+        }
+        inner.pool.record_stream(ptr, stream)?;
+        if let Some(e) = known {
+            if e.word.load(Acquire) == Entry::word_of(ptr, USER) && e.stream.load(Relaxed) != stream
+            {
+                e.shared.store(true, Relaxed);
+            }
+        }
+        Ok(())
+    }
+
+    /// The figures of `device`, counting cached blocks as reusable (see the module's
+    /// documentation for when they are exact).
+    pub fn stats(&self, device: i32) -> Result<Stats> {
+        let inner = &self.inner;
+        let mut s = inner.pool.stats(device)?;
+        let d = inner.sum(device);
+        s.allocated_bytes = s.allocated_bytes.wrapping_sub(d.cached_bytes as u64);
+        s.live_blocks = s.live_blocks.wrapping_sub(d.cached_blocks as u64);
+        s.requested_bytes = s.requested_bytes.wrapping_add(d.requested as u64);
+        s.reserve_calls = s.reserve_calls.wrapping_add(d.hits as u64);
+        s.cache_hits = s.cache_hits.wrapping_add(d.hits as u64);
+        s.reusable_bytes = s.reserved_bytes.saturating_sub(s.allocated_bytes);
+        s.largest_reusable_block = s.largest_reusable_block.max(inner.largest_cached(device));
+        Ok(s)
+    }
+
+    /// `(free, total)` bytes of `device`, where free counts reusable memory, cached blocks
+    /// included.
+    pub fn mem_get_info(&self, device: i32) -> Result<(u64, u64)> {
+        let pool = &self.inner.pool;
+        let (free, total) = pool.mem_get_info(device)?;
+        let cached = self.inner.sum(device).cached_bytes.max(0) as u64;
+        let mut free = free.saturating_add(cached).min(total);
+        if let Some(limit) = pool.memory_limit(device)? {
+            // The pool bounded free by what its limit leaves, counting cached blocks as
+            // allocated; bound it by what the limit leaves to the user's blocks.
+            let allocated = pool.stats(device)?.allocated_bytes.saturating_sub(cached);
+            free = free.min(limit.saturating_sub(allocated));
+        }
+        Ok((free, total))
+    }
+
+    /// Return every cached block to the pool, then idle memory to the driver (one device or
+    /// all). Returns the bytes returned to the driver.
+    pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
+        self.inner.drain();
+        self.inner.pool.free_reusable(device)
+    }
+
+    /// Return idle memory of `device` to the driver up to `bytes`, at another process's request
+    /// (see [`Pool::trim`]), cached blocks given back to the pool first.
+    pub fn trim(&self, device: i32, bytes: u64) -> Result<u64> {
+        self.inner.drain();
+        self.inner.pool.trim(device, bytes)
+    }
+
+    /// Ensure at least `bytes` are reusable on `device`, cached blocks given back to the pool
+    /// first. Returns the bytes newly allocated.
+    pub fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
+        self.inner.drain();
+        self.inner.pool.warmup(device, bytes)
+    }
+
+    /// Cap what the pool reserves (see [`Pool::set_memory_limit`]), cached blocks given back
+    /// to the pool first so that idle memory above the cap can be returned.
+    pub fn set_memory_limit(&self, device: Option<i32>, limit: Option<u64>) -> Result<u64> {
+        self.inner.drain();
+        self.inner.pool.set_memory_limit(device, limit)
+    }
+
+    /// The driver underneath.
+    pub fn driver(&self) -> &Arc<dyn Driver> {
+        self.inner.pool.driver()
+    }
+
+    /// Number of devices.
+    pub fn device_count(&self) -> i32 {
+        self.inner.pool.device_count()
+    }
+
+    /// The cap on `device`, if any.
+    pub fn memory_limit(&self, device: i32) -> Result<Option<u64>> {
+        self.inner.pool.memory_limit(device)
+    }
+
+    /// Set the peaks of `device` to the current values (cached blocks given back first, so
+    /// that the peaks are the exact current figures).
+    pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
+        self.inner.drain();
+        self.inner.pool.reset_peak_stats(device)
+    }
+
+    /// Give every block waiting in a front cache back to the pool.
+    pub fn drain(&self) {
+        self.inner.drain();
+    }
+
+    /// Check the pool's books; a description of the first broken invariant.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        self.inner.pool.check()
+    }
+}
+
+fn already_released(ptr: DevicePtr) -> Error {
+    Error::invalid_pointer(format!(
+        "{ptr:#x} was already released (double release); the pool is unchanged (pass each \
+         pointer from rm_reserve to rm_release once)"
+    ))
+}
+
+impl Inner {
+    /// Run `f` with the calling thread's cache in this front; `None` where it has none and can
+    /// get none (every cache taken, or the thread is exiting).
+    #[inline]
+    fn with_cache<R>(self: &Arc<Self>, f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
+        let (id, cache) = LAST.get();
+        if id == self.id {
+            // SAFETY: ids are never reused, so `LAST` names a cache of this very front, which
+            // the caller keeps alive for this call, and the cache lives in the front's registry
+            // as long as the front.
+            return Some(f(unsafe { &*cache }));
+        }
+        bindings::with_bindings(|bindings| self.bind(bindings))
+            .flatten()
+            .map(f)
+    }
+
+    /// The calling thread's cache in this front, claimed on first use, made `LAST`.
+    #[cold]
+    fn bind<'a>(self: &'a Arc<Self>, bindings: &Bindings) -> Option<&'a ThreadCache> {
+        let mut list = bindings.list.borrow_mut();
+        // Fronts dropped since are forgotten here.
+        list.retain(|b| b.front.strong_count() > 0);
+        let found = list.iter().find(|b| b.id == self.id).map(|b| b.cache);
+        let cache = match found {
+            Some(index) => self.threads.get(index)?,
+            None => {
+                let cache = self.threads.claim()?;
+                list.push(Binding {
+                    front: Arc::downgrade(self),
+                    id: self.id,
+                    cache: cache.index,
+                });
+                cache
+            }
+        };
+        LAST.set((self.id, cache as *const ThreadCache));
+        Some(cache)
+    }
+
+    /// A cached block of `(device, stream, block)` from the caller's own cache.
+    #[inline]
+    fn pop(
+        &self,
+        cache: &ThreadCache,
+        device: i32,
+        stream: StreamHandle,
+        block: u64,
+        size: u64,
+    ) -> Option<DevicePtr> {
+        let mut bin = cache.find(device, stream, block);
+        if bin.is_none_or(|bin| bin.head.load(Relaxed) == NIL) {
+            if cache.remote.load(Relaxed) == NIL {
+                return None;
+            }
+            self.collect_remote(cache);
+            bin = cache.find(device, stream, block);
+        }
+        let bin = bin?;
+        let head = bin.head.load(Acquire);
+        if head == NIL {
+            return None;
+        }
+        let e = self.entries.get(head);
+        let next = e.next.load(Relaxed);
+        // Fails only when a drain took the list since the load.
+        bin.head
+            .compare_exchange(head, next, Acquire, Relaxed)
+            .ok()?;
+        let ptr = e.ptr();
+        e.requested.store(size, Relaxed);
+        e.word.store(Entry::word_of(ptr, USER), Release);
+        cache.hold(block, -1);
+        cache.counters[device as usize].add_owned(Delta {
+            cached_bytes: -(block as i64),
+            cached_blocks: -1,
+            requested: size as i64,
+            hits: 1,
+        });
+        Some(ptr)
+    }
+
+    /// Put the block of entry `e` (at `index`), just claimed from its caller, in a cache: the
+    /// caller's own if it reserved the block, else the reserving thread's remote list. `false`
+    /// where it does not fit (the caller then gives it to the pool).
+    #[inline]
+    fn cache_released(&self, cache: &ThreadCache, index: u32, e: &Entry) -> bool {
+        let (owner, device, size) = (
+            e.owner.load(Relaxed),
+            e.device.load(Relaxed),
+            e.size.load(Relaxed),
+        );
+        let requested = e.requested.load(Relaxed);
+        if owner == cache.index {
+            if !cache.has_room(size) {
+                return false;
+            }
+            let Some(bin) = cache.find_or_key(device, e.stream.load(Relaxed), size) else {
+                return false;
+            };
+            ThreadCache::push(&bin.head, index, e);
+            cache.hold(size, 1);
+        } else {
+            let Some(owner) = self.threads.get(owner) else {
+                return false;
+            };
+            ThreadCache::push(&owner.remote, index, e);
+        }
+        // The entry may be in use by its owner again already: only values read above count.
+        cache.counters[device as usize].add_owned(Delta {
+            cached_bytes: size as i64,
+            cached_blocks: 1,
+            requested: -(requested as i64),
+            hits: 0,
+        });
+        true
+    }
+
+    /// Sort the blocks other threads released to `cache` into its bins.
+    fn collect_remote(&self, cache: &ThreadCache) {
+        let mut index = cache.remote.swap(NIL, Acquire);
+        while index != NIL {
+            let e = self.entries.get(index);
+            let next = e.next.load(Relaxed);
+            let size = e.size.load(Relaxed);
+            let bin = cache
+                .has_room(size)
+                .then(|| cache.find_or_key(e.device.load(Relaxed), e.stream.load(Relaxed), size))
+                .flatten();
+            match bin {
+                Some(bin) => {
+                    ThreadCache::push(&bin.head, index, e);
+                    cache.hold(size, 1);
+                }
+                None => self.evict(index, e.ptr(), CACHED),
+            }
+            index = next;
+        }
+    }
+
+    /// A reserve no front cache could serve: from the pool's memory; else, after giving the
+    /// cached blocks back to the pool, from the driver. The block is noted for caching unless
+    /// `block` is 0.
+    fn miss(
+        self: &Arc<Self>,
+        device: i32,
+        size: u64,
+        block: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr> {
+        let ptr = match self.pool.reserve_cached(device, size, stream)? {
+            Some(ptr) => ptr,
+            None => {
+                if self.sum(device).cached_blocks != 0 {
+                    self.drain();
+                }
+                match self.pool.reserve(device, size, stream) {
+                    // Blocks cached by other threads meanwhile may be what is missing.
+                    Err(e)
+                        if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY
+                            && self.sum(device).cached_blocks != 0 =>
+                    {
+                        self.drain();
+                        self.pool.reserve(device, size, stream)?
+                    }
+                    result => result?,
+                }
+            }
+        };
+        if block != 0 {
+            self.register(ptr, device, stream, block, size);
+        }
+        Ok(ptr)
+    }
+
+    /// Note a block just reserved from the pool, held by the caller, so that its release can
+    /// be cached. A block that cannot be noted is simply released to the pool later.
+    fn register(
+        self: &Arc<Self>,
+        ptr: DevicePtr,
+        device: i32,
+        stream: StreamHandle,
+        block: u64,
+        size: u64,
+    ) {
+        if ptr >= map::LIMIT {
+            return;
+        }
+        let Some(owner) = self.with_cache(|cache| cache.index) else {
+            return;
+        };
+        let Some(index) = self.entries.take() else {
+            return;
+        };
+        let e = self.entries.get(index);
+        e.fill(owner, device, stream, block, size);
+        e.word.store(Entry::word_of(ptr, USER), Release);
+        self.map.set(ptr, index);
+    }
+
+    /// What the front caches change in `device`'s figures, summed over every cache.
+    fn sum(&self, device: i32) -> Delta {
+        let Some(shared) = usize::try_from(device)
+            .ok()
+            .and_then(|d| self.shared.get(d))
+        else {
+            return Delta::default();
+        };
+        self.threads.iter().fold(shared.read(), |sum, cache| {
+            sum.plus(cache.counters[device as usize].read())
+        })
+    }
+
+    /// The largest block size a front cache holds on `device` (remote lists not counted).
+    fn largest_cached(&self, device: i32) -> u64 {
+        self.threads
+            .iter()
+            .flat_map(|cache| cache.bins.iter())
+            .filter(|bin| bin.on(device))
+            .map(|bin| bin.holds())
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests;

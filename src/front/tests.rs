@@ -1,0 +1,347 @@
+//! The front cache over simulated devices: hits, the refusals, releases from other threads, a
+//! thread's exit, drains, and the figures after each.
+
+use std::sync::Arc;
+
+use cuda_sim::Sim;
+
+use super::*;
+use crate::driver::sim::SimDriver;
+use crate::pool::PoolConfig;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn front_with(capacities: &[u64]) -> (Front, &'static Sim) {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(capacities)));
+    let driver = SimDriver::new(sim).expect("sim initialises");
+    let pool = Pool::new(Arc::new(driver), PoolConfig::default());
+    (Front::new(pool), sim)
+}
+
+fn front() -> (Front, &'static Sim) {
+    front_with(&[24 * GIB])
+}
+
+/// The figures a quiescent front reports: allocated, requested, live blocks, reserve calls,
+/// cache hits; and the rest consistent with the driver.
+fn figures(front: &Front, sim: &Sim, device: i32) -> (u64, u64, u64, u64, u64) {
+    front.check().unwrap();
+    let s = front.stats(device).unwrap();
+    assert_eq!(s.reserved_bytes, sim.used_bytes(device));
+    assert_eq!(s.reusable_bytes, s.reserved_bytes - s.allocated_bytes);
+    (
+        s.allocated_bytes,
+        s.requested_bytes,
+        s.live_blocks,
+        s.reserve_calls,
+        s.cache_hits,
+    )
+}
+
+#[test]
+fn a_release_then_a_reserve_of_the_same_size_is_a_hit_with_exact_figures() {
+    let (front, sim) = front();
+    let a = front.reserve(0, 1000, 0).unwrap();
+    assert_eq!(figures(&front, sim, 0), (1024, 1000, 1, 1, 0));
+    front.release(a).unwrap();
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 1, 0));
+    // The pool still holds the block live; the front counts it reusable.
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 1);
+    let s = front.stats(0).unwrap();
+    // Small requests come from small segments: 1 MiB at most.
+    assert_eq!((s.reusable_bytes, s.largest_reusable_block), (2 * MIB, MIB));
+    let b = front.reserve(0, 900, 0).unwrap();
+    assert_eq!(b, a);
+    assert_eq!(figures(&front, sim, 0), (1024, 900, 1, 2, 1));
+    // Reading the figures changed nothing.
+    assert_eq!(figures(&front, sim, 0), (1024, 900, 1, 2, 1));
+    front.release(b).unwrap();
+    assert_eq!(front.free_reusable(None).unwrap(), 2 * MIB);
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 2, 1));
+    assert_eq!(sim.used_bytes(0), 0);
+}
+
+#[test]
+fn double_interior_and_unknown_releases_are_refused_and_change_nothing() {
+    let (front, sim) = front();
+    let a = front.reserve(0, 4 * MIB, 0).unwrap();
+    let b = front.reserve(0, 512, 0).unwrap();
+    front.release(a).unwrap();
+    let before = (figures(&front, sim, 0), front.stats(0).unwrap());
+    for bad in [a, a + 512, b + 512, 0x10, a + 3] {
+        let err = front.release(bad).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER, "{bad:#x}");
+    }
+    let err = front.release(a).unwrap_err();
+    assert!(err.message.contains("already released"), "{}", err.message);
+    let err = front.record_stream(a, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    assert_eq!((figures(&front, sim, 0), front.stats(0).unwrap()), before);
+    // The cached block is still handed out once, and the live one released once.
+    assert_eq!(front.reserve(0, 4 * MIB, 0).unwrap(), a);
+    front.release(b).unwrap();
+    front.release(a).unwrap();
+    assert_eq!(
+        front.release(b).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_POINTER
+    );
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 3, 1));
+}
+
+#[test]
+fn a_block_cached_on_one_stream_reaches_another_only_through_the_pool() {
+    let (front, sim) = front();
+    let s1 = sim.stream_create(0).unwrap();
+    let s2 = sim.stream_create(0).unwrap();
+    let a = front.reserve(0, 64 * MIB, s1).unwrap();
+    front.release(a).unwrap();
+    let pool_calls = front.pool().stats(0).unwrap().reserve_calls;
+    let b = front.reserve(0, 64 * MIB, s2).unwrap();
+    // Not a front hit: the pool served it (adopting the idle segment after s1's work, once the
+    // cache gave it back), and no second segment was made.
+    assert_eq!(front.pool().stats(0).unwrap().reserve_calls, pool_calls + 1);
+    assert_eq!(b, a);
+    assert_eq!(sim.used_bytes(0), 64 * MIB);
+    assert_eq!(figures(&front, sim, 0), (64 * MIB, 64 * MIB, 1, 2, 1));
+    // On its own stream it is a front hit.
+    front.release(b).unwrap();
+    assert_eq!(front.reserve(0, 64 * MIB, s2).unwrap(), b);
+    assert_eq!(front.pool().stats(0).unwrap().reserve_calls, pool_calls + 1);
+    front.release(b).unwrap();
+}
+
+#[test]
+fn blocks_released_by_another_thread_go_back_to_the_reserving_thread() {
+    let (front, sim) = front();
+    let front = Arc::new(front);
+    let sizes = [512, 64 << 10, 4 * MIB, 64 * MIB];
+    let ptrs: Vec<u64> = sizes
+        .iter()
+        .flat_map(|&size| (0..3).map(move |_| size))
+        .map(|size| front.reserve(0, size, 0).unwrap())
+        .collect();
+    let reserved = sim.used_bytes(0);
+    let other = Arc::clone(&front);
+    let released = ptrs.clone();
+    let first = ptrs[0];
+    std::thread::spawn(move || {
+        for ptr in released {
+            other.release(ptr).unwrap();
+        }
+        // A second release from this thread is refused too.
+        let err = other.release(first).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    })
+    .join()
+    .unwrap();
+    // The pool served the first round (with its own hits within shared segments).
+    let pool_hits = front.pool().stats(0).unwrap().cache_hits;
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 12, pool_hits));
+    // The reserving thread gets them back from its remote list, without the pool.
+    let pool_calls = front.pool().stats(0).unwrap().reserve_calls;
+    let mut again: Vec<u64> = sizes
+        .iter()
+        .flat_map(|&size| (0..3).map(move |_| size))
+        .map(|size| front.reserve(0, size, 0).unwrap())
+        .collect();
+    assert_eq!(front.pool().stats(0).unwrap().reserve_calls, pool_calls);
+    let mut expected = ptrs.clone();
+    again.sort_unstable();
+    expected.sort_unstable();
+    assert_eq!(again, expected);
+    assert_eq!(sim.used_bytes(0), reserved);
+    let total: u64 = sizes.iter().map(|s| 3 * s).sum();
+    assert_eq!(
+        figures(&front, sim, 0),
+        (total, total, 12, 24, pool_hits + 12)
+    );
+    for ptr in again {
+        front.release(ptr).unwrap();
+    }
+    front.free_reusable(None).unwrap();
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 24, pool_hits + 12));
+    assert_eq!(sim.used_bytes(0), 0);
+}
+
+#[test]
+fn a_thread_exiting_with_a_full_cache_hands_it_back() {
+    let (front, sim) = front();
+    let front = Arc::new(front);
+    let worker = Arc::clone(&front);
+    let cached = std::thread::spawn(move || {
+        let mut held = 0;
+        let mut ptrs = Vec::new();
+        // More than a cache holds: the rest goes straight to the pool.
+        for _ in 0..5 {
+            ptrs.push(worker.reserve(0, 64 * MIB, 0).unwrap());
+        }
+        for _ in 0..100 {
+            ptrs.push(worker.reserve(0, 64 << 10, 0).unwrap());
+        }
+        for ptr in ptrs {
+            worker.release(ptr).unwrap();
+        }
+        let s = worker.stats(0).unwrap();
+        held += worker.pool().stats(0).unwrap().live_blocks;
+        assert_eq!((s.allocated_bytes, s.live_blocks), (0, 0));
+        held
+    })
+    .join()
+    .unwrap();
+    // 256 MiB of bins: four 64 MiB blocks, then the 64 KiB ones until the bytes run out.
+    assert_eq!(cached, 4);
+    // After the exit the pool holds nothing live: the cache was handed back.
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
+    let pool_hits = front.pool().stats(0).unwrap().cache_hits;
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 105, pool_hits));
+    let s = front.stats(0).unwrap();
+    assert_eq!(s.reusable_bytes, s.reserved_bytes);
+    assert_eq!(s.largest_reusable_block, 64 * MIB);
+    front.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    // The next thread adopts the retired cache.
+    let worker = Arc::clone(&front);
+    std::thread::spawn(move || {
+        let a = worker.reserve(0, 512, 0).unwrap();
+        worker.release(a).unwrap();
+        assert_eq!(worker.reserve(0, 512, 0).unwrap(), a);
+        worker.release(a).unwrap();
+    })
+    .join()
+    .unwrap();
+    assert_eq!(front.inner.threads.iter().count(), 1);
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 107, pool_hits + 1));
+}
+
+#[test]
+fn a_reserve_that_would_grow_takes_cached_memory_back_first() {
+    let (front, sim) = front_with(&[200 * MIB]);
+    let a = front.reserve(0, 64 * MIB, 0).unwrap();
+    let b = front.reserve(0, 64 * MIB, 0).unwrap();
+    let c = front.reserve(0, 64 * MIB, 0).unwrap();
+    for p in [a, b, c] {
+        front.release(p).unwrap();
+    }
+    assert_eq!(front.mem_get_info(0).unwrap(), (200 * MIB, 200 * MIB));
+    // 150 MiB fits only once the cached blocks go back to the pool, which maps their pages
+    // into one range (page-granular reuse): nothing new from the driver.
+    let big = front.reserve(0, 150 * MIB, 0).unwrap();
+    assert_eq!(sim.used_bytes(0), 192 * MIB);
+    assert_eq!(figures(&front, sim, 0), (150 * MIB, 150 * MIB, 1, 4, 0));
+    front.release(big).unwrap();
+    // A cap drains too: nothing stays above it.
+    front.set_memory_limit(Some(0), Some(64 * MIB)).unwrap();
+    assert_eq!(sim.used_bytes(0), 64 * MIB);
+    // A block waiting in the cache goes back too under a lower cap.
+    let d = front.reserve(0, 64 * MIB, 0).unwrap();
+    front.release(d).unwrap();
+    assert_eq!(figures(&front, sim, 0).0, 0);
+    front.set_memory_limit(Some(0), Some(32 * MIB)).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    assert_eq!(front.memory_limit(0).unwrap(), Some(32 * MIB));
+}
+
+#[test]
+fn a_block_used_on_another_stream_is_released_through_the_pool() {
+    let (front, sim) = front();
+    let s1 = sim.stream_create(0).unwrap();
+    let s2 = sim.stream_create(0).unwrap();
+    let a = front.reserve(0, 512, s1).unwrap();
+    front.record_stream(a, s2).unwrap();
+    sim.enqueue_work(0, s2).unwrap();
+    front.release(a).unwrap();
+    // The pool holds it pending s2's work, not the front.
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 1, 0));
+    assert_eq!(
+        front.release(a).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_POINTER
+    );
+    // Recorded on its own stream, it stays a front block.
+    let b = front.reserve(0, 512, s1).unwrap();
+    front.record_stream(b, s1).unwrap();
+    front.release(b).unwrap();
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 1);
+    sim.complete_work(0, s2).unwrap();
+    front.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+}
+
+#[test]
+fn many_threads_reserving_and_releasing_each_others_blocks_keep_exact_books() {
+    let (front, sim) = front_with(&[24 * GIB, 24 * GIB]);
+    let front = Arc::new(front);
+    let (tx, rx) = std::sync::mpsc::channel::<u64>();
+    let rx = Arc::new(std::sync::Mutex::new(rx));
+    let threads: Vec<_> = (0..4u64)
+        .map(|t| {
+            let front = Arc::clone(&front);
+            let tx = tx.clone();
+            let rx = Arc::clone(&rx);
+            std::thread::spawn(move || {
+                let stream = sim.stream_create((t % 2) as i32).unwrap();
+                for i in 0..2000u64 {
+                    let size = [512, 64 << 10, 4 * MIB][(i % 3) as usize] + t;
+                    let p = front.reserve((t % 2) as i32, size, stream).unwrap();
+                    if i % 2 == 0 {
+                        tx.send(p).unwrap();
+                    } else {
+                        front.release(p).unwrap();
+                    }
+                    if let Ok(p) = rx.lock().unwrap().try_recv() {
+                        front.release(p).unwrap();
+                    }
+                    if i % 500 == 0 {
+                        front.stats(0).unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    drop(tx);
+    for p in rx.lock().unwrap().try_iter() {
+        front.release(p).unwrap();
+    }
+    for device in 0..2 {
+        let (allocated, requested, live, calls, _) = figures(&front, sim, device);
+        assert_eq!((allocated, requested, live, calls), (0, 0, 0, 4000));
+    }
+    front.free_reusable(None).unwrap();
+    assert_eq!((sim.used_bytes(0), sim.used_bytes(1)), (0, 0));
+}
+
+#[test]
+fn a_dropped_front_leaves_the_threads_that_used_it_working() {
+    let (first, _) = front();
+    let a = first.reserve(0, 512, 0).unwrap();
+    first.release(a).unwrap();
+    drop(first);
+    // This thread's binding to the dropped front is skipped, and a new front binds afresh.
+    let (second, sim) = front();
+    let b = second.reserve(0, 512, 0).unwrap();
+    second.release(b).unwrap();
+    assert_eq!(second.reserve(0, 512, 0).unwrap(), b);
+    second.release(b).unwrap();
+    assert_eq!(figures(&second, sim, 0), (0, 0, 0, 2, 1));
+    // A thread whose front is gone by the time it exits.
+    let (third, _) = front();
+    let third = Arc::new(third);
+    let user = Arc::clone(&third);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        let p = user.reserve(0, 512, 0).unwrap();
+        user.release(p).unwrap();
+        drop(user);
+        tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+    });
+    rx.recv().unwrap();
+    drop(third);
+    go_tx.send(()).unwrap();
+    t.join().unwrap();
+}
