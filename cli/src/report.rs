@@ -20,7 +20,7 @@ pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -
         rows.push(("smallest device (GiB)".into(), vec![]));
     }
     rows.push(("out-of-memory events".into(), vec![]));
-    rows.push(("memory-creating calls".into(), vec![]));
+    rows.push(("driver allocations (creating memory)".into(), vec![]));
     for (label, _) in CALL_ROWS {
         rows.push((format!("  {label}"), vec![]));
     }
@@ -172,7 +172,7 @@ mod tests {
         assert_eq!(row("peak reserved (GiB)"), "0.02");
         assert_eq!(row("fragmentation"), "85.00");
         assert_eq!(row("smallest device (GiB)"), "0.03");
-        assert_eq!(row("memory-creating calls"), "1");
+        assert_eq!(row("driver allocations (creating memory)"), "1");
         assert!(text.ends_with("* resmem's default policy (PoolConfig::default())\n"));
         let json: serde_json::Value =
             serde_json::from_str(&json(&trace, &outcomes, &[Some(32 << 20), None])).unwrap();
