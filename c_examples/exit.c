@@ -60,6 +60,10 @@ static void every_export(const char *where) {
   expect(where, "rm_warmup on device 99", rm_warmup(99, 1), RM_ERROR_INVALID_DEVICE);
   expect(where, "rm_get_stats", rm_get_stats(0, &s), RM_SUCCESS);
   expect(where, "rm_get_stats(NULL)", rm_get_stats(0, NULL), RM_ERROR_INVALID_VALUE);
+  uint64_t given, received;
+  expect(where, "rm_get_share_stats", rm_get_share_stats(0, &given, &received), RM_SUCCESS);
+  expect(where, "rm_get_share_stats(NULL)", rm_get_share_stats(0, NULL, &received),
+         RM_ERROR_INVALID_VALUE);
   expect(where, "rm_reset_peak_stats", rm_reset_peak_stats(0), RM_SUCCESS);
   expect(where, "rm_reset_peak_stats on device 99", rm_reset_peak_stats(99),
          RM_ERROR_INVALID_DEVICE);

@@ -131,6 +131,19 @@ static int everything(void) {
   expect("rm_reserve(out NULL)", rm_reserve(0, 512, NULL, NULL), RM_ERROR_INVALID_VALUE,
          "out_ptr is NULL");
   expect("rm_get_stats(out NULL)", rm_get_stats(0, NULL), RM_ERROR_INVALID_VALUE, "out is NULL");
+  uint64_t given = 7, received = 7;
+  expect("rm_get_share_stats(given NULL)", rm_get_share_stats(0, NULL, &received),
+         RM_ERROR_INVALID_VALUE, "given is NULL");
+  expect("rm_get_share_stats(received NULL)", rm_get_share_stats(0, &given, NULL),
+         RM_ERROR_INVALID_VALUE, "received is NULL");
+  expect("rm_get_share_stats(bad device)", rm_get_share_stats(99, &given, &received),
+         RM_ERROR_INVALID_DEVICE, NULL);
+  expect("rm_get_share_stats", rm_get_share_stats(0, &given, &received), RM_SUCCESS, NULL);
+  if (given != 0 || received != 0) {
+    printf("FAIL rm_get_share_stats without sharing: given %llu, received %llu\n",
+           (unsigned long long)given, (unsigned long long)received);
+    failures++;
+  }
   expect_true("rm_status_string(-1)", strcmp(rm_status_string(-1), "unknown rm_status value") == 0);
   expect_true("rm_status_string(INT_MAX)",
               strcmp(rm_status_string(INT_MAX), "unknown rm_status value") == 0);

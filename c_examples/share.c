@@ -25,8 +25,14 @@ static int print_figures(void) {
     fprintf(stderr, "rm_get_stats: %s\n", rm_last_error());
     return 1;
   }
+  uint64_t given, received;
+  status = rm_get_share_stats(0, &given, &received);
+  if (status != RM_SUCCESS) {
+    fprintf(stderr, "rm_get_share_stats: %s\n", rm_last_error());
+    return 1;
+  }
   printf("given=%llu received=%llu reserved=%llu allocated=%llu\n",
-         (unsigned long long)s.shared_given_bytes, (unsigned long long)s.shared_received_bytes,
+         (unsigned long long)given, (unsigned long long)received,
          (unsigned long long)s.reserved_bytes, (unsigned long long)s.allocated_bytes);
   fflush(stdout);
   return 0;

@@ -126,16 +126,6 @@ typedef struct rm_stats {
    * Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
    */
   uint64_t ooms;
-  /**
-   * Bytes of idle cache this process returned to the driver because other processes sharing
-   * the device asked (`RESMEM_CONF=share:true`).
-   */
-  uint64_t shared_given_bytes;
-  /**
-   * Bytes other processes sharing the device returned to the driver because this process
-   * asked.
-   */
-  uint64_t shared_received_bytes;
 } rm_stats;
 
 #ifdef __cplusplus
@@ -223,6 +213,17 @@ enum rm_status rm_warmup(int device, size_t bytes);
  * `out` is NULL or valid for writing an `rm_stats`.
  */
 enum rm_status rm_get_stats(int device, struct rm_stats *out);
+
+/**
+ * With `RESMEM_CONF=share:true`: `*given` is the bytes of idle cache this process returned
+ * to the driver on `device` because other processes sharing the device asked, `*received`
+ * the bytes they returned because this process asked. Zeros without sharing. (Separate from
+ * `rm_stats`, whose layout the ABI promise keeps.)
+ *
+ * # Safety
+ * `given` and `received` are NULL or valid for writing a `uint64_t`.
+ */
+enum rm_status rm_get_share_stats(int device, uint64_t *given, uint64_t *received);
 
 /**
  * Set `device`'s peak figures to the current ones.

@@ -51,12 +51,6 @@ pub struct rm_stats {
     pub oom_retries: u64,
     /// Requests that failed with `RM_ERROR_OUT_OF_MEMORY`.
     pub ooms: u64,
-    /// Bytes of idle cache this process returned to the driver because other processes sharing
-    /// the device asked (`RESMEM_CONF=share:true`).
-    pub shared_given_bytes: u64,
-    /// Bytes other processes sharing the device returned to the driver because this process
-    /// asked.
-    pub shared_received_bytes: u64,
 }
 
 impl From<Stats> for rm_stats {
@@ -77,9 +71,6 @@ impl From<Stats> for rm_stats {
             driver_frees: s.driver_frees,
             oom_retries: s.oom_retries,
             ooms: s.ooms,
-            // The pool does not know of other processes: `rm_get_stats` fills these in.
-            shared_given_bytes: 0,
-            shared_received_bytes: 0,
         }
     }
 }
@@ -341,11 +332,42 @@ pub unsafe extern "C" fn rm_get_stats(device: c_int, out: *mut rm_stats) -> rm_s
         if out.is_null() {
             return Err(null_argument("out"));
         }
-        let mut stats = rm_stats::from(pool()?.stats(device)?);
-        (stats.shared_given_bytes, stats.shared_received_bytes) =
-            runtime::share_counts(device, stats.reusable_bytes);
+        let stats = rm_stats::from(pool()?.stats(device)?);
+        // With sharing, the reusable bytes just read are published to the other processes.
+        runtime::share_counts(device, stats.reusable_bytes);
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out, stats) };
+        Ok(())
+    })
+}
+
+/// With `RESMEM_CONF=share:true`: `*given` is the bytes of idle cache this process returned
+/// to the driver on `device` because other processes sharing the device asked, `*received`
+/// the bytes they returned because this process asked. Zeros without sharing. (Separate from
+/// `rm_stats`, whose layout the ABI promise keeps.)
+///
+/// # Safety
+/// `given` and `received` are NULL or valid for writing a `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn rm_get_share_stats(
+    device: c_int,
+    given: *mut u64,
+    received: *mut u64,
+) -> rm_status {
+    boundary("rm_get_share_stats", || {
+        if given.is_null() {
+            return Err(null_argument("given"));
+        }
+        if received.is_null() {
+            return Err(null_argument("received"));
+        }
+        let reusable = pool()?.stats(device)?.reusable_bytes;
+        let (g, r) = runtime::share_counts(device, reusable);
+        // SAFETY: checked non-null; valid by the caller's contract.
+        unsafe {
+            write_out(given, g);
+            write_out(received, r);
+        }
         Ok(())
     })
 }

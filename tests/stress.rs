@@ -192,7 +192,9 @@ fn eight_threads_over<P: Under + 'static>(stitched: bool, wrap: impl FnOnce(Pool
                         let (free, total) = pool.mem_get_info(device).unwrap();
                         assert!(free <= total);
                         let s = pool.stats(device).unwrap();
-                        assert!(s.allocated_bytes <= s.reserved_bytes);
+                        if pool.figures_exact_in_flight() {
+                            assert!(s.allocated_bytes <= s.reserved_bytes);
+                        }
                     }
                     97 => {
                         pool.free_reusable(Some(device)).unwrap();

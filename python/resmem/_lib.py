@@ -20,8 +20,6 @@ STATS_FIELDS = (
     "driver_frees",
     "oom_retries",
     "ooms",
-    "shared_given_bytes",
-    "shared_received_bytes",
 )
 
 

@@ -17,11 +17,18 @@ pub trait Under: Send + Sync {
     fn memory_limit(&self, device: i32) -> RmResult<Option<u64>>;
     fn record_stream(&self, ptr: u64, stream: u64) -> RmResult<()>;
     fn check(&self) -> Result<(), String>;
+    /// Whether the figures are consistent with each other while other threads' calls are in
+    /// flight: the pool's are read under the device's lock; the front caches' running counters
+    /// are summed across threads and are exact only once no call is in flight (as documented).
+    fn figures_exact_in_flight(&self) -> bool;
 }
 
 macro_rules! under {
-    ($t:ty) => {
+    ($t:ty, $exact:expr) => {
         impl Under for $t {
+            fn figures_exact_in_flight(&self) -> bool {
+                $exact
+            }
             fn reserve(&self, device: i32, size: u64, stream: u64) -> RmResult<u64> {
                 <$t>::reserve(self, device, size, stream)
             }
@@ -58,5 +65,5 @@ macro_rules! under {
         }
     };
 }
-under!(Pool);
-under!(Front);
+under!(Pool, true);
+under!(Front, false);
