@@ -531,15 +531,12 @@ mod tests {
         assert!(lock(&r.shared.rings).len() <= 1);
     }
 
-    #[test]
-    fn a_release_comes_before_the_calls_made_after_it_started_in_other_threads() {
-        let path = scratch("order.jsonl");
-        let r = Recorder::open(&path, None).unwrap();
-        r.alloc(0, 512, 0, 0x1000); // this thread's ring is drained first
+    /// Run `body` while another thread's recorded release of 0x1000 is inside the pool call
+    /// (its order number taken, its line not yet pushed); the release ends after `body`.
+    fn while_a_release_is_under_way(r: &Recorder, body: impl FnOnce()) {
         let (inside, started) = std::sync::mpsc::channel();
         let (go, wait) = std::sync::mpsc::channel::<()>();
         std::thread::scope(|s| {
-            let r = &r;
             s.spawn(move || {
                 r.release(0x1000, || {
                     inside.send(()).unwrap();
@@ -549,10 +546,20 @@ mod tests {
                 .unwrap();
             });
             started.recv().unwrap();
+            body();
+            go.send(()).unwrap();
+        });
+    }
+
+    #[test]
+    fn a_release_comes_before_the_calls_made_after_it_started_in_other_threads() {
+        let path = scratch("order.jsonl");
+        let r = Recorder::open(&path, None).unwrap();
+        r.alloc(0, 512, 0, 0x1000); // this thread's ring is drained first
+        while_a_release_is_under_way(&r, || {
             // The release has its place: these come after it, though pushed before it.
             r.alloc(0, 512, 0, 0x2000);
             r.alloc(0, 512, 0, 0x1000);
-            go.send(()).unwrap();
         });
         r.flush();
         let text = std::fs::read_to_string(&path).unwrap();
@@ -572,19 +579,7 @@ mod tests {
     fn a_flush_does_not_wait_forever_for_a_call_still_under_way() {
         let path = scratch("stuck.jsonl");
         let r = Recorder::open(&path, None).unwrap();
-        let (inside, started) = std::sync::mpsc::channel();
-        let (go, wait) = std::sync::mpsc::channel::<()>();
-        std::thread::scope(|s| {
-            let r = &r;
-            s.spawn(move || {
-                r.release(0x1000, || {
-                    inside.send(()).unwrap();
-                    wait.recv().unwrap();
-                    Ok(())
-                })
-                .unwrap();
-            });
-            started.recv().unwrap();
+        while_a_release_is_under_way(&r, || {
             r.alloc(0, 512, 0, 0x2000);
             r.flush();
             // The release's place was given up: what followed it is written.
@@ -593,7 +588,6 @@ mod tests {
                 text.lines().skip(1).collect::<Vec<_>>(),
                 [r#"{"op":"alloc","id":8192,"size":512,"stream":0,"device":0}"#]
             );
-            go.send(()).unwrap();
         });
         r.flush();
         // The release, once over, is written late rather than lost.

@@ -173,35 +173,28 @@ fn a_c_program_and_the_pytorch_entry_points_are_recorded_and_replayed() {
 
 #[test]
 fn a_file_that_cannot_be_written_leaves_the_program_running() {
-    let exe = workload();
-    let output = common::spawn(
-        exe,
-        &[],
-        Driver::InProcess,
-        &[
-            ("RESMEM_CONF", "record:/dev/full".as_ref()),
-            ("CUDA_SIM_DEVICES", "1GiB,1GiB".as_ref()),
-        ],
-    );
-    assert!(output.status.success(), "{output:?}");
-    let stderr = String::from_utf8_lossy(&output.stderr);
+    // The workload recording to `path` runs to the end; what it printed on stderr.
+    let stderr_recording_to = |path: &str| {
+        let conf = format!("record:{path}");
+        let output = common::spawn(
+            workload(),
+            &[],
+            Driver::InProcess,
+            &[
+                ("RESMEM_CONF", conf.as_ref()),
+                ("CUDA_SIM_DEVICES", "1GiB,1GiB".as_ref()),
+            ],
+        );
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
     assert_eq!(
-        stderr,
+        stderr_recording_to("/dev/full"),
         "resmem: recording to /dev/full stopped: No space left on device (os error 28); the \
          program goes on unrecorded\n"
     );
-    let output = common::spawn(
-        exe,
-        &[],
-        Driver::InProcess,
-        &[
-            ("RESMEM_CONF", "record:/nonexistent/t.jsonl".as_ref()),
-            ("CUDA_SIM_DEVICES", "1GiB,1GiB".as_ref()),
-        ],
-    );
-    assert!(output.status.success(), "{output:?}");
     assert_eq!(
-        String::from_utf8_lossy(&output.stderr),
+        stderr_recording_to("/nonexistent/t.jsonl"),
         "resmem: cannot record to /nonexistent/t.jsonl: No such file or directory (os error 2); \
          not recording\n"
     );
