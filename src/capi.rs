@@ -4,16 +4,14 @@
 //! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::front`] and
 //! [`crate::pool`]; this file only translates, and tells [`crate::record`] what was done.
 
-use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::Once;
 
 use crate::driver::DevicePtr;
 use crate::error::{last_error_ptr, rm_status, set_last_error, Error, Result};
 use crate::front::Front;
 use crate::pool::Stats;
-use crate::{record, runtime};
+use crate::{record, runtime, tls};
 
 /// A device's figures, as `rm_get_stats` reports them. They are exact whenever no other call
 /// is in flight (calls running meanwhile may or may not be counted yet).
@@ -75,49 +73,24 @@ impl From<Stats> for rm_stats {
     }
 }
 
-thread_local! {
-    static IN_BOUNDARY: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Done once the quiet panic hook is installed.
-static QUIET_HOOK: Once = Once::new();
-
-/// Keep panics caught at the boundary quiet (the library never prints unless asked); panics
-/// elsewhere in the host process go to the hook that was there before.
-fn install_quiet_panic_hook() {
-    QUIET_HOOK.call_once(|| {
-        let previous = panic::take_hook();
-        panic::set_hook(Box::new(move |info| {
-            if !IN_BOUNDARY.with(Cell::get) {
-                previous(info);
-            }
-        }));
-    });
-}
-
-/// Put back the panic hook that was there before (the library is being unloaded).
-pub(crate) fn drop_panic_hook() {
-    if QUIET_HOOK.is_completed() {
-        // Ours wraps the previous one: dropping it drops that too, leaving the default.
-        drop(panic::take_hook());
-    }
-}
-
 /// Run an export's body: its error becomes a status and this thread's last-error message,
 /// prefixed with the function's name; a panic becomes `RM_ERROR_INTERNAL`.
 ///
 /// Nothing here may unwind into C, even when called from a thread-exit destructor or an
-/// `atexit` handler, after the thread's locals are gone: `IN_BOUNDARY` has no destructor (always
-/// usable), and the last-error storage is reached with `try_with` (see [`set_last_error`]),
-/// inside a catch of its own.
+/// `atexit` handler, after the thread's locals are gone: the boundary flag (in [`tls`]) has no
+/// destructor (always usable), and the last-error storage is reached with `try_with` (see
+/// [`set_last_error`]), inside a catch of its own.
 pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_status {
-    install_quiet_panic_hook();
-    let outer = IN_BOUNDARY.with(|b| b.replace(true));
-    let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
-        test_panic(function);
-        body()
-    }));
-    IN_BOUNDARY.with(|b| b.set(outer));
+    tls::install_quiet_panic_hook();
+    let outcome = tls::with(|t| {
+        let outer = t.in_boundary.replace(true);
+        let outcome = panic::catch_unwind(AssertUnwindSafe(|| {
+            test_panic(function);
+            body()
+        }));
+        t.in_boundary.set(outer);
+        outcome
+    });
     let error = match outcome {
         Ok(Ok(())) => return rm_status::RM_SUCCESS,
         Ok(Err(error)) => error,
@@ -132,10 +105,50 @@ pub(crate) fn boundary(function: &str, body: impl FnOnce() -> Result<()>) -> rm_
             ))
         }
     };
+    fail(function, error)
+}
+
+/// `error`'s status, its message (prefixed with `function`'s name) left in this thread's last
+/// error.
+fn fail(function: &str, error: Error) -> rm_status {
     let message = format!("{function}: {}", error.message);
     // A panic here could only lose the message, never the status.
     let _stored = panic::catch_unwind(|| set_last_error(&message));
     error.status
+}
+
+/// The hit path of an export: `f` on the started pool's front and the calling thread's state,
+/// inside the same panic catch and boundary flag as [`boundary`], taken only while the pool is
+/// started and nothing is recorded (see [`runtime::fast`]). `None`: `f` changed nothing, or
+/// panicked; the caller takes the full path.
+#[inline(always)]
+fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
+    let front = runtime::fast()?;
+    tls::with(|t| {
+        let outer = t.in_boundary.replace(true);
+        let outcome = panic::catch_unwind(AssertUnwindSafe(|| f(front, t)));
+        t.in_boundary.set(outer);
+        outcome.ok().flatten()
+    })
+}
+
+/// A block for `(device, size, stream)` from the calling thread's front cache, if it holds one
+/// (nothing else is tried); for `rm_reserve` and `rm_torch_malloc`.
+#[inline(always)]
+pub(crate) fn reserve_hit(device: c_int, size: u64, stream: *mut c_void) -> Option<DevicePtr> {
+    hit(|front, t| front.reserve_hit(t, device, size, stream as u64))
+}
+
+/// Release `ptr` if it is a block the front caches know and hold for a caller (see
+/// [`Front::release_known`]); `None` where the pool must be asked. For `rm_release` and
+/// `rm_torch_free`, whose `function` name an error.
+#[inline(always)]
+pub(crate) fn release_hit(function: &str, ptr: *mut c_void) -> Option<rm_status> {
+    let outcome = hit(|front, t| front.release_known(t, ptr as DevicePtr))?;
+    Some(match outcome {
+        Ok(()) => rm_status::RM_SUCCESS,
+        Err(error) => fail(function, *error),
+    })
 }
 
 /// In debug builds only: panic inside the export named by `RESMEM_TEST_PANIC`, so that tests
@@ -230,6 +243,29 @@ pub unsafe extern "C" fn rm_reserve(
     stream: *mut c_void,
     out_ptr: *mut *mut c_void,
 ) -> rm_status {
+    if !out_ptr.is_null() {
+        if let Some(ptr) = reserve_hit(device, size_arg(size), stream) {
+            // SAFETY: checked non-null; valid for writes by the caller's contract.
+            unsafe { out_ptr.write(ptr as *mut c_void) };
+            return rm_status::RM_SUCCESS;
+        }
+    }
+    // SAFETY: the caller's contract, passed on.
+    unsafe { reserve_call(device, size, stream, out_ptr) }
+}
+
+/// [`rm_reserve`] past its hit path, in a function of its own so that the hit path saves no
+/// registers for it.
+///
+/// # Safety
+/// As [`rm_reserve`].
+#[inline(never)]
+unsafe fn reserve_call(
+    device: c_int,
+    size: usize,
+    stream: *mut c_void,
+    out_ptr: *mut *mut c_void,
+) -> rm_status {
     boundary("rm_reserve", || {
         if out_ptr.is_null() {
             return Err(null_argument("out_ptr"));
@@ -254,6 +290,15 @@ pub unsafe extern "C" fn rm_reserve(
 /// None beyond passing a value: the pointer is looked up, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn rm_release(ptr: *mut c_void) -> rm_status {
+    if let Some(status) = release_hit("rm_release", ptr) {
+        return status;
+    }
+    release_call(ptr)
+}
+
+/// [`rm_release`] past its hit path (see [`reserve_call`]).
+#[inline(never)]
+fn release_call(ptr: *mut c_void) -> rm_status {
     boundary("rm_release", || {
         if ptr.is_null() {
             return Ok(());

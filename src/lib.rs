@@ -22,6 +22,7 @@
 //! - [`record`]: `RESMEM_CONF=record:PATH`, every call written as a replayable trace;
 //! - [`share`]: processes sharing a device give each other their idle cache on request;
 //! - [`torch`]: the entry points of PyTorch's pluggable allocator (`rm_torch_*`);
+//! - `tls`: the calling thread's per-call state (one thread-local) and the quiet panic hook;
 //! - `unload`: what the process-wide state gives back when the library is unloaded.
 
 pub mod capi;
@@ -33,6 +34,7 @@ pub mod pool;
 pub mod record;
 pub mod runtime;
 pub mod share;
+mod tls;
 pub mod torch;
 mod unload;
 

@@ -15,7 +15,7 @@
 //!   gets `RM_ERROR_NO_DRIVER` with advice, instead of the parent's contexts and pointers.
 
 use std::ffi::OsString;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use crate::config::{DriverChoice, Settings};
@@ -142,6 +142,21 @@ pub fn forked_error(parent: u32, child: u32) -> Error {
     )
 }
 
+/// The started pool's front while the hit path may be taken: set by [`start`] once the pool
+/// started and its sharing is settled, when no recording is asked for (a recorded call takes
+/// the full path); cleared in a forked child and before the state is dropped at unload.
+static FAST: AtomicPtr<Front> = AtomicPtr::new(std::ptr::null_mut());
+
+/// The process-wide pool's front for the exports' hit path (one atomic load); `None` until a
+/// call started the pool, in a forked child, and while calls are recorded.
+#[inline(always)]
+pub fn fast() -> Option<&'static Front> {
+    let front = FAST.load(Ordering::Acquire);
+    // SAFETY: non-null only while `POOL` holds the front it points to (set from it in `start`,
+    // cleared by `drop_state` before `POOL` is emptied, at unload, when no call is in flight).
+    unsafe { front.as_ref() }
+}
+
 /// The process-wide pool behind its front caches, created on first use from [`settings`]. In
 /// a child forked after it started, an error that says what to do instead.
 #[inline]
@@ -178,6 +193,11 @@ fn start() -> Result<&'static Front, Error> {
     }
     let front = started.pool.as_ref().map_err(Clone::clone)?;
     SHARING.get_or_init(|| start_sharing(front));
+    if FAST.load(Ordering::Relaxed).is_null() && crate::record::global().is_none() {
+        // A hit may panic only inside the quiet hook, like every other call.
+        crate::tls::install_quiet_panic_hook();
+        FAST.store(front as *const Front as *mut Front, Ordering::Release);
+    }
     Ok(front)
 }
 
@@ -266,6 +286,7 @@ static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn note_fork() {
     FORKED.store(true, Ordering::Relaxed);
+    FAST.store(std::ptr::null_mut(), Ordering::Relaxed);
 }
 
 /// The process-wide pool (behind its front caches) if a call has already started it in this
@@ -283,6 +304,7 @@ pub fn started() -> Option<&'static Front> {
 /// # Safety
 /// No reference to the pool or the settings is alive, and no call will be made into the library.
 pub(crate) unsafe fn drop_state() {
+    FAST.store(std::ptr::null_mut(), Ordering::Relaxed);
     // SAFETY: the caller's contract.
     let started = unsafe { POOL.take() };
     if let Some(Started { pool: Ok(pool), .. }) = &started {

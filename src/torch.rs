@@ -38,6 +38,12 @@ pub unsafe extern "C" fn rm_torch_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
+    if let Some(ptr) = u64::try_from(size)
+        .ok()
+        .and_then(|size| crate::capi::reserve_hit(device, size, stream))
+    {
+        return ptr as *mut c_void;
+    }
     let mut ptr: DevicePtr = 0;
     boundary("rm_torch_malloc", || {
         let size = u64::try_from(size).map_err(|_| {
@@ -67,6 +73,9 @@ pub unsafe extern "C" fn rm_torch_free(
     stream: *mut c_void,
 ) {
     let _ = (size, device, stream);
+    if crate::capi::release_hit("rm_torch_free", ptr).is_some() {
+        return;
+    }
     boundary("rm_torch_free", || {
         let pool = pool()?;
         record::release(ptr as DevicePtr, || pool.release(ptr as DevicePtr))

@@ -110,6 +110,6 @@ extern "C" fn finalize() {
         // SAFETY: the library is being unloaded by dlclose: the program may no longer call
         // into it, so no reference to the state is alive or will be made.
         unsafe { crate::runtime::drop_state() };
-        crate::capi::drop_panic_hook();
+        crate::tls::drop_panic_hook();
     });
 }

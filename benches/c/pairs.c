@@ -14,7 +14,8 @@
  * unless given). `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
  * instruction counts over the difference of N is the instructions of one pair
- * (scripts/bench-c.sh does this).
+ * (scripts/bench-c.sh does this). `pairs quick` measures only the pairs with nothing else cached, from
+ * 1 and 2 threads.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -254,6 +255,8 @@ int main(int argc, char **argv) {
   const size_t cached[] = {0, 1000, 100000};
   const int threads[] = {1, 2, 4, 8};
   int only_pauses = argc > 1 && strcmp(argv[1], "pauses") == 0;
+  /* `pairs quick`: only the pairs with nothing else cached, from 1 and 2 threads. */
+  int quick = argc > 1 && strcmp(argv[1], "quick") == 0;
   if (argc > 3 && strcmp(argv[1], "count") == 0) {
     long n = atol(argv[2]);
     size_t size = (size_t)atol(argv[3]);
@@ -267,12 +270,12 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (!only_pauses) {
-    for (int c = 0; c < 3; c++) {
+    for (int c = 0; c < (quick ? 1 : 3); c++) {
       add_cached(cached[c]);
       printf("stats %zu %.1f\n", cached[c], time_stats());
       fflush(stdout);
       for (int s = 0; s < 4; s++) {
-        for (int t = 0; t < 4; t++) {
+        for (int t = 0; t < (quick ? 2 : 4); t++) {
           printf("pair resmem %d %zu %zu %.2f\n", threads[t], sizes[s], cached[c],
                  run_pairs(threads[t], sizes[s], 0));
           printf("pair glibc %d %zu %zu %.2f\n", threads[t], sizes[s], cached[c],

@@ -1,8 +1,8 @@
 //! Which thread cache the calling thread uses in each front, and handing the caches back when
 //! the thread exits.
 //!
-//! The hit path reads [`LAST`], a constant thread-local with no destructor: one thread-local
-//! access, and usable at any point of a thread's exit. The list of every binding of the thread
+//! The hit path reads the thread's last front and cache from `tls::Thread`, a constant
+//! thread-local with no destructor, usable at any point of a thread's exit. The list of every binding of the thread
 //! is made on first use and handed back at thread exit by a pthread key's destructor rather
 //! than a thread-local destructor: a thread-local destructor registered while the thread is
 //! already being torn down (a call from another key's destructor, or from an `atexit` handler
@@ -17,7 +17,6 @@ use std::panic::AssertUnwindSafe;
 use std::ptr;
 use std::sync::{OnceLock, Weak};
 
-use super::thread::ThreadCache;
 use super::Inner;
 
 /// Which thread cache the thread uses in a front. It does not keep the front alive: a front
@@ -34,10 +33,6 @@ pub(super) struct Bindings {
 }
 
 thread_local! {
-    /// The front (by id; 0: none) and cache of the last call on this thread (the common case:
-    /// one front in the process).
-    pub(super) static LAST: Cell<(u64, *const ThreadCache)> =
-        const { Cell::new((0, ptr::null())) };
     /// This thread's [`Bindings`], once made (also the value of the thread's key).
     static BOUND: Cell<*mut Bindings> = const { Cell::new(ptr::null_mut()) };
 }
@@ -78,7 +73,7 @@ fn make_key() -> Option<libc::pthread_key_t> {
 /// The key's destructor: the thread is exiting; its caches go back to their fronts.
 extern "C" fn hand_back_at_exit(value: *mut libc::c_void) {
     // A call made later in this thread's exit binds again (and is handed back again).
-    LAST.set((0, ptr::null()));
+    crate::tls::with(|t| t.front.set((0, ptr::null())));
     BOUND.set(ptr::null_mut());
     // SAFETY: the value is the `Box<Bindings>` `with_bindings` made on this thread, given to
     // the destructor once (the key's value is cleared before the call).

@@ -25,6 +25,7 @@ pub const CACHED: u64 = 2;
 pub const CAPACITY: usize = 1 << 20;
 /// Entries made at once.
 const CHUNK: usize = 1 << 12;
+const CHUNKS: usize = CAPACITY / CHUNK;
 
 /// One block the front cache knows, on a cache line of its own: entries of blocks that
 /// different threads use never share one.
@@ -78,15 +79,20 @@ impl Entry {
 
 /// The arena: up to [`CAPACITY`] entries in chunks of [`CHUNK`], each made when first needed.
 pub struct Entries {
-    chunks: Box<[OnceLock<Box<[Entry]>>]>,
+    /// Fixed sizes, so that [`Entries::get`] indexes them with no bounds check.
+    chunks: Box<[OnceLock<Box<[Entry; CHUNK]>>; CHUNKS]>,
     /// Indices handed out so far, and the ones given back.
     alloc: Mutex<(u32, Vec<u32>)>,
 }
 
 impl Default for Entries {
     fn default() -> Self {
+        let chunks: Box<[OnceLock<Box<[Entry; CHUNK]>>]> =
+            (0..CHUNKS).map(|_| OnceLock::new()).collect();
         Entries {
-            chunks: (0..CAPACITY / CHUNK).map(|_| OnceLock::new()).collect(),
+            chunks: chunks
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("CHUNKS chunks")),
             alloc: Mutex::new((0, Vec::new())),
         }
     }
@@ -96,7 +102,8 @@ impl Entries {
     /// The entry at `index`, which [`Entries::take`] has handed out at some time.
     #[inline]
     pub fn get(&self, index: u32) -> &Entry {
-        let chunk = self.chunks[index as usize / CHUNK]
+        // Indices handed out are below CAPACITY: the mask changes none of them.
+        let chunk = self.chunks[index as usize / CHUNK % CHUNKS]
             .get()
             .expect("an index handed out by Entries::take");
         &chunk[index as usize % CHUNK]
@@ -110,7 +117,12 @@ impl Entries {
         }
         let index = alloc.0;
         let chunk = self.chunks.get(index as usize / CHUNK)?;
-        chunk.get_or_init(|| (0..CHUNK).map(|_| Entry::default()).collect());
+        chunk.get_or_init(|| {
+            let entries: Box<[Entry]> = (0..CHUNK).map(|_| Entry::default()).collect();
+            entries
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("CHUNK entries"))
+        });
         alloc.0 += 1;
         Some(index)
     }

@@ -47,6 +47,7 @@ impl Inner {
 
     /// Release a block also used on other streams through the pool, which records their work.
     /// On failure the block stays held by the caller, as the pool leaves it.
+    #[cold]
     pub(super) fn release_shared(self: &Arc<Self>, index: u32, ptr: DevicePtr) -> Result<()> {
         let e = self.entries.get(index);
         let fields = (

@@ -18,11 +18,22 @@ pub const LIMIT: DevicePtr = 1 << 48;
 const WIDE: usize = 1 << 15;
 const LEAF: usize = 512;
 
-type Leaf = Box<[AtomicU32]>;
-type Level<T> = Box<[OnceLock<T>]>;
+type Leaf = Box<[AtomicU32; LEAF]>;
+/// Fixed-size levels, so that a lookup indexes them with no bounds check.
+type Level<T> = Box<[OnceLock<T>; WIDE]>;
 
-fn level<T>(n: usize) -> Level<T> {
-    (0..n).map(|_| OnceLock::new()).collect()
+fn level<T>() -> Level<T> {
+    let slots: Box<[OnceLock<T>]> = (0..WIDE).map(|_| OnceLock::new()).collect();
+    slots
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("WIDE slots"))
+}
+
+fn leaf() -> Leaf {
+    let slots: Box<[AtomicU32]> = (0..LEAF).map(|_| AtomicU32::new(0)).collect();
+    slots
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("LEAF slots"))
 }
 
 /// The map.
@@ -32,7 +43,7 @@ pub struct AddressMap {
 
 impl Default for AddressMap {
     fn default() -> Self {
-        AddressMap { top: level(WIDE) }
+        AddressMap { top: level() }
     }
 }
 
@@ -60,8 +71,7 @@ impl AddressMap {
     pub fn set(&self, ptr: DevicePtr, index: u32) {
         debug_assert!(ptr < LIMIT && ptr % 512 == 0);
         let [a, b, c] = parts(ptr);
-        let leaf = self.top[a].get_or_init(|| level(WIDE))[b]
-            .get_or_init(|| (0..LEAF).map(|_| AtomicU32::new(0)).collect());
+        let leaf = self.top[a].get_or_init(level)[b].get_or_init(leaf);
         leaf[c].store(index + 1, Ordering::Release);
     }
 

@@ -53,12 +53,13 @@ use std::sync::Arc;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
 use crate::pool::{Pool, Stats};
+use crate::tls;
 pub(crate) use bindings::forget_key;
-use bindings::{Binding, Bindings, LAST};
+use bindings::{Binding, Bindings};
 use counters::{Counters, Delta};
 use entries::{Entries, Entry, CACHED, NIL, USER};
 use map::AddressMap;
-use thread::{Registry, ThreadCache};
+use thread::{Bin, Registry, ThreadCache};
 
 /// The largest block size the front caches.
 pub const MAX_BLOCK: u64 = 64 << 20;
@@ -79,7 +80,7 @@ struct Inner {
     shared: Box<[Counters]>,
 }
 
-/// The id of the next front: never reused, so that a thread's `LAST` cannot name a
+/// The id of the next front: never reused, so that a thread's last front (`tls::Thread`) cannot name a
 /// dropped front's successor at the same address.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -116,25 +117,66 @@ impl Front {
             // Not cached, but it may need what the caches hold.
             return inner.miss(device, size, 0, stream);
         }
-        let block = (size + 511) & !511;
-        let hit = inner.with_cache(|cache| inner.pop(cache, device, stream, block, size));
+        let block = block_of(size);
+        let hit = tls::with(|t| {
+            inner.with_cache(t, |cache| {
+                let bin = inner.bin_with_blocks(cache, device, stream, block)?;
+                inner.pop(cache, bin, device, block, size)
+            })
+        });
         match hit.flatten() {
             Some(ptr) => Ok(ptr),
             None => inner.miss(device, size, block, stream),
         }
     }
 
+    /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
+    /// from the calling thread's own bin of `(device, stream, size)`; `None`, with nothing
+    /// changed, where that bin is empty (or the thread is not bound, or the size is not cached).
+    #[inline(always)]
+    pub(crate) fn reserve_hit(
+        &self,
+        t: &tls::Thread,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Option<DevicePtr> {
+        let inner = &*self.inner;
+        let cache = inner.bound(t)?;
+        if size.wrapping_sub(1) >= MAX_BLOCK || device as u32 >= inner.devices {
+            return None;
+        }
+        let block = block_of(size);
+        let bin = cache.find(device, stream, block)?;
+        inner.pop(cache, bin, device, block, size)
+    }
+
     /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
     /// `RM_ERROR_INVALID_POINTER` and change nothing.
     #[inline]
     pub fn release(&self, ptr: DevicePtr) -> Result<()> {
-        let inner = &self.inner;
         if ptr == 0 {
             return Ok(());
         }
-        let Some(index) = inner.map.get(ptr) else {
-            return inner.pool.release(ptr);
-        };
+        match tls::with(|t| self.release_known(t, ptr)) {
+            Some(outcome) => outcome.map_err(|e| *e),
+            None => self.inner.pool.release(ptr),
+        }
+    }
+
+    /// [`Front::release`] of a block the front knows: cached (in the caller's cache if it
+    /// reserved the block, else in the reserving thread's remote list) or given to the pool,
+    /// and a second release refused. `None`, with nothing changed, for a pointer the front does
+    /// not hold for a caller: the pool knows what it is. (The error is boxed, so that the
+    /// outcome fits a register on the hit path.)
+    #[inline(always)]
+    pub(crate) fn release_known(
+        &self,
+        t: &tls::Thread,
+        ptr: DevicePtr,
+    ) -> Option<std::result::Result<(), Box<Error>>> {
+        let inner = &self.inner;
+        let index = inner.map.get(ptr)?;
         let e = inner.entries.get(index);
         match e.word.compare_exchange(
             Entry::word_of(ptr, USER),
@@ -143,18 +185,23 @@ impl Front {
             Acquire,
         ) {
             Ok(_) => {}
-            Err(w) if w == Entry::word_of(ptr, CACHED) => return Err(already_released(ptr)),
+            Err(w) if w == Entry::word_of(ptr, CACHED) => return Some(Err(already_released(ptr))),
             // The entry was given back meanwhile: the pool knows what the pointer is.
-            Err(_) => return inner.pool.release(ptr),
+            Err(_) => return None,
         }
         if e.shared.load(Relaxed) {
-            return inner.release_shared(index, ptr);
+            return Some(inner.release_shared(index, ptr).map_err(Box::new));
         }
-        let cached = inner.with_cache(|cache| inner.cache_released(cache, index, e));
-        if cached != Some(true) {
+        let cached = match inner.bound(t) {
+            Some(cache) => inner.cache_released(cache, index, e),
+            None => {
+                inner.with_cache(t, |cache| inner.cache_released(cache, index, e)) == Some(true)
+            }
+        };
+        if !cached {
             inner.evict(index, ptr, USER);
         }
-        Ok(())
+        Some(Ok(()))
     }
 
     /// Note that the live block at `ptr` is also used on `stream`: its release then goes to the
@@ -164,7 +211,7 @@ impl Front {
         let known = inner.map.get(ptr).map(|i| inner.entries.get(i));
         if let Some(e) = known {
             if e.word.load(Acquire) == Entry::word_of(ptr, CACHED) {
-                return Err(already_released(ptr));
+                return Err(*already_released(ptr));
             }
         }
         inner.pool.record_stream(ptr, stream)?;
@@ -270,33 +317,56 @@ impl Front {
     }
 }
 
-fn already_released(ptr: DevicePtr) -> Error {
-    Error::invalid_pointer(format!(
+/// The block size the front caches a request of `size` bytes in (1 to [`MAX_BLOCK`]).
+#[inline(always)]
+fn block_of(size: u64) -> u64 {
+    (size + 511) & !511
+}
+
+#[cold]
+#[inline(never)]
+fn already_released(ptr: DevicePtr) -> Box<Error> {
+    Box::new(Error::invalid_pointer(format!(
         "{ptr:#x} was already released (double release); the pool is unchanged (pass each \
          pointer from rm_reserve to rm_release once)"
-    ))
+    )))
 }
 
 impl Inner {
+    /// The calling thread's cache in this front if the thread's last call was into it (the
+    /// common case); else `None`, and [`Inner::with_cache`] binds it.
+    #[inline(always)]
+    fn bound(&self, t: &tls::Thread) -> Option<&ThreadCache> {
+        let (id, cache) = t.front.get();
+        // SAFETY: ids are never reused, so an id equal to this front's names a cache of this
+        // very front, which the caller keeps alive for this call, and the cache lives in the
+        // front's registry as long as the front.
+        (id == self.id).then(|| unsafe { &*cache.cast::<ThreadCache>() })
+    }
+
     /// Run `f` with the calling thread's cache in this front; `None` where it has none and can
     /// get none (every cache taken, or the thread is exiting).
     #[inline]
-    fn with_cache<R>(self: &Arc<Self>, f: impl FnOnce(&ThreadCache) -> R) -> Option<R> {
-        let (id, cache) = LAST.get();
-        if id == self.id {
-            // SAFETY: ids are never reused, so `LAST` names a cache of this very front, which
-            // the caller keeps alive for this call, and the cache lives in the front's registry
-            // as long as the front.
-            return Some(f(unsafe { &*cache }));
+    fn with_cache<R>(
+        self: &Arc<Self>,
+        t: &tls::Thread,
+        f: impl FnOnce(&ThreadCache) -> R,
+    ) -> Option<R> {
+        if let Some(cache) = self.bound(t) {
+            return Some(f(cache));
         }
-        bindings::with_bindings(|bindings| self.bind(bindings))
+        bindings::with_bindings(|bindings| self.bind(t, bindings))
             .flatten()
             .map(f)
     }
 
-    /// The calling thread's cache in this front, claimed on first use, made `LAST`.
+    /// The calling thread's cache in this front, claimed on first use, noted in `t`.
     #[cold]
-    fn bind<'a>(self: &'a Arc<Self>, bindings: &Bindings) -> Option<&'a ThreadCache> {
+    fn bind<'a>(
+        self: &'a Arc<Self>,
+        t: &tls::Thread,
+        bindings: &Bindings,
+    ) -> Option<&'a ThreadCache> {
         let mut list = bindings.list.borrow_mut();
         // Fronts dropped since are forgotten here.
         list.retain(|b| b.front.strong_count() > 0);
@@ -313,29 +383,41 @@ impl Inner {
                 cache
             }
         };
-        LAST.set((self.id, cache as *const ThreadCache));
+        t.front
+            .set((self.id, (cache as *const ThreadCache).cast::<()>()));
         Some(cache)
     }
 
-    /// A cached block of `(device, stream, block)` from the caller's own cache.
+    /// The caller's bin of `(device, stream, block)` with blocks in it, after sorting in the
+    /// blocks other threads released to it if the bin is empty.
     #[inline]
-    fn pop(
+    fn bin_with_blocks<'a>(
         &self,
-        cache: &ThreadCache,
+        cache: &'a ThreadCache,
         device: i32,
         stream: StreamHandle,
         block: u64,
+    ) -> Option<&'a Bin> {
+        let bin = cache.find(device, stream, block);
+        if bin.is_some_and(|bin| bin.head.load(Relaxed) != NIL) || cache.remote.load(Relaxed) == NIL
+        {
+            return bin;
+        }
+        self.collect_remote(cache);
+        cache.find(device, stream, block)
+    }
+
+    /// A block from `bin`, the caller's bin of `(device, _, block)`, for a request of `size`
+    /// bytes; `None` where it is empty.
+    #[inline(always)]
+    fn pop(
+        &self,
+        cache: &ThreadCache,
+        bin: &Bin,
+        device: i32,
+        block: u64,
         size: u64,
     ) -> Option<DevicePtr> {
-        let mut bin = cache.find(device, stream, block);
-        if bin.is_none_or(|bin| bin.head.load(Relaxed) == NIL) {
-            if cache.remote.load(Relaxed) == NIL {
-                return None;
-            }
-            self.collect_remote(cache);
-            bin = cache.find(device, stream, block);
-        }
-        let bin = bin?;
         let head = bin.head.load(Acquire);
         if head == NIL {
             return None;
@@ -362,7 +444,7 @@ impl Inner {
     /// Put the block of entry `e` (at `index`), just claimed from its caller, in a cache: the
     /// caller's own if it reserved the block, else the reserving thread's remote list. `false`
     /// where it does not fit (the caller then gives it to the pool).
-    #[inline]
+    #[inline(always)]
     fn cache_released(&self, cache: &ThreadCache, index: u32, e: &Entry) -> bool {
         let (owner, device, size) = (
             e.owner.load(Relaxed),
@@ -465,7 +547,7 @@ impl Inner {
         if ptr >= map::LIMIT {
             return;
         }
-        let Some(owner) = self.with_cache(|cache| cache.index) else {
+        let Some(owner) = tls::with(|t| self.with_cache(t, |cache| cache.index)) else {
             return;
         };
         let Some(index) = self.entries.take() else {

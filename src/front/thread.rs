@@ -70,7 +70,8 @@ impl Bin {
 pub struct ThreadCache {
     pub index: u32,
     alive: AtomicBool,
-    pub bins: Box<[Bin]>,
+    /// A fixed number, so that a bin's slot indexes them with no bounds check.
+    pub bins: Box<[Bin; BINS]>,
     pub remote: AtomicU32,
     /// The figures this thread changed, per device.
     pub counters: Box<[Counters]>,
@@ -88,17 +89,24 @@ fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
     (h >> 58) as usize
 }
 
+/// [`BINS`] bins with no key.
+fn bins() -> Box<[Bin; BINS]> {
+    let bins: Box<[Bin]> = (0..BINS)
+        .map(|_| Bin {
+            head: AtomicU32::new(NIL),
+            ..Bin::default()
+        })
+        .collect();
+    bins.try_into()
+        .unwrap_or_else(|_| unreachable!("BINS bins"))
+}
+
 impl ThreadCache {
     fn new(index: u32, devices: usize) -> ThreadCache {
         ThreadCache {
             index,
             alive: AtomicBool::new(true),
-            bins: (0..BINS)
-                .map(|_| Bin {
-                    head: AtomicU32::new(NIL),
-                    ..Bin::default()
-                })
-                .collect(),
+            bins: bins(),
             remote: AtomicU32::new(NIL),
             counters: (0..devices).map(|_| Counters::default()).collect(),
             held_bytes: AtomicU64::new(0),

@@ -1,0 +1,65 @@
+//! What every call reads of the calling thread's state, in one thread-local: whether the
+//! thread is inside an export (read by the quiet panic hook, installed here) and the front
+//! cache it used last.
+//!
+//! In a shared object, Rust reaches a thread-local through `__tls_get_addr` (the
+//! general-dynamic model); one thread-local for both keeps it at one lookup per call, where two
+//! cost one each. It is constant-initialised and has no destructor, so it stays usable at any
+//! point of a thread's exit (a call from another key's destructor, from an `atexit` handler).
+
+use std::cell::Cell;
+use std::panic;
+use std::ptr;
+use std::sync::Once;
+
+/// The calling thread's per-call state.
+pub(crate) struct Thread {
+    /// Inside an export's panic boundary: a panic here is caught and reported as a status, so
+    /// the quiet hook keeps it off stderr.
+    pub in_boundary: Cell<bool>,
+    /// The front (by id; 0: none) and the thread cache of this thread's last call into one
+    /// (the common case: one front in the process). The cache is a
+    /// `front::thread::ThreadCache`, typed there.
+    pub front: Cell<(u64, *const ())>,
+}
+
+thread_local! {
+    static THREAD: Thread = const {
+        Thread {
+            in_boundary: Cell::new(false),
+            front: Cell::new((0, ptr::null())),
+        }
+    };
+}
+
+/// Run `f` with the calling thread's state.
+#[inline(always)]
+pub(crate) fn with<R>(f: impl FnOnce(&Thread) -> R) -> R {
+    THREAD.with(f)
+}
+
+/// Done once the quiet panic hook is installed.
+static QUIET_HOOK: Once = Once::new();
+
+/// Keep panics caught at the exports' boundary quiet (the library never prints unless asked);
+/// panics elsewhere in the host process go to the hook that was there before. Installed by
+/// the first export called, and by the runtime before the hit path can be taken (see
+/// `runtime::fast`), so a hit never runs without it.
+pub(crate) fn install_quiet_panic_hook() {
+    QUIET_HOOK.call_once(|| {
+        let previous = panic::take_hook();
+        panic::set_hook(Box::new(move |info| {
+            if !THREAD.with(|t| t.in_boundary.get()) {
+                previous(info);
+            }
+        }));
+    });
+}
+
+/// Put back the panic hook that was there before (the library is being unloaded).
+pub(crate) fn drop_panic_hook() {
+    if QUIET_HOOK.is_completed() {
+        // Ours wraps the previous one: dropping it drops that too, leaving the default.
+        drop(panic::take_hook());
+    }
+}
