@@ -124,12 +124,11 @@ fn fail(function: &str, error: Error) -> rm_status {
 #[inline(always)]
 fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
     let front = runtime::fast()?;
-    tls::with(|t| {
-        let outer = t.in_boundary.replace(true);
-        let outcome = panic::catch_unwind(AssertUnwindSafe(|| f(front, t)));
-        t.in_boundary.set(outer);
-        outcome.ok().flatten()
-    })
+    let t = tls::current();
+    let outer = t.in_boundary.replace(true);
+    let outcome = panic::catch_unwind(AssertUnwindSafe(|| f(front, t)));
+    t.in_boundary.set(outer);
+    outcome.ok().flatten()
 }
 
 /// A block for `(device, size, stream)` from the calling thread's front cache, if it holds one

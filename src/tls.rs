@@ -32,10 +32,21 @@ thread_local! {
     };
 }
 
+/// The calling thread's state. (Taken out of `LocalKey::with`, so that what uses it is
+/// compiled into its caller rather than into an instance of `with` kept out of line.)
+#[inline(always)]
+pub(crate) fn current() -> &'static Thread {
+    let thread: *const Thread = THREAD.with(|t| t as *const Thread);
+    // SAFETY: the thread-local has no destructor, so its storage stays valid for the whole life
+    // of the calling thread; and `Thread` is not `Sync`, so the reference cannot reach another
+    // thread.
+    unsafe { &*thread }
+}
+
 /// Run `f` with the calling thread's state.
 #[inline(always)]
 pub(crate) fn with<R>(f: impl FnOnce(&Thread) -> R) -> R {
-    THREAD.with(f)
+    f(current())
 }
 
 /// Done once the quiet panic hook is installed.

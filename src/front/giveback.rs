@@ -98,26 +98,19 @@ impl Inner {
     /// Give the blocks of one cache back to the pool: each list taken with one exchange.
     pub(super) fn drain_cache(&self, cache: &ThreadCache) {
         for bin in cache.bins.iter() {
-            let (bytes, blocks) = self.evict_list(bin.head.swap(NIL, Acquire));
-            if blocks != 0 {
-                cache.drained(bytes, blocks);
-            }
+            self.evict_list(bin.take());
         }
         self.evict_list(cache.remote.swap(NIL, Acquire));
     }
 
-    /// Give every block of a list taken whole back to the pool; its bytes and blocks.
-    pub(super) fn evict_list(&self, mut index: u32) -> (u64, u64) {
-        let (mut bytes, mut blocks) = (0, 0);
+    /// Give every block of a list taken whole back to the pool.
+    pub(super) fn evict_list(&self, mut index: u32) {
         while index != NIL {
             let e = self.entries.get(index);
             let next = e.next.load(Relaxed);
-            bytes += e.size.load(Relaxed);
-            blocks += 1;
             self.evict(index, e.ptr(), CACHED);
             index = next;
         }
-        (bytes, blocks)
     }
 
     /// The exit of the thread using cache `index`: its blocks go back to the pool, its figures

@@ -8,7 +8,7 @@
 //! as in the pool: a block released on one stream reaches another only through the pool, after
 //! that stream's work. A block released on another thread than the one that reserved it goes
 //! to the reserving thread's remote list (as mimalloc does). Blocks up to [`MAX_BLOCK`] are
-//! cached, up to a bound of bytes and blocks per thread (see [`thread`]); others go straight
+//! cached, up to a bound of bytes and blocks per bin (see [`thread`]); others go straight
 //! to the pool; so do blocks beyond the [`entries::CAPACITY`] the front can know at once.
 //!
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange, no
@@ -133,7 +133,7 @@ impl Front {
     /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
     /// from the calling thread's own bin of `(device, stream, size)`; `None`, with nothing
     /// changed, where that bin is empty (or the thread is not bound, or the size is not cached).
-    #[inline(always)]
+    #[inline(never)]
     pub(crate) fn reserve_hit(
         &self,
         t: &tls::Thread,
@@ -169,7 +169,7 @@ impl Front {
     /// and a second release refused. `None`, with nothing changed, for a pointer the front does
     /// not hold for a caller: the pool knows what it is. (The error is boxed, so that the
     /// outcome fits a register on the hit path.)
-    #[inline(always)]
+    #[inline(never)]
     pub(crate) fn release_known(
         &self,
         t: &tls::Thread,
@@ -399,8 +399,7 @@ impl Inner {
         block: u64,
     ) -> Option<&'a Bin> {
         let bin = cache.find(device, stream, block);
-        if bin.is_some_and(|bin| bin.head.load(Relaxed) != NIL) || cache.remote.load(Relaxed) == NIL
-        {
+        if bin.is_some_and(|bin| !bin.is_empty()) || cache.remote.load(Relaxed) == NIL {
             return bin;
         }
         self.collect_remote(cache);
@@ -418,20 +417,10 @@ impl Inner {
         block: u64,
         size: u64,
     ) -> Option<DevicePtr> {
-        let head = bin.head.load(Acquire);
-        if head == NIL {
-            return None;
-        }
-        let e = self.entries.get(head);
-        let next = e.next.load(Relaxed);
-        // Fails only when a drain took the list since the load.
-        bin.head
-            .compare_exchange(head, next, Acquire, Relaxed)
-            .ok()?;
+        let e = bin.pop(|first| self.entries.get(first))?;
         let ptr = e.ptr();
         e.requested.store(size, Relaxed);
         e.word.store(Entry::word_of(ptr, USER), Release);
-        cache.hold(block, -1);
         cache.counters[device as usize].add_owned(Delta {
             cached_bytes: -(block as i64),
             cached_blocks: -1,
@@ -453,19 +442,17 @@ impl Inner {
         );
         let requested = e.requested.load(Relaxed);
         if owner == cache.index {
-            if !cache.has_room(size) {
-                return false;
-            }
             let Some(bin) = cache.find_or_key(device, e.stream.load(Relaxed), size) else {
                 return false;
             };
-            ThreadCache::push(&bin.head, index, e);
-            cache.hold(size, 1);
+            if !bin.push(index, e, size) {
+                return false;
+            }
         } else {
             let Some(owner) = self.threads.get(owner) else {
                 return false;
             };
-            ThreadCache::push(&owner.remote, index, e);
+            ThreadCache::push_remote(&owner.remote, index, e);
         }
         // The entry may be in use by its owner again already: only values read above count.
         cache.counters[device as usize].add_owned(Delta {
@@ -484,16 +471,9 @@ impl Inner {
             let e = self.entries.get(index);
             let next = e.next.load(Relaxed);
             let size = e.size.load(Relaxed);
-            let bin = cache
-                .has_room(size)
-                .then(|| cache.find_or_key(e.device.load(Relaxed), e.stream.load(Relaxed), size))
-                .flatten();
-            match bin {
-                Some(bin) => {
-                    ThreadCache::push(&bin.head, index, e);
-                    cache.hold(size, 1);
-                }
-                None => self.evict(index, e.ptr(), CACHED),
+            let bin = cache.find_or_key(e.device.load(Relaxed), e.stream.load(Relaxed), size);
+            if !bin.is_some_and(|bin| bin.push(index, e, size)) {
+                self.evict(index, e.ptr(), CACHED);
             }
             index = next;
         }

@@ -2,10 +2,11 @@
 //!
 //! A thread cache has [`BINS`] bins, each a LIFO list of entries of one device, stream and
 //! block size, and a *remote* list that other threads push the blocks they release to (the
-//! owner sorts them into its bins when a bin runs dry). Only the owner pushes to its bins, so a
-//! pop is one compare-and-swap that can fail only when a drain has just taken the list (an
-//! exchange of the head): no ABA, no lock. Other threads push to the remote list with a
-//! compare-and-swap and the owner takes it whole with an exchange.
+//! owner sorts them into its bins when a bin runs dry). A bin's list is one word, its head and
+//! its length, so that its bound costs no other write. Only the owner pushes to and pops from
+//! its bins, so each is one compare-and-swap that can fail only when a drain has just taken the
+//! list (an exchange of the word): no ABA, no lock. Other threads push to the remote list with
+//! a compare-and-swap and the owner takes it whole with an exchange.
 //!
 //! A cache outlives its thread: at exit its blocks go back to the pool and the record is marked
 //! dead, to be adopted by a later thread; blocks released to it after that wait in its remote
@@ -25,22 +26,46 @@ use crate::driver::StreamHandle;
 pub const BINS: usize = 64;
 /// Bins looked at for a key before giving up.
 const PROBE: usize = 8;
-/// The most bytes a thread cache holds in its bins; beyond it releases go to the pool.
-pub const MAX_HELD_BYTES: u64 = 256 << 20;
-/// The most blocks a thread cache holds in its bins.
-pub const MAX_HELD_BLOCKS: u64 = 4096;
+/// The most bytes a bin holds (one block more where a block is larger); beyond it releases go
+/// to the pool. A thread cache holds at most [`BINS`] times this, and gives it all back before
+/// the pool would grow.
+pub const MAX_BIN_BYTES: u64 = 256 << 20;
+/// The most blocks a bin holds.
+pub const MAX_BIN_BLOCKS: u32 = 1024;
 /// Thread caches a front keeps; threads beyond them use the pool directly.
 pub const MAX_THREADS: usize = 1024;
 
 /// One LIFO list of blocks of one key. `size` 0: the bin has no key. A cache line each, so
 /// that no two threads' bins share one.
-#[derive(Default)]
 #[repr(align(64))]
 pub struct Bin {
     device: AtomicI32,
     stream: AtomicU64,
     size: AtomicU64,
-    pub head: AtomicU32,
+    /// The list: its length in the high half, its first entry (or [`NIL`]) in the low half.
+    list: AtomicU64,
+}
+
+/// The word of an empty list.
+const EMPTY: u64 = NIL as u64;
+
+fn head(list: u64) -> u32 {
+    list as u32
+}
+
+fn length(list: u64) -> u32 {
+    (list >> 32) as u32
+}
+
+impl Default for Bin {
+    fn default() -> Self {
+        Bin {
+            device: AtomicI32::new(0),
+            stream: AtomicU64::new(0),
+            size: AtomicU64::new(0),
+            list: AtomicU64::new(EMPTY),
+        }
+    }
 }
 
 impl Bin {
@@ -57,11 +82,62 @@ impl Bin {
 
     /// The block size of the blocks it holds now; 0 when it holds none.
     pub fn holds(&self) -> u64 {
-        if self.head.load(Relaxed) == NIL {
+        if self.is_empty() {
             0
         } else {
             self.size.load(Relaxed)
         }
+    }
+
+    /// Whether it holds no block.
+    #[inline(always)]
+    pub fn is_empty(&self) -> bool {
+        head(self.list.load(Relaxed)) == NIL
+    }
+
+    /// Take its first entry (owner only), `entry` finding an entry by index; `None` when it is
+    /// empty, or a drain took the list meanwhile.
+    #[inline(always)]
+    pub fn pop<'e>(&self, entry: impl FnOnce(u32) -> &'e Entry) -> Option<&'e Entry> {
+        let list = self.list.load(Acquire);
+        let first = head(list);
+        if first == NIL {
+            return None;
+        }
+        let e = entry(first);
+        let rest = (list - (1 << 32)) & !(u32::MAX as u64) | e.next.load(Relaxed) as u64;
+        // Fails only when a drain took the list since the load.
+        self.list
+            .compare_exchange(list, rest, Acquire, Relaxed)
+            .ok()
+            .map(|_| e)
+    }
+
+    /// Put entry `e`, at `index`, of a block of `size` bytes (the bin's size) first (owner
+    /// only); `false`, with nothing changed, when the bin is full.
+    #[inline(always)]
+    pub fn push(&self, index: u32, e: &Entry, size: u64) -> bool {
+        let mut list = self.list.load(Relaxed);
+        loop {
+            let n = length(list);
+            if n != 0 && (n >= MAX_BIN_BLOCKS || (n as u64 + 1) * size > MAX_BIN_BYTES) {
+                return false;
+            }
+            e.next.store(head(list), Relaxed);
+            let longer = ((n as u64 + 1) << 32) | index as u64;
+            match self
+                .list
+                .compare_exchange_weak(list, longer, Release, Relaxed)
+            {
+                Ok(_) => return true,
+                Err(now) => list = now,
+            }
+        }
+    }
+
+    /// Take the whole list (a drain): its first entry, or [`NIL`].
+    pub fn take(&self) -> u32 {
+        head(self.list.swap(EMPTY, Acquire))
     }
 }
 
@@ -75,12 +151,6 @@ pub struct ThreadCache {
     pub remote: AtomicU32,
     /// The figures this thread changed, per device.
     pub counters: Box<[Counters]>,
-    /// Bytes and blocks the owner put in its bins, less what it took out (owner-written).
-    held_bytes: AtomicU64,
-    held_blocks: AtomicU64,
-    /// Bytes and blocks drains took from its bins (written by drains).
-    drained_bytes: AtomicU64,
-    drained_blocks: AtomicU64,
 }
 
 fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
@@ -91,12 +161,7 @@ fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
 
 /// [`BINS`] bins with no key.
 fn bins() -> Box<[Bin; BINS]> {
-    let bins: Box<[Bin]> = (0..BINS)
-        .map(|_| Bin {
-            head: AtomicU32::new(NIL),
-            ..Bin::default()
-        })
-        .collect();
+    let bins: Box<[Bin]> = (0..BINS).map(|_| Bin::default()).collect();
     bins.try_into()
         .unwrap_or_else(|_| unreachable!("BINS bins"))
 }
@@ -109,10 +174,6 @@ impl ThreadCache {
             bins: bins(),
             remote: AtomicU32::new(NIL),
             counters: (0..devices).map(|_| Counters::default()).collect(),
-            held_bytes: AtomicU64::new(0),
-            held_blocks: AtomicU64::new(0),
-            drained_bytes: AtomicU64::new(0),
-            drained_blocks: AtomicU64::new(0),
         }
     }
 
@@ -152,7 +213,7 @@ impl ThreadCache {
         let start = slot_of(device, stream, size);
         let bin = (0..PROBE)
             .map(|i| &self.bins[(start + i) % BINS])
-            .find(|bin| bin.head.load(Acquire) == NIL)?;
+            .find(|bin| bin.is_empty())?;
         // Only the owner pushes, so an empty bin stays empty while it is re-keyed.
         bin.device.store(device, Relaxed);
         bin.stream.store(stream, Relaxed);
@@ -160,38 +221,10 @@ impl ThreadCache {
         Some(bin)
     }
 
-    /// Whether one more block of `size` bytes stays under the bounds (owner only).
+    /// Push entry `e`, at `index`, onto the remote list `list` (its `next` is written here),
+    /// which others push to and the owner exchanges.
     #[inline]
-    pub fn has_room(&self, size: u64) -> bool {
-        let bytes = self.held_bytes.load(Relaxed) - self.drained_bytes.load(Relaxed);
-        let blocks = self.held_blocks.load(Relaxed) - self.drained_blocks.load(Relaxed);
-        bytes + size <= MAX_HELD_BYTES && blocks < MAX_HELD_BLOCKS
-    }
-
-    /// Count a block into (`+1`) or out of (`-1`) the bins (owner only).
-    #[inline]
-    pub fn hold(&self, size: u64, sign: i64) {
-        let (bytes, blocks) = if sign > 0 {
-            (size, 1)
-        } else {
-            (size.wrapping_neg(), u64::MAX)
-        };
-        let b = self.held_bytes.load(Relaxed).wrapping_add(bytes);
-        self.held_bytes.store(b, Relaxed);
-        let n = self.held_blocks.load(Relaxed).wrapping_add(blocks);
-        self.held_blocks.store(n, Relaxed);
-    }
-
-    /// Count blocks a drain took from the bins.
-    pub fn drained(&self, bytes: u64, blocks: u64) {
-        self.drained_bytes.fetch_add(bytes, Relaxed);
-        self.drained_blocks.fetch_add(blocks, Relaxed);
-    }
-
-    /// Push entry `e`, at `index`, onto `list` (its `next` is written here), which others may
-    /// exchange.
-    #[inline]
-    pub fn push(list: &AtomicU32, index: u32, e: &Entry) {
+    pub fn push_remote(list: &AtomicU32, index: u32, e: &Entry) {
         let mut head = list.load(Relaxed);
         loop {
             e.next.store(head, Relaxed);
@@ -268,19 +301,55 @@ mod tests {
         assert!(cache.find(0, 7, 512).is_none());
         let bin = cache.find_or_key(0, 7, 512).unwrap() as *const Bin;
         let i = entries.take().unwrap();
-        ThreadCache::push(&cache.find(0, 7, 512).unwrap().head, i, entries.get(i));
+        assert!(cache.find(0, 7, 512).unwrap().push(i, entries.get(i), 512));
         assert_eq!(cache.find(0, 7, 512).unwrap() as *const Bin, bin);
         assert_eq!(cache.find(0, 7, 512).unwrap().holds(), 512);
         assert!(cache.find(0, 8, 512).is_none());
         assert!(cache.find(1, 7, 512).is_none());
-        // Room: bytes and blocks, less what drains took.
-        assert!(cache.has_room(MAX_HELD_BYTES));
-        cache.hold(MAX_HELD_BYTES, 1);
-        assert!(!cache.has_room(512));
-        cache.drained(512, 1);
-        assert!(cache.has_room(512));
-        assert!(!cache.has_room(1024));
-        cache.hold(MAX_HELD_BYTES, -1);
+        // An empty bin keeps its key until re-keyed; another key takes another bin.
+        let bin = cache.find(0, 7, 512).unwrap();
+        let popped = bin.pop(|i| entries.get(i)).unwrap();
+        assert!(std::ptr::eq(popped, entries.get(i)));
+        assert!(bin.pop(|_| unreachable!()).is_none());
+        assert_eq!(bin.holds(), 0);
+        assert!(!cache.find_or_key(0, 7, 1024).unwrap().is(0, 7, 512));
+    }
+
+    #[test]
+    fn a_bin_is_bounded_in_blocks_and_bytes_and_a_drain_takes_it_whole() {
+        let cache = ThreadCache::new(0, 1);
+        let entries = Entries::default();
+        let bin = cache.find_or_key(0, 7, 512).unwrap();
+        let mut pushed = Vec::new();
+        loop {
+            let i = entries.take().unwrap();
+            if !bin.push(i, entries.get(i), 512) {
+                break;
+            }
+            pushed.push(i);
+        }
+        assert_eq!(pushed.len(), MAX_BIN_BLOCKS as usize);
+        // LIFO, the list taken whole, then empty.
+        let mut taken = Vec::new();
+        let mut at = bin.take();
+        while at != NIL {
+            taken.push(at);
+            at = entries.get(at).next.load(Relaxed);
+        }
+        pushed.reverse();
+        assert_eq!(taken, pushed);
+        assert!(bin.is_empty());
+        // Bytes: one block over the bound always fits; a second only within it.
+        let big = cache.find_or_key(0, 7, MAX_BIN_BYTES * 2).unwrap();
+        let (a, b) = (entries.take().unwrap(), entries.take().unwrap());
+        assert!(big.push(a, entries.get(a), MAX_BIN_BYTES * 2));
+        assert!(!big.push(b, entries.get(b), MAX_BIN_BYTES * 2));
+        let half = cache.find_or_key(0, 7, MAX_BIN_BYTES / 2).unwrap();
+        assert!(half.push(b, entries.get(b), MAX_BIN_BYTES / 2));
+        let c = entries.take().unwrap();
+        assert!(half.push(c, entries.get(c), MAX_BIN_BYTES / 2));
+        let d = entries.take().unwrap();
+        assert!(!half.push(d, entries.get(d), MAX_BIN_BYTES / 2));
     }
 
     #[test]
