@@ -6,7 +6,7 @@
  * Run by scripts/bench-c.sh, with the simulated driver library as the CUDA driver
  * (RESMEM_DRIVER=cuda, RESMEM_CUDA_LIBRARY=libcuda_sim.so), so that each thread can create a
  * real (simulated) stream. Prints one line per measurement:
- *   pair <impl> <threads> <size> <cached> <ns per pair per thread>
+ *   pair <impl> <threads> <size> <cached> <wall ns per pair per thread> <CPU ns per pair per thread>
  *   stats <cached> <ns per rm_get_stats>
  *   free_reusable <segments> <ms> <bytes> <calls, median, p99.9, max us, calls over 100 us:
  *                 with nothing else running, then during the call>
@@ -71,8 +71,14 @@ static void *volatile sink;
 struct worker {
   pthread_t thread;
   unsigned long long pairs;
-  double ns;
+  double ns, cpu_ns;
 };
+
+static double thread_cpu_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
 
 static void *work(void *arg) {
   struct worker *w = arg;
@@ -83,7 +89,7 @@ static void *work(void *arg) {
   while (!atomic_load(&go)) {
   }
   unsigned long long n = 0;
-  double start = now_ns();
+  double start = now_ns(), cpu_start = thread_cpu_ns();
   while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
     for (int i = 0; i < 256; i++) {
       if (use_glibc) {
@@ -99,6 +105,7 @@ static void *work(void *arg) {
     n += 256;
   }
   w->ns = now_ns() - start;
+  w->cpu_ns = thread_cpu_ns() - cpu_start;
   w->pairs = n;
   return NULL;
 }
@@ -108,10 +115,11 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* The median over threads of each thread's time per pair. */
-static double run_pairs(int threads, size_t size, int glibc) {
+/* The median over threads of each thread's wall time per pair, and of its CPU time per pair
+ * (`*cpu`: the time the thread ran, which leaves out the time it waited for a CPU). */
+static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
   struct worker w[64];
-  double per[64];
+  double per[64], per_cpu[64];
   pair_size = size;
   use_glibc = glibc;
   atomic_store(&go, 0);
@@ -128,8 +136,11 @@ static double run_pairs(int threads, size_t size, int glibc) {
   for (int t = 0; t < threads; t++) {
     pthread_join(w[t].thread, NULL);
     per[t] = w[t].ns / (double)w[t].pairs;
+    per_cpu[t] = w[t].cpu_ns / (double)w[t].pairs;
   }
   qsort(per, threads, sizeof per[0], cmp_double);
+  qsort(per_cpu, threads, sizeof per_cpu[0], cmp_double);
+  *cpu = per_cpu[threads / 2];
   return per[threads / 2];
 }
 
@@ -276,10 +287,11 @@ int main(int argc, char **argv) {
       fflush(stdout);
       for (int s = 0; s < 4; s++) {
         for (int t = 0; t < (quick ? 2 : 4); t++) {
-          printf("pair resmem %d %zu %zu %.2f\n", threads[t], sizes[s], cached[c],
-                 run_pairs(threads[t], sizes[s], 0));
-          printf("pair glibc %d %zu %zu %.2f\n", threads[t], sizes[s], cached[c],
-                 run_pairs(threads[t], sizes[s], 1));
+          for (int glibc = 0; glibc < 2; glibc++) {
+            double cpu, wall = run_pairs(threads[t], sizes[s], glibc, &cpu);
+            printf("pair %s %d %zu %zu %.2f %.2f\n", glibc ? "glibc" : "resmem", threads[t],
+                   sizes[s], cached[c], wall, cpu);
+          }
           fflush(stdout);
         }
       }
