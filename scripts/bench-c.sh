@@ -49,7 +49,8 @@ for i in range(1, runs + 1):
     for line in open(f"{out}/pairs.{i}"):
         f = line.split()
         if f[0] == "pair":
-            pairs.setdefault((f[1], int(f[2]), int(f[3]), int(f[4])), []).append(float(f[5]))
+            # (wall, CPU) ns per pair per thread
+            pairs.setdefault((f[1], int(f[2]), int(f[3]), int(f[4])), []).append((float(f[5]), float(f[6])))
         elif f[0] == "stats":
             stats.setdefault(int(f[1]), []).append(float(f[2]))
     for policy, name in (("default", "pauses"), ("classic", "pauses-classic")):
@@ -63,34 +64,40 @@ def human(n):
     return f"{n} B"
 def mm(v):
     return min(v), statistics.median(v)
+def wall(v):
+    return [w for w, _ in v]
+def cpu_time(v):
+    return [c for _, c in v]
 cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
 print("## Cache-hit pairs through `libresmem.so` from C, 1 to 8 threads (front caches)\n")
 print(f"`scripts/bench-c.sh` (benches/c/pairs.c), {runs} runs; date {datetime.date.today()}; "
       f"{platform.machine()}, {cpu} CPUs (`nproc`), Linux {platform.release()}; simulated "
       "device through `libcuda_sim.so` (80 GiB). Each thread has its own stream and repeats "
-      "`rm_reserve` + `rm_release` of one size for 200 ms; the figure is the median over "
-      "threads of each thread's wall time per pair, then the minimum / median over the runs. "
-      "glibc is `malloc` + `free` of the same size in the same process and run. With more "
-      "threads than the 2 CPUs, threads share a CPU, so a thread's wall time per pair grows "
-      "with them.\n")
-print("| cached | size | threads | resmem min / median (ns) | glibc min / median (ns) | resmem / glibc (min) | resmem / 1 thread (min) | glibc / 1 thread (min) |")
-print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+      "`rm_reserve` + `rm_release` of one size for 200 ms; each figure is the median over "
+      "threads of each thread's time per pair, then the minimum / median over the runs: wall "
+      "time, and the thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`: the time it ran, leaving out "
+      "the time it waited for a CPU). glibc is `malloc` + `free` of the same size in the same "
+      "process and run. The ratios are of the minima of CPU time. With more threads than the 2 "
+      "CPUs, threads share a CPU, so a thread's wall time per pair grows with them.\n")
+print("| cached | size | threads | resmem wall (ns) | resmem CPU (ns) | glibc wall (ns) | glibc CPU (ns) | resmem / glibc | resmem / 1 thread | glibc / 1 thread |")
+print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for cached in sorted({k[3] for k in pairs}):
     for size in sorted({k[2] for k in pairs}):
-        one = min(pairs[("resmem", 1, size, cached)])
-        g_one = min(pairs[("glibc", 1, size, cached)])
+        one = min(cpu_time(pairs[("resmem", 1, size, cached)]))
+        g_one = min(cpu_time(pairs[("glibc", 1, size, cached)]))
         for threads in sorted({k[1] for k in pairs}):
-            r = mm(pairs[("resmem", threads, size, cached)])
-            g = mm(pairs[("glibc", threads, size, cached)])
-            print(f"| {cached:,} | {human(size)} | {threads} | {r[0]:.1f} / {r[1]:.1f} | "
-                  f"{g[0]:.1f} / {g[1]:.1f} | {r[0] / g[0]:.2f} | {r[0] / one:.2f} | "
-                  f"{g[0] / g_one:.2f} |")
+            r, g = pairs[("resmem", threads, size, cached)], pairs[("glibc", threads, size, cached)]
+            rw, rc, gw, gc = mm(wall(r)), mm(cpu_time(r)), mm(wall(g)), mm(cpu_time(g))
+            print(f"| {cached:,} | {human(size)} | {threads} | {rw[0]:.1f} / {rw[1]:.1f} | "
+                  f"{rc[0]:.1f} / {rc[1]:.1f} | {gw[0]:.1f} / {gw[1]:.1f} | {gc[0]:.1f} / {gc[1]:.1f} | "
+                  f"{rc[0] / gc[0]:.2f} | {rc[0] / one:.2f} | {gc[0] / g_one:.2f} |")
 print()
 flat = []
 for size in sorted({k[2] for k in pairs}):
-    a, b = min(pairs[("resmem", 1, size, 0)]), min(pairs[("resmem", 1, size, max(k[3] for k in pairs))])
+    a = min(cpu_time(pairs[("resmem", 1, size, 0)]))
+    b = min(cpu_time(pairs[("resmem", 1, size, max(k[3] for k in pairs))]))
     flat.append(f"{human(size)} {b / a:.2f}")
-print("Flatness (one thread, 100k cached / 0 cached, minima): " + ", ".join(flat) + "\n")
+print("Flatness (one thread, 100k cached / 0 cached, minima of CPU time): " + ", ".join(flat) + "\n")
 print("| cached | `rm_get_stats` min / median (ns) |")
 print("| ---: | ---: |")
 for cached in sorted(stats):
