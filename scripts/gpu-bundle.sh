@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build what scripts/gpu-check.sh runs into one folder (default target/gpu-bundle): the release
-# library, the cuda_driver test binary and the C examples, linked to find libresmem next to them,
+# library, the cuda_driver test binary, the C examples and the C benchmarks (benches/c: the pair
+# benchmark and the per-call driver costs), linked to find libresmem next to them,
 # and the Python package with python/tests/test_torch_gpu.py and test_torch_pool_gpu.py (they
 # use lib/libresmem.so.0).
 set -euo pipefail
@@ -22,6 +23,10 @@ ln -sf libresmem.so.0 "$out/lib/libresmem.so"
 for program in quickstart loader errors; do
   gcc -std=c99 -Wall -Wextra -pedantic -Werror -O2 -Iinclude "c_examples/$program.c" \
     -L"$out/lib" -lresmem -Wl,-rpath,'$ORIGIN/lib' -o "$out/$program"
+done
+for program in pairs driver_costs; do
+  gcc -std=c11 -Wall -Wextra -Werror -O2 -Iinclude "benches/c/$program.c" \
+    -L"$out/lib" -lresmem -Wl,-rpath,'$ORIGIN/lib' -lpthread -ldl -o "$out/$program"
 done
 rm -rf "$out/python"
 mkdir -p "$out/python/tests"

@@ -13,7 +13,10 @@
 #   2. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,
 #      with classic segments and with RESMEM_CONF=vmm:true;
 #   3. resmem info, and resmem demo on the GPU under both policies;
-#   4. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
+#   4. the cost of each driver call the pool makes, by size (benches/c/driver_costs.c: the figures
+#      behind `resmem replay`'s estimated driver time), and cache-hit pairs through libresmem.so
+#      from 1 and 2 threads beside glibc (benches/c/pairs.c, `pairs quick`);
+#   5. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
 #      with transformers' device_map="auto", with and without resmem as the allocator; and
 #      python/tests/test_torch_pool_gpu.py, resmem.torch.pool() through torch.cuda.MemPool
 #      (empty_cache, out-of-memory as torch.cuda.OutOfMemoryError, frees across devices).
@@ -44,6 +47,10 @@ done
 echo "== resmem info and resmem demo (on the GPU)"
 "$bundle/resmem" info || status=1
 "$bundle/resmem" demo --loads 2 || status=1
+echo "== driver calls by kind and size (us: median, min, max of 20)"
+RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/driver_costs" 20 || status=1
+echo "== cache-hit pairs (ns per pair per thread: wall, CPU)"
+RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/pairs" quick || status=1
 echo "== python/tests/test_torch_gpu.py"
 if python3 -c "import torch" 2>/dev/null; then
   RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \

@@ -1,0 +1,80 @@
+//! The C benchmarks in `benches/c/` compile warning-free and run against `libcuda_sim.so`
+//! loaded as the driver library, so that they keep working for the machines that time them
+//! (`scripts/bench-c.sh` here, `scripts/gpu-check.sh` on a GPU). Their figures are not checked:
+//! the simulator's times mean nothing.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{artifacts, run, Driver};
+
+/// Compile `benches/c/<name>.c` against the built library.
+fn compile(name: &str) -> PathBuf {
+    let a = artifacts();
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = a.work.join(format!("bench-{name}"));
+    let output = Command::new("gcc")
+        .args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(root.join("include"))
+        .arg(root.join("benches/c").join(format!("{name}.c")))
+        .arg("-L")
+        .arg(&a.link_dir)
+        .arg("-lresmem")
+        .arg(format!("-Wl,-rpath,{}", a.link_dir.display()))
+        .args(["-lpthread", "-ldl", "-o"])
+        .arg(&out)
+        .output()
+        .expect("a C compiler (gcc) is installed");
+    assert!(
+        output.status.success(),
+        "compiling benches/c/{name}.c failed:\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    out
+}
+
+#[test]
+fn the_driver_cost_program_times_every_call_at_every_size() {
+    let exe = compile("driver_costs");
+    let out = run(&exe, &["2"], Driver::SimLibrary, &[]);
+    assert!(out.starts_with("granularity 2097152\n"), "{out}");
+    let costs: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.starts_with("cost "))
+        .map(|l| l.split(' ').collect())
+        .collect();
+    // Nine calls at five sizes, each with a median, a minimum and a maximum.
+    assert_eq!(costs.len(), 45, "{out}");
+    assert!(costs.iter().all(|f| f.len() == 6), "{out}");
+    let calls: Vec<&str> = costs[..9].iter().map(|f| f[1]).collect();
+    assert_eq!(
+        calls,
+        [
+            "cuMemAlloc",
+            "cuMemFree",
+            "cuMemAddressReserve",
+            "cuMemCreate",
+            "cuMemMap",
+            "cuMemSetAccess",
+            "cuMemUnmap",
+            "cuMemRelease",
+            "cuMemAddressFree"
+        ]
+    );
+    let sizes: Vec<&str> = costs.iter().step_by(9).map(|f| f[2]).collect();
+    assert_eq!(
+        sizes,
+        ["2097152", "20971520", "67108864", "536870912", "2147483648"]
+    );
+}
+
+#[test]
+fn the_pair_benchmark_runs_its_counting_mode() {
+    let exe = compile("pairs");
+    // `count` makes the pairs and prints nothing; it fails loudly on any error.
+    let out = run(&exe, &["count", "1000", "512"], Driver::SimLibrary, &[]);
+    assert_eq!(out, "");
+}
