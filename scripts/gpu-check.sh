@@ -16,7 +16,8 @@
 #   4. the cost of each driver call the pool makes, by size (benches/c/driver_costs.c: the figures
 #      behind `resmem replay`'s estimated driver time), and cache-hit pairs through libresmem.so
 #      from 1 and 2 threads beside glibc (benches/c/pairs.c, `pairs quick`);
-#   5. when python3 has torch: python/tests/test_torch_gpu.py, the same four loads in PyTorch
+#   5. when python3 has torch (with the wheels of scripts/gpu-wheels.sh in .whl/ when present:
+#      transformers 4.51.3, from before the fix of the seed): python/tests/test_torch_gpu.py, the same four loads in PyTorch
 #      with transformers' device_map="auto", with and without resmem as the allocator; and
 #      python/tests/test_torch_pool_gpu.py, resmem.torch.pool() through torch.cuda.MemPool
 #      (empty_cache, out-of-memory as torch.cuda.OutOfMemoryError, frees across devices).
@@ -51,12 +52,18 @@ echo "== driver calls by kind and size (us: median, min, max of 20)"
 RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/driver_costs" 20 || status=1
 echo "== cache-hit pairs (ns per pair per thread: wall, CPU)"
 RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/pairs" quick || status=1
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  # The wheels scripts/gpu-wheels.sh fetched (transformers from before PR #37920).
+  echo "== installing .whl/ into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 echo "== python/tests/test_torch_gpu.py"
 if python3 -c "import torch" 2>/dev/null; then
-  RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \
+  RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python${PYTHONPATH:+:$PYTHONPATH}" \
     python3 "$bundle/python/tests/test_torch_gpu.py" || status=1
   echo "== python/tests/test_torch_pool_gpu.py"
-  RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python" \
+  RESMEM_LIBRARY="$(cd "$bundle" && pwd)/lib/libresmem.so.0" PYTHONPATH="$bundle/python${PYTHONPATH:+:$PYTHONPATH}" \
     python3 "$bundle/python/tests/test_torch_pool_gpu.py" || status=1
 else
   echo "skipped: python3 has no torch"

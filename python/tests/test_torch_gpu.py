@@ -2,7 +2,13 @@
 shapes unless RESMEM_TORCH_LAYERS says fewer layers) built from a config written here with
 random weights, saved to a temporary folder, then loaded four times in a row with
 transformers' device_map="auto", each mode in its own process. Per load it prints reserved and
-allocated memory, the driver's free memory and whether anything was offloaded from the GPU.
+allocated memory, the driver's free memory and whether anything was offloaded from the GPU,
+beside the figures of transformers PR #37920 (the seed). After each load the model generates a
+few tokens, as the seed's script does, before it is deleted.
+
+With transformers from before PR #37920 (4.51.x: its loader warms the allocator up with one
+allocation of the parameters' bytes) the PyTorch rows reproduce the seed; newer releases carry
+the fix. On a machine without network, carry the wheels that `scripts/gpu-wheels.sh` fetches.
 
 By default the GPU is made to look like the 24 GiB card of transformers PR #37920: a ballast
 tensor takes the rest (RESMEM_TORCH_DEVICE_GIB=0 uses the whole device).
@@ -20,6 +26,18 @@ import sys
 import tempfile
 
 GIB = 1 << 30
+
+# The seed (transformers PR #37920, Qwen3-4B in bf16 on a 24 GB RTX 4090, transformers before
+# the fix): reserved memory after each of four loads, and whether the load offloaded to the CPU.
+SEED = [(8.22, "no"), (16.44, "no"), (16.44, "cpu"), (16.44, "cpu")]
+
+
+def dtype_argument(torch):
+    """The keyword transformers takes for the dtype: `dtype` since 4.56, `torch_dtype` before."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.bfloat16}
 
 
 def missing():
@@ -55,7 +73,7 @@ def make_model(folder):
     )
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, **dtype_argument(torch))
     model.save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params} parameters, {params * 2 / GIB:.2f} GiB in bf16")
@@ -67,6 +85,7 @@ def load_four_times(folder, mode):
 
         resmem.torch.install()
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     device_gib = float(os.environ.get("RESMEM_TORCH_DEVICE_GIB", "24"))
@@ -75,10 +94,18 @@ def load_four_times(folder, mode):
     if device_gib and total > device_gib * GIB:
         ballast = torch.empty(int(free - device_gib * GIB), dtype=torch.uint8, device="cuda")
     rows = []
-    print(f"== {mode}: device {total / GIB:.1f} GiB, made to look like {device_gib:g} GiB")
-    print(f"{'load':<6}{'reserved':>12}{'allocated':>12}{'driver free':>14}  offloaded")
+    print(
+        f"== {mode}: transformers {transformers.__version__}, torch {torch.__version__}, "
+        f"device {total / GIB:.1f} GiB, made to look like {device_gib:g} GiB"
+    )
+    print(
+        f"{'load':<6}{'reserved':>12}{'allocated':>12}{'driver free':>14}  offloaded"
+        f"   seed (PyTorch): reserved, offloaded"
+    )
     for load in range(1, 5):
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, device_map="auto", **dtype_argument(torch)
+        )
         placed = set(str(d) for d in getattr(model, "hf_device_map", {"": 0}).values())
         offloaded = sorted(placed - {"0", "cuda", "cuda:0"})
         ballast_bytes = ballast.numel() if ballast is not None else 0
@@ -89,10 +116,18 @@ def load_four_times(folder, mode):
             "offloaded": offloaded,
         }
         rows.append(row)
+        seed_reserved, seed_offload = SEED[load - 1]
         print(
             f"{load:<6}{row['reserved'] / GIB:>9.2f} GiB{row['allocated'] / GIB:>9.2f} GiB"
-            f"{row['driver_free'] / GIB:>11.2f} GiB  {', '.join(offloaded) or 'no'}"
+            f"{row['driver_free'] / GIB:>11.2f} GiB  {', '.join(offloaded) or 'no':<9}"
+            f"   {seed_reserved:.2f} GiB, {seed_offload}"
         )
+        # As the seed's script: a few tokens, whose allocations land in the cache (one outlives
+        # generate() in the seed), then the model is dropped.
+        prompt = torch.randint(0, 1000, (1, 16), device="cuda")
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=8, do_sample=False)
+        del prompt
         del model
         gc.collect()
     print("RESULT " + json.dumps(rows))
