@@ -240,7 +240,7 @@ impl DevicePool {
                 (None, _) => {}
             }
         }
-        // Merged, parked blocks that fill their segment make it idle, for step 2 and growth.
+        // Filed in the bins, parked blocks that fill their segment make it idle (step 2, growth).
         self.flush_parked();
         // 2. An idle segment of another stream, ordered after that stream's work.
         if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
