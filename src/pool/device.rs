@@ -218,26 +218,18 @@ impl DevicePool {
         // 1. Best fit among this stream's free blocks: the bins and the parked ones.
         if let Some(&slot) = self.slot_of.get(&stream) {
             let binned = self.slots[slot as usize].bins[class as usize].find(block_size);
-            let parked = self.best_parked(slot, class, block_size);
             let key = |id: u32| (self.blocks[id].size, self.blocks[id].ptr);
-            match (binned, parked) {
-                (binned, Some(at))
-                    if binned.is_none_or(|b| key(self.parked_at(slot, at)) < key(b)) =>
-                {
+            match self.best_parked(slot, class, block_size) {
+                Some(at) if binned.is_none_or(|b| key(self.parked_at(slot, at)) < key(b)) => {
                     self.stats.cache_hits += 1;
-                    let id = self.unpark_at(slot, at);
-                    if !size::splits(class, self.blocks[id].size - block_size) {
-                        return Ok(Some(self.revive(id, size)));
+                    return Ok(Some(self.take_parked(slot, at, block_size, size)));
+                }
+                _ => {
+                    if let Some(id) = binned {
+                        self.stats.cache_hits += 1;
+                        return Ok(Some(self.take(id, block_size, size)));
                     }
-                    self.by_ptr.remove(&self.blocks[id].ptr);
-                    self.free_block(id);
-                    return Ok(Some(self.take(id, block_size, size)));
                 }
-                (Some(id), _) => {
-                    self.stats.cache_hits += 1;
-                    return Ok(Some(self.take(id, block_size, size)));
-                }
-                (None, _) => {}
             }
         }
         // Filed in the bins, parked blocks that fill their segment make it idle (step 2, growth).

@@ -44,7 +44,7 @@ impl DevicePool {
     }
 
     /// Take the parked block at `at` out of `slot`'s list (still parked, in the address map).
-    pub(super) fn unpark_at(&mut self, slot: u32, at: usize) -> u32 {
+    fn unpark_at(&mut self, slot: u32, at: usize) -> u32 {
         self.parked -= 1;
         let parked = &mut self.slots[slot as usize].parked;
         // Usually the last one: a pop, not a shift.
@@ -73,8 +73,28 @@ impl DevicePool {
         self.bin_insert(slot, class, id);
     }
 
+    /// Hand out the parked block at `at` in `slot`'s list for a block of `block_size` bytes
+    /// (`requested` asked): whole if the rest is not worth keeping (usually the same size
+    /// again, touching no bin), else split as any free block.
+    pub(super) fn take_parked(
+        &mut self,
+        slot: u32,
+        at: usize,
+        block_size: u64,
+        requested: u64,
+    ) -> DevicePtr {
+        let id = self.unpark_at(slot, at);
+        let class = self.segments[self.blocks[id].segment as usize].class;
+        if !size::splits(class, self.blocks[id].size - block_size) {
+            return self.revive(id, requested);
+        }
+        self.by_ptr.remove(&self.blocks[id].ptr);
+        self.free_block(id);
+        self.take(id, block_size, requested)
+    }
+
     /// Hand a parked block out again, whole.
-    pub(super) fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
+    fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
         let block = &mut self.blocks[id];
         block.state = State::Live;
         block.requested = requested;
