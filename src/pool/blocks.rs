@@ -18,7 +18,8 @@ pub enum State {
     Live,
     /// Released, but waiting for work on other streams (`record_stream`) before reuse.
     Pending,
-    /// Released on its own stream and kept unmerged for exact-size reuse; reusable memory.
+    /// Released on its own stream next to no free or parked block: a free block kept in its
+    /// stream's parking list instead of the bins; reusable memory.
     Parked,
     /// Address space of a stitched segment whose physical memory was taken for another
     /// segment: unmapped, never handed out.

@@ -5,7 +5,7 @@
 //!
 //! - `segments.rs`: booking, returning and forgetting segments, the idle list;
 //! - `streams.rs`: stream slots, events, blocks pending on other streams;
-//! - `parking.rs`: the per-stream list of released blocks kept for exact-size reuse;
+//! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `stitch.rs` and `phys.rs`: page-granular reuse with the virtual-memory API, and its
 //!   physical-memory books;
 //! - `check.rs`: the invariant check.
@@ -17,14 +17,19 @@
 //! used on other streams (`record_stream`) wait, *pending*, until events recorded on those
 //! streams at release complete.
 //!
-//! A small block (at most 1 MiB), or a large one that fills its whole segment, released on its
-//! own stream is first *parked* in a short per-stream list without being merged with its
-//! neighbours, so that the common reserve-release-reserve of one size is served from that list
-//! without touching the bins or the address map. Other large blocks merge at once: handing a
-//! parked large block to the next request of its size would reorder placement across, say,
-//! repeated model loads, and fragment the segment they share. Parked blocks are
-//! reusable memory in every figure; they are merged (flushed) before any step that needs the
-//! whole picture: a miss in the bins, idle-segment search, statistics, and returning memory.
+//! Placement is PyTorch's, so that classic segments replay a trace exactly as PyTorch's policy:
+//! best fit by (size, address) among the stream's free blocks of the request's class; the found
+//! block is split when the rest is worth keeping (`size::splits`); released blocks merge with
+//! their free neighbours.
+//!
+//! A block released on its own stream that would merge with nothing (no free or parked
+//! neighbour) is *parked* in a short per-stream list instead of the bins, so that the common
+//! reserve-release-reserve of one size is served from that list without touching the bins or
+//! the address map. A parked block is the very free block PyTorch's policy would have: best fit
+//! looks at the parked blocks beside the bins, and a block freed next to a parked one merges
+//! with it. Parked blocks are reusable memory in every figure; they go to the bins (flushed)
+//! before any step that needs the idle segments: idle-segment search, growth, and returning
+//! memory.
 
 use super::bins::Bins;
 use super::blocks::{Block, Blocks, State, NIL};
@@ -74,7 +79,7 @@ struct StreamSlot {
     parked: Vec<u32>,
 }
 
-/// How many released blocks a stream keeps parked, unmerged, for exact-size reuse.
+/// How many released blocks a stream keeps parked, out of the bins.
 const PARKED_MAX: usize = 16;
 
 /// A released block waiting for other streams' work.
@@ -163,6 +168,13 @@ impl DevicePool {
         if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
             return Ok(ptr);
         }
+        // Idle segments made partly of lent pages give them back first: merged again in their
+        // lenders, they may hold the request as PyTorch's policy would have them hold it.
+        if self.return_borrowed(cx) {
+            if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
+                return Ok(ptr);
+            }
+        }
         // 3. and 4. A new segment, returning cache to the driver first where needed.
         let id = self.grow(
             cx,
@@ -203,29 +215,25 @@ impl DevicePool {
             self.collect_pending(cx, false)?;
         }
         let class = size::class_of(block_size);
-        // 1. A cached block on this stream: a parked one of this very size, else the bins.
+        // 1. Best fit among this stream's free blocks: the bins and the parked ones.
         if let Some(&slot) = self.slot_of.get(&stream) {
-            if let Some(id) = self.unpark(slot, block_size) {
-                self.stats.cache_hits += 1;
-                return Ok(Some(self.revive(id, size)));
-            }
-            if let Some(id) = self.slots[slot as usize].bins[class as usize].find(block_size) {
-                self.stats.cache_hits += 1;
-                return Ok(Some(self.take(id, block_size, size)));
-            }
-        }
-        if self.parked > 0 {
-            // Merged, the parked blocks may make room on this stream or an idle segment.
-            self.flush_parked();
-            let found = self
-                .slot_of
-                .get(&stream)
-                .and_then(|&slot| self.slots[slot as usize].bins[class as usize].find(block_size));
-            if let Some(id) = found {
-                self.stats.cache_hits += 1;
-                return Ok(Some(self.take(id, block_size, size)));
+            let binned = self.slots[slot as usize].bins[class as usize].find(block_size);
+            let key = |id: u32| (self.blocks[id].size, self.blocks[id].ptr);
+            match self.best_parked(slot, class, block_size) {
+                Some(at) if binned.is_none_or(|b| key(self.parked_at(slot, at)) < key(b)) => {
+                    self.stats.cache_hits += 1;
+                    return Ok(Some(self.take_parked(slot, at, block_size, size)));
+                }
+                _ => {
+                    if let Some(id) = binned {
+                        self.stats.cache_hits += 1;
+                        return Ok(Some(self.take(id, block_size, size)));
+                    }
+                }
             }
         }
+        // Filed in the bins, parked blocks that fill their segment make it idle (step 2, growth).
+        self.flush_parked();
         // 2. An idle segment of another stream, ordered after that stream's work.
         if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
             self.stats.cache_hits += 1;
@@ -270,10 +278,12 @@ impl DevicePool {
             self.blocks[id].shared = false;
         }
         let b = &self.blocks[id];
-        self.stats.remove_live(b.size, b.requested);
-        // Park small blocks, and large ones that fill their segment: those have no neighbour
-        // to merge with, so parking defers nothing.
-        let parkable = b.size <= SMALL_MAX || (b.prev == NIL && b.next == NIL);
+        self.stats.remove_live(allocated(b.requested), b.requested);
+        // Park a block with no free or parked neighbour: it would merge with nothing, so it is
+        // the very free block PyTorch's policy would have, only not filed in the bins.
+        let unused =
+            |n: u32| n != NIL && matches!(self.blocks[n].state, State::Free | State::Parked);
+        let parkable = !unused(b.prev) && !unused(b.next);
         if events.is_empty() && parkable {
             self.park(id);
         } else if events.is_empty() {
@@ -394,8 +404,8 @@ impl DevicePool {
         self.limit
     }
 
-    /// The figures, exact now, read without changing anything: a parked block counts in the
-    /// largest reusable block together with the free and parked neighbours it would merge with.
+    /// The figures, exact now, read without changing anything (a parked block has no free or
+    /// parked neighbour, so it counts as the free block it is).
     pub fn stats(&self) -> Stats {
         let mut stats = self.stats;
         stats.reusable_bytes = stats.reusable();
@@ -404,10 +414,10 @@ impl DevicePool {
             small = small.max(slot.bins[Class::Small as usize].largest());
             large = large.max(slot.bins[Class::Large as usize].largest());
             for &id in &slot.parked {
-                let run = self.free_run(id);
+                let size = self.blocks[id].size;
                 match self.segments[self.blocks[id].segment as usize].class {
-                    Class::Small => small = small.max(run),
-                    Class::Large => large = large.max(run),
+                    Class::Small => small = small.max(size),
+                    Class::Large => large = large.max(size),
                 }
             }
         }
@@ -415,25 +425,6 @@ impl DevicePool {
         let large = if large > SMALL_MAX { large } else { 0 };
         stats.largest_reusable_block = large.max(small.min(SMALL_MAX));
         stats
-    }
-
-    /// The size of the free block that parked block `id` would be part of once merged: it and
-    /// its free or parked neighbours on both sides.
-    fn free_run(&self, id: u32) -> u64 {
-        let unused =
-            |b: u32| b != NIL && matches!(self.blocks[b].state, State::Free | State::Parked);
-        let mut size = self.blocks[id].size;
-        let mut b = self.blocks[id].prev;
-        while unused(b) {
-            size += self.blocks[b].size;
-            b = self.blocks[b].prev;
-        }
-        let mut b = self.blocks[id].next;
-        while unused(b) {
-            size += self.blocks[b].size;
-            b = self.blocks[b].next;
-        }
-        size
     }
 
     /// Set the peaks to the current values.
@@ -530,7 +521,14 @@ impl DevicePool {
     ) -> Result<T> {
         self.make_room_under_limit(cx, bytes, requested, mode)?;
         if mode == Grow::MayRelease && driver_free < bytes && self.config.release_before_grow {
-            let released = self.release_idle(cx, bytes - driver_free)?;
+            // Classic segments: all idle ones, as PyTorch returns every cached segment when the
+            // driver refuses. Stitched: only the shortfall, since the cache's pages can be
+            // mapped into the new range instead.
+            let needed = match self.vmm {
+                VmmMode::On(_) => bytes - driver_free,
+                _ => u64::MAX,
+            };
+            let released = self.release_idle(cx, needed)?;
             self.log(format_args!(
                 "driver has {} free, {} needed: returned {} of idle cache first",
                 human(driver_free),
@@ -629,9 +627,11 @@ impl DevicePool {
 
     // ----- blocks -----
 
-    /// Hand out free block `id` as a block of `block_size` bytes. When it is larger, the front
-    /// becomes a new live block and `id` stays as the free rest, moving between bins only if its
-    /// size crosses a bin boundary: the usual cache hit touches no bin list at all.
+    /// Hand out free block `id` for a block of `block_size` bytes. When the rest is worth
+    /// keeping free ([`size::splits`]), the front becomes a new live block and `id` stays as the
+    /// free rest, moving between bins only if its size crosses a bin boundary: the usual cache
+    /// hit touches no bin list at all. Otherwise the whole block is handed out, the rest with it
+    /// (see [`allocated`]).
     fn take(&mut self, id: u32, block_size: u64, requested: u64) -> DevicePtr {
         let seg = self.blocks[id].segment;
         let (slot, class) = {
@@ -645,13 +645,19 @@ impl DevicePool {
         if prev == NIL && next == NIL {
             self.unmark_idle(seg);
         }
-        let live_id = if size == block_size {
+        // What the block takes: the request's bytes, or all of `id` if the rest is not kept.
+        let taken = if size::splits(class, size - block_size) {
+            block_size
+        } else {
+            size
+        };
+        let live_id = if size == taken {
             self.bin_remove(slot, class, id);
             id
         } else {
             let live_id = self.blocks.insert(Block {
                 ptr,
-                size: block_size,
+                size: taken,
                 requested,
                 segment: seg,
                 prev,
@@ -666,13 +672,13 @@ impl DevicePool {
             }
             let rest = &mut self.blocks[id];
             rest.prev = live_id;
-            rest.ptr = ptr + block_size;
-            rest.size = size - block_size;
+            rest.ptr = ptr + taken;
+            rest.size = size - taken;
             self.bin_resized(slot, class, id, size, ptr);
             live_id
         };
         let block = &mut self.blocks[live_id];
-        block.size = block_size;
+        block.size = taken;
         block.requested = requested;
         block.state = State::Live;
         self.by_ptr.insert(ptr, live_id);
@@ -680,14 +686,19 @@ impl DevicePool {
         ptr
     }
 
-    /// Make block `id` free, merged with its free neighbours. A free neighbour grows over it in
-    /// place (changing bins only if its size crosses a bin boundary).
+    /// Make block `id` free, merged with its free (and parked) neighbours. A free neighbour
+    /// grows over it in place (changing bins only if its size crosses a bin boundary).
     fn free_block(&mut self, id: u32) {
         let seg = self.blocks[id].segment;
         let (slot, class) = {
             let s = &self.segments[seg as usize];
             (s.slot, s.class)
         };
+        for n in [self.blocks[id].prev, self.blocks[id].next] {
+            if n != NIL && self.blocks[n].state == State::Parked {
+                self.unpark_neighbour(n);
+            }
+        }
         let (ptr, size, prev, next) = {
             let b = &mut self.blocks[id];
             b.state = State::Free;
@@ -811,4 +822,12 @@ impl DevicePool {
             eprintln!("resmem: device {}: {args}", self.device);
         }
     }
+}
+
+/// The bytes a live block of a request of `requested` bytes counts as allocated: the request
+/// rounded up to [`MIN_BLOCK`], as the caller sees it (and the front caches count it). A large
+/// block may carry a rest of at most 1 MiB that no large request could use (PyTorch's split
+/// rule, `size::splits`): that rest counts as reusable, as it would have as a free block.
+pub(super) fn allocated(requested: u64) -> u64 {
+    size::round_up(requested.max(1), MIN_BLOCK)
 }

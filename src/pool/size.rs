@@ -67,6 +67,18 @@ pub fn segment_size(block: u64) -> u64 {
     }
 }
 
+/// Whether a free block of `class` handed out for a smaller request keeps its remainder of
+/// `rest` bytes free (split), as PyTorch's rule has it: a small block always (any remainder is
+/// at least [`MIN_BLOCK`]), a large one only when the remainder exceeds [`SMALL_MAX`]. A large
+/// remainder of 1 MiB or less could serve no request of its class (large requests exceed 1 MiB)
+/// until it merged: it goes out with the block instead, and comes back merged with it.
+pub fn splits(class: Class, rest: u64) -> bool {
+    match class {
+        Class::Small => rest >= MIN_BLOCK,
+        Class::Large => rest > SMALL_MAX,
+    }
+}
+
 /// A byte count for people: `784.0 MiB (822083584 bytes)`.
 pub fn human(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -118,6 +130,17 @@ mod tests {
         assert_eq!(segment_size(10 << 20), 10 << 20);
         assert_eq!(segment_size((10 << 20) + 512), 12 << 20);
         assert_eq!(segment_size(8 << 30), 8 << 30);
+    }
+
+    #[test]
+    fn remainders_split_off_as_pytorch_splits_them() {
+        assert!(!splits(Class::Small, 0));
+        assert!(splits(Class::Small, 512));
+        assert!(splits(Class::Small, SMALL_MAX));
+        assert!(!splits(Class::Large, 0));
+        assert!(!splits(Class::Large, 512));
+        assert!(!splits(Class::Large, SMALL_MAX));
+        assert!(splits(Class::Large, SMALL_MAX + 512));
     }
 
     #[test]

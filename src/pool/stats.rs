@@ -4,7 +4,7 @@
 /// A device's figures; the Rust twin of `rm_stats`, field for field.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Bytes in live blocks (block sizes, multiples of 512).
+    /// Bytes in live blocks: each request rounded up to a multiple of 512.
     pub allocated_bytes: u64,
     /// Bytes in live blocks as the callers asked for them.
     pub requested_bytes: u64,

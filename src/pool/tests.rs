@@ -190,7 +190,7 @@ fn idle_segments_go_back_to_the_driver_before_growing() {
 }
 
 #[test]
-fn the_smallest_idle_segment_that_covers_the_shortfall_is_returned() {
+fn every_idle_classic_segment_goes_back_when_the_driver_is_short() {
     let (pool, sim) = pool(100 * MIB);
     let ptrs: Vec<u64> = [10, 30, 20, 40]
         .iter()
@@ -199,16 +199,22 @@ fn the_smallest_idle_segment_that_covers_the_shortfall_is_returned() {
     for &p in &ptrs {
         pool.release(p).unwrap();
     }
-    // 0 MiB free on the driver; 50 MiB needed: 40 + 20 would do, but largest-first gives 40 + 30.
-    // A request of 45 MiB is short 46 MiB (page-rounded): no single segment covers it.
+    // 0 MiB free on the driver; a 45 MiB request (46 MiB page-rounded) fits no idle segment.
+    // All four go back, as PyTorch returns every cached segment when the driver refuses, and
+    // the peak stays at the device's 100 MiB.
     pool.reserve(0, 45 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.reserved_bytes, 10 * MIB + 20 * MIB + 46 * MIB);
-    // Now 24 MiB free; a 30 MiB request is short 6 MiB: the 10 MiB segment covers it alone.
+    assert_eq!(
+        (s.reserved_bytes, s.driver_frees, s.driver_allocs),
+        (46 * MIB, 4, 5)
+    );
+    // Now 54 MiB free: a 30 MiB request is allocated without returning anything.
     pool.reserve(0, 30 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
-    assert_eq!(s.reserved_bytes, 20 * MIB + 46 * MIB + 30 * MIB);
-    assert_eq!(s.driver_frees, 3);
+    assert_eq!(
+        (s.reserved_bytes, s.peak_reserved_bytes, s.driver_frees),
+        (76 * MIB, 100 * MIB, 4)
+    );
     assert_books(&pool, sim);
 }
 
@@ -559,52 +565,102 @@ fn a_memory_limit_caps_reserved_and_names_itself() {
 }
 
 #[test]
-fn parked_blocks_are_reused_by_size_and_merged_when_needed() {
+fn parked_blocks_are_free_blocks_to_best_fit_and_merge_with_a_released_neighbour() {
     let (pool, sim) = pool(24 * GIB);
+    // a | b | c | d | the rest of a 2 MiB small segment.
     let a = pool.reserve(0, 4096, 0).unwrap();
     let b = pool.reserve(0, 8192, 0).unwrap();
     let c = pool.reserve(0, 4096, 0).unwrap();
+    let d = pool.reserve(0, 4096, 0).unwrap();
+    assert_eq!((b, c, d), (a + 4096, a + 12288, a + 16384));
+    // Between live blocks, c and then a are parked (they merge with nothing).
+    pool.release(c).unwrap();
     pool.release(a).unwrap();
-    pool.release(b).unwrap();
-    // Parked, not merged: the same sizes come back from the same places, newest first.
-    assert_eq!(pool.reserve(0, 8192, 0).unwrap(), b);
+    pool.check().unwrap();
+    // Best fit by (size, address) over the bins and the parked blocks, as PyTorch's: the
+    // lowest 4 KiB block, a, although c was parked before it.
     assert_eq!(pool.reserve(0, 4096, 0).unwrap(), a);
-    pool.release(a).unwrap();
+    // A 2 KiB request splits the parked c rather than the segment's tail.
+    let e = pool.reserve(0, 2048, 0).unwrap();
+    assert_eq!(e, c);
+    pool.release(e).unwrap();
+    // b released between a (live) and the parked c merges with c: 12 KiB free at b.
     pool.release(b).unwrap();
     pool.check().unwrap();
-    // A size no parked block has is served from the bins while they have room: the parked
-    // blocks wait, unmerged, and memory does not grow.
-    let d = pool.reserve(0, 12288, 0).unwrap();
-    assert_eq!(d, c + 4096);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reusable_bytes, 2 * MIB - 8192);
+    assert_eq!(
+        pool.stats(0).unwrap(),
+        s,
+        "reading the figures changes nothing"
+    );
+    assert_eq!(pool.reserve(0, 12288, 0).unwrap(), b);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.driver_allocs), (12288 + 8192, 1));
     pool.release(d).unwrap();
-    // Statistics count them merged with their free neighbours, without merging them: reading
-    // the figures changes no later placement, so d's place serves the same size again.
-    let s = pool.stats(0).unwrap();
-    assert_eq!(s.largest_reusable_block, MIB);
-    assert_eq!(pool.stats(0).unwrap(), s);
-    assert_eq!(pool.reserve(0, 12288, 0).unwrap(), d);
-    let s = pool.stats(0).unwrap();
-    assert_eq!((s.allocated_bytes, s.driver_allocs), (12288 + 4096, 1));
-    pool.release(c).unwrap();
     // A parked block counts as reusable and as released.
-    assert_eq!(pool.stats(0).unwrap().reusable_bytes, 2 * MIB - 12288);
-    let err = pool.release(c).unwrap_err();
+    assert_eq!(pool.stats(0).unwrap().reusable_bytes, 2 * MIB - 16384);
+    let err = pool.release(d).unwrap_err();
     assert!(err.message.contains("already released"), "{}", err.message);
-    assert!(pool.record_stream(c, 7).is_err());
+    assert!(pool.record_stream(d, 7).is_err());
     assert_books(&pool, sim);
 }
 
 #[test]
-fn a_full_parking_list_merges_its_oldest_block() {
+fn a_full_parking_list_files_its_oldest_block_in_the_bins() {
     let (pool, sim) = pool(24 * GIB);
     let ptrs: Vec<u64> = (0..40).map(|_| pool.reserve(0, 4096, 0).unwrap()).collect();
-    for &p in &ptrs {
+    // Every other block released, each between live ones: the last 16 stay parked, the first
+    // four go to the bins.
+    for &p in ptrs.iter().step_by(2) {
         pool.release(p).unwrap();
         pool.check().unwrap();
     }
-    // The last 16 released are parked; the first 24 merged into one free run.
-    assert_eq!(pool.reserve(0, 4096, 0).unwrap(), ptrs[39]);
-    assert_eq!(pool.reserve(0, 24 * 4096, 0).unwrap(), ptrs[0]);
+    // Best fit sees both: the lowest address of the size first, wherever it waits.
+    assert_eq!(pool.reserve(0, 4096, 0).unwrap(), ptrs[0]);
+    assert_eq!(pool.reserve(0, 4096, 0).unwrap(), ptrs[2]);
+    // Released between two parked blocks, a block merges with both: 12 KiB at ptrs[18].
+    pool.release(ptrs[19]).unwrap();
+    pool.check().unwrap();
+    assert_eq!(pool.reserve(0, 12288, 0).unwrap(), ptrs[18]);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_large_block_takes_a_remainder_of_at_most_1_mib_with_it() {
+    let (pool, sim) = pool(24 * GIB);
+    // A 20 MiB segment: 9 MiB and 10.5 MiB out of it leave 0.5 MiB, which no large request
+    // could use: it goes out with the second block, as PyTorch hands it out.
+    let a = pool.reserve(0, 9 * MIB, 0).unwrap();
+    let b = pool.reserve(0, 10 * MIB + 512 * 1024, 0).unwrap();
+    assert_eq!(b, a + 9 * MIB);
+    pool.check().unwrap();
+    // The rest counts as reusable, as it would as a free block, but is in no free block.
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (
+            s.allocated_bytes,
+            s.reusable_bytes,
+            s.largest_reusable_block,
+            s.driver_allocs
+        ),
+        (19 * MIB + 512 * 1024, 512 * 1024, 0, 1)
+    );
+    pool.release(b).unwrap();
+    // Released, it is 11 MiB again: a remainder over 1 MiB stays free.
+    let c = pool.reserve(0, 9 * MIB, 0).unwrap();
+    assert_eq!(c, b);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (
+            s.allocated_bytes,
+            s.reusable_bytes,
+            s.largest_reusable_block
+        ),
+        (18 * MIB, 2 * MIB, 2 * MIB)
+    );
+    pool.release(a).unwrap();
+    pool.release(c).unwrap();
     assert_books(&pool, sim);
 }
 
@@ -691,6 +747,37 @@ fn classic_segments_cannot_use_free_memory_between_live_blocks() {
 }
 
 #[test]
+fn vmm_an_idle_borrower_gives_its_pages_back_on_a_miss_and_the_lender_merges() {
+    let (pool, sim, ptrs) = fragmented(vmm());
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // 32 MiB from two of the three free 16 MiB ranges, lent as holes; nothing created.
+    let borrower = pool.reserve(0, 32 * MIB, 0).unwrap();
+    assert_eq!(sim.mappings(0).len(), 3);
+    pool.release(borrower).unwrap();
+    // The live blocks at 16 MiB go: they merge with the free range at 32 MiB only, since the
+    // range at 0 is a hole.
+    pool.release(ptrs[2]).unwrap();
+    pool.release(ptrs[3]).unwrap();
+    pool.check().unwrap();
+    // 48 MiB fits no free block: the idle borrower is taken apart first, its pages fill the
+    // holes, and the lender's first 48 MiB are one free block that serves the request in place.
+    let p = pool.reserve(0, 48 * MIB, 0).unwrap();
+    assert_eq!(p, ptrs[0]);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.segments),
+        (80 * MIB, allocs, 1)
+    );
+    assert_eq!(
+        sim.mappings(0).len(),
+        1,
+        "only the warm-up's mapping is left"
+    );
+    pool.release(p).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn vmm_stitches_free_memory_between_live_blocks_into_a_new_segment() {
     let (pool, sim, ptrs) = fragmented(vmm());
     let big = pool.reserve(0, 60 * MIB, 0).unwrap();
@@ -764,10 +851,17 @@ fn vmm_small_requests_share_stitched_segments() {
     assert_eq!(sim.is_accessible(a), Some(true));
     pool.release(a).unwrap();
     pool.release(b).unwrap();
-    // A large request's pages come from the idle small segment: nothing is created.
+    // A large request does not take the idle small segment's pages: they stay for small
+    // requests, as PyTorch keeps its small pool. It gets a 20 MiB handle of its own.
     let c = pool.reserve(0, 2 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
-    assert_eq!((s.reserved_bytes, s.driver_allocs), (2 * MIB, 1));
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (22 * MIB, 2));
+    assert_eq!(
+        pool.reserve(0, 4096, 0).unwrap(),
+        a,
+        "the small segment serves again"
+    );
+    assert_eq!(pool.stats(0).unwrap().driver_allocs, 2);
     pool.release(c).unwrap();
     assert_books(&pool, sim);
 }
@@ -929,7 +1023,7 @@ fn trim_returns_idle_segments_up_to_the_bytes_asked_and_never_a_live_block() {
 }
 
 #[test]
-fn the_largest_reusable_block_counts_parked_neighbours_merged() {
+fn the_largest_reusable_block_counts_parked_blocks_as_the_free_blocks_they_are() {
     let (pool, sim) = pool(24 * GIB);
     // Eight 128 KiB blocks fill one 1 MiB stretch of a 2 MiB small segment; a ninth keeps the
     // rest apart.
@@ -938,7 +1032,7 @@ fn the_largest_reusable_block_counts_parked_neighbours_merged() {
         .collect();
     let rest = pool.reserve(0, MIB, 0).unwrap();
     assert_eq!(pool.stats(0).unwrap().largest_reusable_block, 0);
-    // Two neighbours and one apart, all parked (unmerged).
+    // 6 is parked; 2 is parked, and 3 beside it merges with it.
     for i in [2, 3, 6] {
         pool.release(blocks[i]).unwrap();
     }

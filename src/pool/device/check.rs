@@ -30,7 +30,8 @@ impl DevicePool {
             let mut id = seg.first;
             let mut expect = seg.base;
             let mut prev = NIL;
-            let mut prev_free = false;
+            // Free or parked: two such neighbours should have been merged.
+            let mut prev_unused = false;
             let mut holes = 0;
             while id != NIL {
                 let b = &self.blocks[id];
@@ -43,13 +44,13 @@ impl DevicePool {
                 }
                 match b.state {
                     State::Live => {
-                        allocated += b.size;
+                        allocated += super::allocated(b.requested);
                         requested += b.requested;
                         live += 1;
                         if self.by_ptr.get(&b.ptr) != Some(&id) {
                             return Err(format!("{here}: live but not in the address map"));
                         }
-                        prev_free = false;
+                        prev_unused = false;
                     }
                     State::Parked => {
                         parked += 1;
@@ -58,22 +59,27 @@ impl DevicePool {
                         {
                             return Err(format!("{here}: parked but not listed"));
                         }
-                        prev_free = false;
+                        if prev_unused {
+                            return Err(format!("{here}: parked next to a free or parked block"));
+                        }
+                        prev_unused = true;
                     }
                     State::Free => {
-                        if prev_free {
-                            return Err(format!("{here}: two free neighbours were not merged"));
+                        if prev_unused {
+                            return Err(format!(
+                                "{here}: two free or parked neighbours were not merged"
+                            ));
                         }
                         free_blocks += 1;
-                        prev_free = true;
+                        prev_unused = true;
                     }
-                    State::Pending => prev_free = false,
+                    State::Pending => prev_unused = false,
                     State::Hole => {
                         holes += b.size;
                         if !seg.stitched {
                             return Err(format!("{here}: a hole in a classic segment"));
                         }
-                        prev_free = false;
+                        prev_unused = false;
                     }
                     State::Vacant => return Err(format!("{here}: vacant slot linked")),
                 }

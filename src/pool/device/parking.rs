@@ -1,12 +1,14 @@
-//! Parking: small blocks, and large ones filling their segment, released on their own stream and
-//! kept unmerged in a short per-stream list, so the common reserve-release-reserve of one size
-//! is served without touching the bins.
+//! Parking: a released block that would merge with nothing (no free or parked neighbour) is kept
+//! in a short per-stream list instead of the bins, so that the common reserve-release-reserve of
+//! one size is served without touching them. A parked block is the very free block PyTorch's
+//! policy would have: best fit looks at the parked blocks beside the bins, and a block released
+//! or freed next to a parked one takes it out of the list and merges with it.
 
 use super::*;
 
 impl DevicePool {
-    /// Park released block `id` on its stream, unmerged; the oldest parked block is merged if
-    /// the list is full.
+    /// Park released block `id` on its stream; it has no free or parked neighbour. The oldest
+    /// parked block goes to the bins if the list is full.
     pub(super) fn park(&mut self, id: u32) {
         let slot = self.segments[self.blocks[id].segment as usize].slot as usize;
         self.blocks[id].state = State::Parked;
@@ -21,32 +23,88 @@ impl DevicePool {
         self.parked += 1;
     }
 
-    /// The most recently parked block of exactly `block_size` bytes on `slot`, taken out.
-    pub(super) fn unpark(&mut self, slot: u32, block_size: u64) -> Option<u32> {
-        let parked = &mut self.slots[slot as usize].parked;
-        let at = parked
+    /// Where in `slot`'s list the best fit for `block_size` bytes of `class` is among the parked
+    /// blocks: the smallest that holds it, the lowest address among equals.
+    pub(super) fn best_parked(&self, slot: u32, class: Class, block_size: u64) -> Option<usize> {
+        let parked = &self.slots[slot as usize].parked;
+        parked
             .iter()
-            .rposition(|&id| self.blocks[id].size == block_size)?;
-        self.parked -= 1;
-        // Usually the last one: a pop, not a shift.
-        Some(if at + 1 == parked.len() {
-            parked.pop()?
-        } else {
-            parked.remove(at)
-        })
+            .enumerate()
+            .filter(|&(_, &id)| {
+                let b = &self.blocks[id];
+                b.size >= block_size && self.segments[b.segment as usize].class == class
+            })
+            .min_by_key(|&(_, &id)| (self.blocks[id].size, self.blocks[id].ptr))
+            .map(|(at, _)| at)
     }
 
-    /// Hand a parked block out again.
-    pub(super) fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
+    /// The parked block at `at` in `slot`'s list.
+    pub(super) fn parked_at(&self, slot: u32, at: usize) -> u32 {
+        self.slots[slot as usize].parked[at]
+    }
+
+    /// Take the parked block at `at` out of `slot`'s list (still parked, in the address map).
+    fn unpark_at(&mut self, slot: u32, at: usize) -> u32 {
+        self.parked -= 1;
+        let parked = &mut self.slots[slot as usize].parked;
+        // Usually the last one: a pop, not a shift.
+        if at + 1 == parked.len() {
+            parked.pop().expect("a parked block")
+        } else {
+            parked.remove(at)
+        }
+    }
+
+    /// Parked block `id`, next to a block about to be freed, becomes a free block in the bins,
+    /// to be merged with it.
+    pub(super) fn unpark_neighbour(&mut self, id: u32) {
+        let (slot, class) = {
+            let s = &self.segments[self.blocks[id].segment as usize];
+            (s.slot, s.class)
+        };
+        let at = self.slots[slot as usize]
+            .parked
+            .iter()
+            .position(|&p| p == id)
+            .expect("a parked block is listed");
+        self.unpark_at(slot, at);
+        self.by_ptr.remove(&self.blocks[id].ptr);
+        self.blocks[id].state = State::Free;
+        self.bin_insert(slot, class, id);
+    }
+
+    /// Hand out the parked block at `at` in `slot`'s list for a block of `block_size` bytes
+    /// (`requested` asked): whole if the rest is not worth keeping (usually the same size
+    /// again, touching no bin), else split as any free block.
+    pub(super) fn take_parked(
+        &mut self,
+        slot: u32,
+        at: usize,
+        block_size: u64,
+        requested: u64,
+    ) -> DevicePtr {
+        let id = self.unpark_at(slot, at);
+        let class = self.segments[self.blocks[id].segment as usize].class;
+        if !size::splits(class, self.blocks[id].size - block_size) {
+            return self.revive(id, requested);
+        }
+        self.by_ptr.remove(&self.blocks[id].ptr);
+        self.free_block(id);
+        self.take(id, block_size, requested)
+    }
+
+    /// Hand a parked block out again, whole.
+    fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
         let block = &mut self.blocks[id];
         block.state = State::Live;
         block.requested = requested;
-        let (ptr, size) = (block.ptr, block.size);
-        self.stats.add_live(size, requested);
+        let ptr = block.ptr;
+        self.stats.add_live(super::allocated(requested), requested);
         ptr
     }
 
-    /// Merge every parked block into the free blocks of its stream.
+    /// File every parked block in the bins of its stream (merging nothing: none has a free or
+    /// parked neighbour), making segments it fills idle.
     pub(super) fn flush_parked(&mut self) {
         if self.parked == 0 {
             return;
