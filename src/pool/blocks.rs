@@ -21,8 +21,8 @@ pub enum State {
     /// Released on its own stream next to no free or parked block: a free block kept in its
     /// stream's parking list instead of the bins; reusable memory.
     Parked,
-    /// Address space of a stitched segment whose physical memory was taken for another
-    /// segment: unmapped, never handed out.
+    /// Pages of a stitched segment lent to another segment, which maps them too (they stay
+    /// mapped here): never handed out until they come back.
     Hole,
     /// An unused arena slot.
     Vacant,
