@@ -43,11 +43,17 @@ use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
-use device::DevicePool;
+use device::{DevicePool, Sweep};
 pub use stats::Stats;
 
-/// Idle segments [`Pool::free_reusable`] returns to the driver per hold of a device's lock.
+/// The most idle segments [`Pool::free_reusable`] returns to the driver per hold of a device's
+/// lock.
 pub const FREE_BATCH: usize = 32;
+
+/// The time after which a batch of [`Pool::free_reusable`] stops early (checked after each
+/// segment), so that the batches fit the driver's speed: a slow driver gets fewer segments per
+/// hold of the lock.
+const BATCH_TIME: Duration = Duration::from_micros(40);
 
 /// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
 /// device's lock.
@@ -249,8 +255,10 @@ impl Pool {
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
-    /// Segments go back [`FREE_BATCH`] at a time, the device's lock released between batches,
-    /// so that reserves and releases on the device wait for one batch at most.
+    /// The work goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a
+    /// batch has run for [`BATCH_TIME`]), the device's lock released between them, so that
+    /// reserves and releases on the device wait for one batch at most. Blocks released
+    /// meanwhile may stay cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
         // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {
@@ -259,16 +267,17 @@ impl Pool {
         };
         let mut total = 0;
         for device in devices {
-            let mut first = true;
+            let mut sweep = Sweep::default();
             loop {
                 let (mut pool, cx) = self.lock(device)?;
-                let (bytes, more) = pool.free_reusable_batch(&cx, first, FREE_BATCH)?;
+                let start = Instant::now();
+                let over = || start.elapsed() >= BATCH_TIME;
+                let (bytes, more) = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over)?;
                 drop(pool);
                 total += bytes;
                 if !more {
                     break;
                 }
-                first = false;
                 self.let_waiters_in(device);
             }
         }

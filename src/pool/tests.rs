@@ -1021,3 +1021,120 @@ fn a_request_just_under_10_mib_gets_a_shared_20_mib_segment_when_stitching_too()
         assert_books(&pool, sim);
     }
 }
+
+/// Every batch of a sweep of device 0, `count` segments at most each, as (bytes, more).
+fn sweep_batches(pool: &Pool, count: usize, over: &dyn Fn() -> bool) -> Vec<(u64, bool)> {
+    let mut sweep = Sweep::default();
+    let mut batches = Vec::new();
+    loop {
+        let (mut device, cx) = pool.lock(0).unwrap();
+        let (bytes, more) = device
+            .free_reusable_batch(&cx, &mut sweep, count, over)
+            .unwrap();
+        drop(device);
+        batches.push((bytes, more));
+        pool.check().unwrap();
+        if !more {
+            return batches;
+        }
+        assert!(batches.len() < 1000, "the sweep does not end");
+    }
+}
+
+/// `n` idle 20 MiB segments with their blocks parked, a 2 MiB one with 16 small blocks parked
+/// on another stream, and a block used on that stream, pending on its work: returns the
+/// other stream.
+fn cache_to_sweep(pool: &Pool, sim: &Sim, n: usize) -> u64 {
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let large: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, s1).unwrap())
+        .collect();
+    let small: Vec<u64> = (0..16)
+        .map(|_| pool.reserve(0, 4096, s2).unwrap())
+        .collect();
+    let p = pool.reserve(0, 4 * MIB, s1).unwrap();
+    pool.record_stream(p, s2).unwrap();
+    sim.enqueue_work(0, s2).unwrap();
+    for ptr in large.into_iter().chain(small).chain([p]) {
+        pool.release(ptr).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.segments, s.reserved_bytes),
+        (n as u64 + 2, (n as u64 + 1) * 20 * MIB + 2 * MIB)
+    );
+    s2
+}
+
+#[test]
+fn a_sweep_bounds_every_batch_on_both_policies_and_ends_with_exact_books() {
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[24 * GIB], config);
+        let n = 20;
+        let s2 = cache_to_sweep(&pool, sim, n);
+        // One segment a batch: 32 parked blocks are merged 16 a batch, then the pending block
+        // waited for, then each segment goes in a batch of its own.
+        let batches = sweep_batches(&pool, 1, &|| false);
+        assert_eq!(batches.len(), n + 3, "{config:?}");
+        assert_eq!(batches[0], (0, true));
+        let mut sizes: Vec<u64> = batches[1..].iter().map(|&(bytes, _)| bytes).collect();
+        sizes.sort_unstable();
+        let mut expected = vec![20 * MIB; n + 1];
+        expected.insert(0, 2 * MIB);
+        assert_eq!(sizes, expected, "{config:?}");
+        assert!(batches[..n + 2].iter().all(|&(_, more)| more));
+        assert_eq!(
+            sim.pending_work(0, s2).unwrap(),
+            0,
+            "the host waited for s2"
+        );
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.segments, s.reserved_bytes), (0, 0), "{config:?}");
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_batch_stops_after_one_segment_once_its_time_is_up() {
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[24 * GIB], config);
+        let n = 2 * FREE_BATCH;
+        cache_to_sweep(&pool, sim, n);
+        let batches = sweep_batches(&pool, FREE_BATCH, &|| true);
+        // Parked blocks all merged and the pending block freed in the first, then one segment
+        // a batch.
+        assert_eq!(batches.len(), n + 2, "{config:?}");
+        assert!(batches
+            .iter()
+            .all(|&(bytes, _)| bytes == 20 * MIB || bytes == 2 * MIB));
+        let total: u64 = batches.iter().map(|&(bytes, _)| bytes).sum();
+        assert_eq!(total, (n as u64 + 1) * 20 * MIB + 2 * MIB);
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_sweep_takes_apart_a_lender_before_its_borrower_with_exact_books() {
+    // The free memory between live blocks is lent to a new segment: the first segment has
+    // holes, the second runs lent by it. Swept one segment a batch, the lender goes first and
+    // its pages lent on become the borrower's; the books stay exact after every batch
+    // (`sweep_batches` checks them) and nothing is held afterwards.
+    let (pool, sim, ptrs) = fragmented(vmm());
+    let big = pool.reserve(0, 60 * MIB, 0).unwrap();
+    for p in [ptrs[2], ptrs[3], ptrs[6], ptrs[7], big] {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 92 * MIB);
+    let batches = sweep_batches(&pool, 1, &|| false);
+    // Taken apart first, the lender returns nothing: the borrower still maps 48 MiB of its
+    // handle. Then the borrower goes, and with it the last mappings of both handles, returned
+    // one a batch, the larger first.
+    assert_eq!(
+        batches,
+        vec![(0, true), (80 * MIB, true), (12 * MIB, false)]
+    );
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}

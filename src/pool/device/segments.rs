@@ -27,8 +27,12 @@ impl DevicePool {
                     in_use: false,
                     idle_at: NIL,
                     runs: Vec::new(),
+                    borrowers: Vec::new(),
                     stitched: false,
                 });
+                // Room for every segment to be forgotten (see `Blocks::insert`).
+                self.vacant_segments
+                    .reserve(self.segments.capacity() - self.vacant_segments.len());
                 u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
             }
         };
@@ -44,6 +48,9 @@ impl DevicePool {
         });
         let slot = self.join_slot(stream);
         let stitched = !runs.is_empty();
+        for lender in runs.iter().filter_map(|r| r.lender.map(|(l, _)| l)) {
+            self.add_borrower(lender, seg);
+        }
         self.segments[seg as usize] = Segment {
             base: ptr,
             size: segment,
@@ -53,6 +60,7 @@ impl DevicePool {
             in_use: true,
             idle_at: NIL,
             runs,
+            borrowers: Vec::new(),
             stitched,
         };
         self.bin_insert(slot, class, id);
@@ -98,33 +106,6 @@ impl DevicePool {
         })?;
         let mut released = 0;
         for (size, seg) in chosen {
-            self.free_segment(cx, seg)?;
-            released += size;
-        }
-        Ok(released)
-    }
-
-    /// Return up to `count` idle classic segments to the driver, the largest first, after the
-    /// device's queued work. Returns the bytes returned.
-    pub(super) fn release_idle_segments(&mut self, cx: &Context<'_>, count: usize) -> Result<u64> {
-        let mut idle: Vec<(u64, u32)> = self
-            .idle
-            .iter()
-            .map(|&seg| (self.segments[seg as usize].size, seg))
-            .collect();
-        if idle.is_empty() || count == 0 {
-            return Ok(0);
-        }
-        if idle.len() > count {
-            idle.select_nth_unstable_by(count - 1, |a, b| b.cmp(a));
-            idle.truncate(count);
-        }
-        // Work queued before the blocks were released may still use them.
-        cx.driver.synchronize(self.device).map_err(|e| {
-            Error::driver("waiting for the device before returning cached memory", &e)
-        })?;
-        let mut released = 0;
-        for (size, seg) in idle {
             self.free_segment(cx, seg)?;
             released += size;
         }
@@ -180,6 +161,7 @@ impl DevicePool {
         cx.directory.remove(base, self.device);
         self.stats.segments -= 1;
         self.segments[seg as usize].runs = Vec::new();
+        self.segments[seg as usize].borrowers = Vec::new();
     }
 
     pub(super) fn mark_idle(&mut self, seg: u32) {
