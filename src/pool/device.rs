@@ -745,13 +745,36 @@ impl DevicePool {
         self.slots[slot as usize].bins[class as usize].remove(&self.blocks, id);
     }
 
+    // ----- pointers -----
+
+    /// Whether a live or parked block starts at `ptr`.
+    pub fn has_block_at(&self, ptr: DevicePtr) -> bool {
+        self.by_ptr.contains_key(&ptr)
+    }
+
+    /// Whether a segment of this pool holds `ptr` (a look at every segment).
+    pub fn holds(&self, ptr: DevicePtr) -> bool {
+        self.segment_of(ptr).is_some()
+    }
+
+    /// Every segment's address range, as (base, size).
+    pub fn segment_ranges(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
+        self.segments
+            .iter()
+            .filter(|s| s.in_use)
+            .map(|s| (s.base, s.size))
+    }
+
+    fn segment_of(&self, ptr: DevicePtr) -> Option<&Segment> {
+        self.segments
+            .iter()
+            .find(|s| s.in_use && s.base <= ptr && ptr - s.base < s.size)
+    }
+
     // ----- messages -----
 
     fn explain_bad_pointer(&self, ptr: DevicePtr) -> Error {
-        let seg = self
-            .segments
-            .iter()
-            .find(|s| s.in_use && s.base <= ptr && ptr - s.base < s.size);
+        let seg = self.segment_of(ptr);
         let Some(seg) = seg else {
             return Error::invalid_pointer(format!(
                 "{ptr:#x} was not returned by rm_reserve on device {}: it lies in no memory the \

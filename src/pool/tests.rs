@@ -336,6 +336,73 @@ fn release_finds_the_device_of_a_pointer() {
 }
 
 #[test]
+fn bad_pointers_are_refused_on_several_devices_without_a_lock_and_nothing_changes() {
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[GIB, GIB], config);
+        let a = pool.reserve(1, 4096, 0).unwrap();
+        let b = pool.reserve(1, 4096, 0).unwrap();
+        let big = pool.reserve(0, 96 * MIB, 0).unwrap();
+        pool.release(a).unwrap();
+        let before = (pool.stats(0).unwrap(), pool.stats(1).unwrap());
+        let cases = [
+            (a, "already released"),
+            (b + 512, "points 512 bytes into a live block"),
+            (b + 8192, "inside cached free memory"),
+            (big + 70 * MIB, "points 73400320 bytes into a live block"),
+            (0x1234_5000, "in no memory the pool holds on any device"),
+            (u64::MAX - 511, "in no memory the pool holds on any device"),
+        ];
+        for (ptr, needle) in cases {
+            let err = pool.release(ptr).unwrap_err();
+            assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+            assert!(err.message.contains(needle), "{ptr:#x}: {}", err.message);
+            let err = pool.record_stream(ptr, 0).unwrap_err();
+            assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+        }
+        assert_eq!((pool.stats(0).unwrap(), pool.stats(1).unwrap()), before);
+        pool.release(b).unwrap();
+        pool.release(big).unwrap();
+        assert_eq!(pool.stats(1).unwrap().allocated_bytes, 0);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_span_the_map_cannot_tell_is_resolved_by_asking_each_device() {
+    let (pool, sim) = pool_with(&[GIB, GIB], classic());
+    let a = pool.reserve(0, 4096, 0).unwrap();
+    let b = pool.reserve(0, 4096, 0).unwrap();
+    let c = pool.reserve(1, 4096, 0).unwrap();
+    // As if a segment of device 1 shared the 2 MiB span of device 0's segment.
+    let span = a & !(2 * MIB - 1);
+    pool.spans.add(span, 2 * MIB, 1);
+    assert_eq!(pool.spans.owner(a), Owner::Unknown);
+    assert!(pool.check().unwrap_err().contains("span map"));
+    let err = pool.release(b + 512).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    assert!(
+        err.message.contains("points 512 bytes into a live block"),
+        "{}",
+        err.message
+    );
+    pool.record_stream(a, 0).unwrap();
+    pool.release(a).unwrap();
+    let err = pool.release(a).unwrap_err();
+    assert!(err.message.contains("already released"), "{}", err.message);
+    let err = pool.release(span + 2 * MIB - 512).unwrap_err();
+    assert!(
+        err.message.contains("inside cached free memory"),
+        "{}",
+        err.message
+    );
+    assert_eq!(pool.stats(0).unwrap().allocated_bytes, 4096);
+    pool.spans.remove(span, 2 * MIB);
+    pool.release(b).unwrap();
+    pool.release(c).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn free_reusable_returns_idle_segments_only() {
     let (pool, sim) = pool(24 * GIB);
     let keep = pool.reserve(0, 10 * MIB, 0).unwrap();

@@ -65,7 +65,7 @@ impl DevicePool {
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);
-        cx.directory.insert(ptr, segment, self.device);
+        cx.spans.add(ptr, segment, self.device);
         self.stats.segments += 1;
         id
     }
@@ -119,29 +119,28 @@ impl DevicePool {
             self.segments[seg as usize].size,
         );
         if !self.segments[seg as usize].stitched {
-            // Out of the directory before the driver can hand the addresses to another device.
-            cx.directory.remove(base, self.device);
+            // Out of the span map before the driver can hand the addresses to another device.
+            cx.spans.remove(base, size);
             if let Err(e) = cx.driver.mem_free(self.device, base) {
-                cx.directory.insert(base, size, self.device);
+                cx.spans.add(base, size, self.device);
                 return Err(Error::driver(
                     &format!("returning segment {base:#x} to the driver"),
                     &e,
                 ));
             }
-            self.forget_segment(cx, seg);
+            self.forget_segment(seg);
             self.stats.remove_reserved(size, 1);
             return Ok(());
         }
         self.dismantle(cx, seg)
     }
 
-    /// Drop a segment with no block in use from the books (not its memory), its address out
-    /// of the directory (if the caller has not taken it out already). Call it *before* the
-    /// driver frees the segment's addresses, which another device may be given at once.
-    pub(super) fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) {
-        let (base, slot, class, mut id, idle_at) = {
+    /// Drop a segment with no block in use from the books (not its memory, nor its entry in
+    /// the span map, which the caller takes out before the driver frees the addresses).
+    pub(super) fn forget_segment(&mut self, seg: u32) {
+        let (slot, class, mut id, idle_at) = {
             let s = &self.segments[seg as usize];
-            (s.base, s.slot, s.class, s.first, s.idle_at)
+            (s.slot, s.class, s.first, s.idle_at)
         };
         while id != NIL {
             let next = self.blocks[id].next;
@@ -158,7 +157,6 @@ impl DevicePool {
         self.leave_slot(slot);
         self.segments[seg as usize].in_use = false;
         self.vacant_segments.push(seg);
-        cx.directory.remove(base, self.device);
         self.stats.segments -= 1;
         self.segments[seg as usize].runs = Vec::new();
         self.segments[seg as usize].borrowers = Vec::new();

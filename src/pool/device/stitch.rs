@@ -598,7 +598,9 @@ impl DevicePool {
                 }
             }
         }
-        self.forget_segment(cx, seg);
+        self.forget_segment(seg);
+        // Out of the span map before the driver can hand the addresses to another device.
+        cx.spans.remove(base, size);
         if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
             self.stuck.push(Stuck {
                 base,
