@@ -11,7 +11,9 @@
  *   free_reusable <segments> <ms> <bytes> <calls, median, p99.9, max us, calls over 100 us:
  *                 with nothing else running, then during the call>
  * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
- * unless given). `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
+ * unless given). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
+ * the front cache passes to the pool, from one thread on device 0, then two threads on devices
+ * 0 and 1: `device_pair <threads> <ns per pair per thread>`. `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
  * instruction counts over the difference of N is the instructions of one pair
  * (scripts/bench-c.sh does this). `pairs quick` measures only the pairs with nothing else cached, from
@@ -144,6 +146,8 @@ static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
   return per[threads / 2];
 }
 
+static struct worker device_workers[2];
+
 /* ----- the cache ----- */
 
 /* The size of the i-th other cached block: 90% small (up to 128 KiB), 10% large. */
@@ -247,6 +251,64 @@ static void free_reusable_pauses(size_t segments) {
          d[3]);
 }
 
+/* ----- releases the front cache does not know, one device per thread ----- */
+
+/* Pairs of 128 MiB blocks (beyond the front cache's 64 MiB, so each release goes to the pool
+ * and finds the block's device there), each thread on its own device and stream. */
+static void *device_work(void *arg) {
+  struct worker *w = arg;
+  int dev = (int)(w - device_workers);
+  void *ctx = NULL, *stream = NULL;
+  if (cu_retain(&ctx, dev) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
+    fprintf(stderr, "creating a simulated stream on device %d failed\n", dev);
+    exit(1);
+  }
+  size_t size = (size_t)128 << 20;
+  void *p = NULL;
+  check(rm_reserve(dev, size, stream, &p), "rm_reserve");
+  check(rm_release(p), "rm_release");
+  while (!atomic_load(&go)) {
+  }
+  unsigned long long n = 0;
+  double start = now_ns();
+  while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
+    for (int i = 0; i < 256; i++) {
+      rm_reserve(dev, size, stream, &p);
+      rm_release(p);
+    }
+    n += 256;
+  }
+  w->ns = now_ns() - start;
+  w->pairs = n;
+  return NULL;
+}
+
+/* Prints `device_pair <threads> <ns per pair per thread, median over threads>` for 1 and 2
+ * threads (devices 0 and 1 of CUDA_SIM_DEVICES). */
+static void device_pairs(void) {
+  for (int threads = 1; threads <= 2; threads++) {
+    double per[2];
+    atomic_store(&go, 0);
+    atomic_store(&stop, 0);
+    for (int t = 0; t < threads; t++) {
+      memset(&device_workers[t], 0, sizeof device_workers[t]);
+      pthread_create(&device_workers[t].thread, NULL, device_work, &device_workers[t]);
+    }
+    struct timespec warm = {0, 20 * 1000 * 1000}, run = {0, 200 * 1000 * 1000};
+    nanosleep(&warm, NULL);
+    atomic_store(&go, 1);
+    nanosleep(&run, NULL);
+    atomic_store(&stop, 1);
+    for (int t = 0; t < threads; t++) {
+      pthread_join(device_workers[t].thread, NULL);
+      per[t] = device_workers[t].ns / (double)device_workers[t].pairs;
+    }
+    qsort(per, threads, sizeof per[0], cmp_double);
+    printf("device_pair %d %.1f\n", threads, per[threads / 2]);
+    fflush(stdout);
+  }
+}
+
 int main(int argc, char **argv) {
   const char *lib = getenv("RESMEM_CUDA_LIBRARY");
   void *cuda = lib ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : NULL;
@@ -278,6 +340,10 @@ int main(int argc, char **argv) {
       rm_reserve(0, size, stream, &p);
       rm_release(p);
     }
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "devices") == 0) {
+    device_pairs();
     return 0;
   }
   if (!only_pauses) {

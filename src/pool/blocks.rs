@@ -65,6 +65,10 @@ impl Blocks {
         } else {
             let id = u32::try_from(self.slots.len()).expect("more than 4 billion blocks");
             self.slots.push(block);
+            // Room for every block to be dropped, reserved while blocks are made: dropping them
+            // (returning memory, under the device's lock) then never copies the list.
+            self.vacant
+                .reserve(self.slots.capacity() - self.vacant.len());
             id
         }
     }

@@ -6,6 +6,7 @@
 //! - `segments.rs`: booking, returning and forgetting segments, the idle list;
 //! - `streams.rs`: stream slots, events, blocks pending on other streams;
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
+//! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
 //! - `stitch.rs` and `phys.rs`: page-granular reuse with the virtual-memory API, and its
 //!   physical-memory books;
 //! - `check.rs`: the invariant check.
@@ -46,8 +47,10 @@ mod phys;
 mod segments;
 mod stitch;
 mod streams;
+mod sweep;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
+pub use sweep::Sweep;
 
 /// Memory obtained from the driver in one allocation.
 #[derive(Clone, Debug)]
@@ -65,6 +68,9 @@ struct Segment {
     /// For a stitched segment (virtual-memory mode), its mappings in address order, tiling it.
     /// Empty for a segment from `cuMemAlloc`.
     runs: Vec<Run>,
+    /// The segments with a run lent by this one (each once): those to update when it is taken
+    /// apart, without a look at every other segment.
+    borrowers: Vec<u32>,
     /// Built from physical memory mapped into a reserved address range.
     stitched: bool,
 }
@@ -334,30 +340,6 @@ impl DevicePool {
         Ok(segment)
     }
 
-    /// One batch of returning every idle segment to the driver (see [`super::Pool::free_reusable`]):
-    /// the first (`first`) merges parked blocks and waits for pending ones; each returns at most
-    /// `segments` idle segments (in virtual-memory mode: takes apart at most `segments` unused
-    /// segments, and returns the handles left unused). Returns the bytes returned and whether
-    /// idle segments remain.
-    pub fn free_reusable_batch(
-        &mut self,
-        cx: &Context<'_>,
-        first: bool,
-        segments: usize,
-    ) -> Result<(u64, bool)> {
-        if first {
-            self.flush_parked();
-            self.collect_pending(cx, true)?;
-            // Ranges whose undoing failed first: once unmapped, their handles can go back too.
-            self.retry_stuck(cx)?;
-        }
-        if matches!(self.vmm, VmmMode::On(_)) {
-            return self.release_stitched_batch(cx, segments);
-        }
-        let released = self.release_idle_segments(cx, segments)?;
-        Ok((released, !self.idle.is_empty()))
-    }
-
     /// Return idle cache to the driver up to `bytes` at another process's request: whole idle
     /// segments (so possibly a little more), and in virtual-memory mode the spare pages of
     /// handles no range maps, as [`DevicePool::free_reusable`] would, but only up to `bytes`.
@@ -366,7 +348,7 @@ impl DevicePool {
     pub fn trim(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
         self.flush_parked();
         self.collect_pending(cx, false)?;
-        self.retry_stuck(cx)?;
+        self.retry_stuck(cx, usize::MAX)?;
         self.release_idle(cx, bytes)
     }
 
@@ -774,13 +756,36 @@ impl DevicePool {
         self.slots[slot as usize].bins[class as usize].remove(&self.blocks, id);
     }
 
+    // ----- pointers -----
+
+    /// Whether a live or parked block starts at `ptr`.
+    pub fn has_block_at(&self, ptr: DevicePtr) -> bool {
+        self.by_ptr.contains_key(&ptr)
+    }
+
+    /// Whether a segment of this pool holds `ptr` (a look at every segment).
+    pub fn holds(&self, ptr: DevicePtr) -> bool {
+        self.segment_of(ptr).is_some()
+    }
+
+    /// Every segment's address range, as (base, size).
+    pub fn segment_ranges(&self) -> impl Iterator<Item = (DevicePtr, u64)> + '_ {
+        self.segments
+            .iter()
+            .filter(|s| s.in_use)
+            .map(|s| (s.base, s.size))
+    }
+
+    fn segment_of(&self, ptr: DevicePtr) -> Option<&Segment> {
+        self.segments
+            .iter()
+            .find(|s| s.in_use && s.base <= ptr && ptr - s.base < s.size)
+    }
+
     // ----- messages -----
 
     fn explain_bad_pointer(&self, ptr: DevicePtr) -> Error {
-        let seg = self
-            .segments
-            .iter()
-            .find(|s| s.in_use && s.base <= ptr && ptr - s.base < s.size);
+        let seg = self.segment_of(ptr);
         let Some(seg) = seg else {
             return Error::invalid_pointer(format!(
                 "{ptr:#x} was not returned by rm_reserve on device {}: it lies in no memory the \

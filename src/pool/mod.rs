@@ -7,25 +7,26 @@
 //! - [`device`]: one device's books and the reserved-reuse policy (`device/stitch.rs`: the
 //!   page-granular reuse of the virtual-memory mode; `device/phys.rs`: its physical handles);
 //! - [`stats`]: the figures `rm_get_stats` reports;
-//! - this module: the multi-device [`Pool`], one lock per device, and the address directory that
-//!   finds a pointer's device for `release`.
+//! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
+//!   touch it, which finds a pointer's device for `release`;
+//! - this module: the multi-device [`Pool`], one lock per device.
 //!
 //! # Locks
 //!
-//! Each device's books sit behind their own `Mutex`; the [`Directory`] behind a `RwLock`. The
-//! order is fixed, so no cycle (and no deadlock) is possible:
+//! Each device's books sit behind their own `Mutex`; nothing else is locked. So no cycle (and
+//! no deadlock) is possible:
 //!
 //! 1. at most one device mutex at a time: [`Pool::free_reusable`] and
 //!    [`Pool::set_memory_limit`] over every device take them one after the other, releasing each
-//!    before the next (and `free_reusable` releases it between batches of segments too);
-//! 2. then, while holding it, the directory's write lock (a segment added or returned), held for
-//!    a map update only;
-//! 3. the driver is called with the device mutex held, never the directory's lock; the driver
-//!    takes no lock of the pool and never calls back into it (the simulator's own mutex is a
-//!    leaf).
+//!    before the next (and `free_reusable` releases it between batches of its work too), and so
+//!    does a release whose device the span map cannot tell;
+//! 2. the span map is written with atomic operations while a device's mutex is held (a segment
+//!    booked or forgotten) and read without a lock;
+//! 3. the driver is called with the device mutex held; the driver takes no lock of the pool and
+//!    never calls back into it (the simulator's own mutex is a leaf).
 //!
-//! `release` and `record_stream` read the directory *before* taking a device mutex and drop the
-//! read lock first. A mutex poisoned by a panic is taken over (see `Pool::lock`).
+//! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
+//! poisoned by a panic is taken over (see `Pool::lock`).
 
 // Public: what the command and the PyTorch-policy baseline use (sizes and their printing, the
 // integer map, the figures). The rest is the pool's own business.
@@ -34,20 +35,27 @@ pub(crate) mod blocks;
 pub(crate) mod device;
 pub mod hash;
 pub mod size;
+pub(crate) mod spans;
 pub mod stats;
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
-use device::DevicePool;
+use device::{DevicePool, Sweep};
+use spans::{Owner, Spans};
 pub use stats::Stats;
 
-/// Idle segments [`Pool::free_reusable`] returns to the driver per hold of a device's lock.
+/// The most idle segments [`Pool::free_reusable`] returns to the driver per hold of a device's
+/// lock.
 pub const FREE_BATCH: usize = 32;
+
+/// The time after which a batch of [`Pool::free_reusable`] stops early (checked after each
+/// segment), so that the batches fit the driver's speed: a slow driver gets fewer segments per
+/// hold of the lock.
+const BATCH_TIME: Duration = Duration::from_micros(40);
 
 /// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
 /// device's lock.
@@ -79,40 +87,10 @@ impl Default for PoolConfig {
     }
 }
 
-/// Which device holds each segment, by base address: how `release` finds a pointer's device.
-#[derive(Default)]
-pub(crate) struct Directory(RwLock<BTreeMap<DevicePtr, (u64, i32)>>);
-
-impl Directory {
-    fn insert(&self, base: DevicePtr, size: u64, device: i32) {
-        self.0
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(base, (size, device));
-    }
-
-    /// Forget `device`'s segment at `base`. Called *before* the driver frees the segment's
-    /// addresses: once freed they can be handed to another device at once, and its segment
-    /// then has the same base. An entry of another device is left alone.
-    fn remove(&self, base: DevicePtr, device: i32) {
-        let mut map = self.0.write().unwrap_or_else(|e| e.into_inner());
-        if map.get(&base).is_some_and(|&(_, d)| d == device) {
-            map.remove(&base);
-        }
-    }
-
-    /// The device whose segment contains `ptr`.
-    fn device_of(&self, ptr: DevicePtr) -> Option<i32> {
-        let map = self.0.read().unwrap_or_else(|e| e.into_inner());
-        let (&base, &(size, device)) = map.range(..=ptr).next_back()?;
-        (ptr - base < size).then_some(device)
-    }
-}
-
 /// What a device pool needs from outside while it works.
 pub(crate) struct Context<'a> {
     driver: &'a dyn Driver,
-    directory: &'a Directory,
+    spans: &'a Spans,
 }
 
 /// The pool of every device, safe to share between threads.
@@ -121,7 +99,7 @@ pub struct Pool {
     devices: Box<[Mutex<DevicePool>]>,
     /// Per device, the threads blocked on its lock (see [`Pool::let_waiters_in`]).
     waiting: Box<[AtomicU32]>,
-    directory: Directory,
+    spans: Spans,
 }
 
 impl Pool {
@@ -134,7 +112,7 @@ impl Pool {
             driver,
             waiting: devices.iter().map(|_| AtomicU32::new(0)).collect(),
             devices,
-            directory: Directory::default(),
+            spans: Spans::default(),
         }
     }
 
@@ -168,7 +146,7 @@ impl Pool {
         };
         let cx = Context {
             driver: &*self.driver,
-            directory: &self.directory,
+            spans: &self.spans,
         };
         Ok((guard, cx))
     }
@@ -217,29 +195,57 @@ impl Pool {
         if ptr == 0 {
             return Ok(());
         }
-        let device = self.device_for(ptr)?;
-        let (mut pool, cx) = self.lock(device)?;
-        pool.release(&cx, ptr)
+        self.on_device_of(ptr, |pool, cx| pool.release(cx, ptr))
     }
 
     /// Note that the live block at `ptr` is also used on `stream`.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        let device = self.device_for(ptr)?;
-        let (mut pool, _) = self.lock(device)?;
-        pool.record_stream(ptr, stream)
+        self.on_device_of(ptr, |pool, _| pool.record_stream(ptr, stream))
     }
 
-    /// Which device a pointer belongs to (without a lookup when there is one device).
-    fn device_for(&self, ptr: DevicePtr) -> Result<i32> {
-        if self.devices.len() == 1 {
-            return Ok(0);
-        }
-        self.directory.device_of(ptr).ok_or_else(|| {
-            Error::invalid_pointer(format!(
+    /// Run `f` on the pool of the device whose segment holds `ptr`, found without a lock in the
+    /// span map (without a look when there is one device). Where the map cannot tell (segments
+    /// of several devices share the span, or an address beyond it), each device is asked in
+    /// turn: the one that handed out a block at `ptr`, else the one holding memory there (whose
+    /// `f` says what is wrong with the pointer).
+    fn on_device_of<T>(
+        &self,
+        ptr: DevicePtr,
+        f: impl FnOnce(&mut DevicePool, &Context<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let owner = match self.devices.len() {
+            1 => Owner::Device(0),
+            _ => self.spans.owner(ptr),
+        };
+        let device = match owner {
+            Owner::Device(device) => Some(device),
+            Owner::Nobody => None,
+            Owner::Unknown => self.ask_each_device(ptr)?,
+        };
+        let Some(device) = device else {
+            return Err(Error::invalid_pointer(format!(
                 "{ptr:#x} was not returned by rm_reserve: it lies in no memory the pool holds on \
                  any device (pass only pointers from rm_reserve, each once)"
-            ))
-        })
+            )));
+        };
+        let (mut pool, cx) = self.lock(device)?;
+        f(&mut pool, &cx)
+    }
+
+    /// The device that handed out a block at `ptr`, else one whose memory holds it, asking each
+    /// under its lock.
+    fn ask_each_device(&self, ptr: DevicePtr) -> Result<Option<i32>> {
+        let mut holder = None;
+        for device in 0..self.device_count() {
+            let (pool, _) = self.lock(device)?;
+            if pool.has_block_at(ptr) {
+                return Ok(Some(device));
+            }
+            if holder.is_none() && pool.holds(ptr) {
+                holder = Some(device);
+            }
+        }
+        Ok(holder)
     }
 
     /// `(free, total)` bytes of `device`, where free counts this pool's reusable memory.
@@ -249,8 +255,10 @@ impl Pool {
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
-    /// Segments go back [`FREE_BATCH`] at a time, the device's lock released between batches,
-    /// so that reserves and releases on the device wait for one batch at most.
+    /// The work goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a
+    /// batch has run for [`BATCH_TIME`]), the device's lock released between them, so that
+    /// reserves and releases on the device wait for one batch at most. Blocks released
+    /// meanwhile may stay cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
         // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {
@@ -259,16 +267,17 @@ impl Pool {
         };
         let mut total = 0;
         for device in devices {
-            let mut first = true;
+            let mut sweep = Sweep::default();
             loop {
                 let (mut pool, cx) = self.lock(device)?;
-                let (bytes, more) = pool.free_reusable_batch(&cx, first, FREE_BATCH)?;
+                let start = Instant::now();
+                let over = || start.elapsed() >= BATCH_TIME;
+                let (bytes, more) = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over)?;
                 drop(pool);
                 total += bytes;
                 if !more {
                     break;
                 }
-                first = false;
                 self.let_waiters_in(device);
             }
         }
@@ -354,13 +363,19 @@ impl Pool {
         Ok(pool.memory_limit())
     }
 
-    /// Check the books of every device; a description of the first broken invariant.
+    /// Check the books of every device and the span map; a description of the first broken
+    /// invariant. Exact only while no other thread calls the pool.
     pub fn check(&self) -> std::result::Result<(), String> {
+        let mut segments = Vec::new();
         for device in 0..self.device_count() {
             let (pool, _) = self.lock(device).map_err(|e| e.message)?;
             pool.check().map_err(|e| format!("device {device}: {e}"))?;
+            segments.extend(
+                pool.segment_ranges()
+                    .map(|(base, size)| (base, size, device)),
+            );
         }
-        Ok(())
+        self.spans.check(&segments)
     }
 }
 

@@ -342,6 +342,73 @@ fn release_finds_the_device_of_a_pointer() {
 }
 
 #[test]
+fn bad_pointers_are_refused_on_several_devices_without_a_lock_and_nothing_changes() {
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[GIB, GIB], config);
+        let a = pool.reserve(1, 4096, 0).unwrap();
+        let b = pool.reserve(1, 4096, 0).unwrap();
+        let big = pool.reserve(0, 96 * MIB, 0).unwrap();
+        pool.release(a).unwrap();
+        let before = (pool.stats(0).unwrap(), pool.stats(1).unwrap());
+        let cases = [
+            (a, "already released"),
+            (b + 512, "points 512 bytes into a live block"),
+            (b + 8192, "inside cached free memory"),
+            (big + 70 * MIB, "points 73400320 bytes into a live block"),
+            (0x1234_5000, "in no memory the pool holds on any device"),
+            (u64::MAX - 511, "in no memory the pool holds on any device"),
+        ];
+        for (ptr, needle) in cases {
+            let err = pool.release(ptr).unwrap_err();
+            assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+            assert!(err.message.contains(needle), "{ptr:#x}: {}", err.message);
+            let err = pool.record_stream(ptr, 0).unwrap_err();
+            assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+        }
+        assert_eq!((pool.stats(0).unwrap(), pool.stats(1).unwrap()), before);
+        pool.release(b).unwrap();
+        pool.release(big).unwrap();
+        assert_eq!(pool.stats(1).unwrap().allocated_bytes, 0);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_span_the_map_cannot_tell_is_resolved_by_asking_each_device() {
+    let (pool, sim) = pool_with(&[GIB, GIB], classic());
+    let a = pool.reserve(0, 4096, 0).unwrap();
+    let b = pool.reserve(0, 4096, 0).unwrap();
+    let c = pool.reserve(1, 4096, 0).unwrap();
+    // As if a segment of device 1 shared the 2 MiB span of device 0's segment.
+    let span = a & !(2 * MIB - 1);
+    pool.spans.add(span, 2 * MIB, 1);
+    assert_eq!(pool.spans.owner(a), Owner::Unknown);
+    assert!(pool.check().unwrap_err().contains("span map"));
+    let err = pool.release(b + 512).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    assert!(
+        err.message.contains("points 512 bytes into a live block"),
+        "{}",
+        err.message
+    );
+    pool.record_stream(a, 0).unwrap();
+    pool.release(a).unwrap();
+    let err = pool.release(a).unwrap_err();
+    assert!(err.message.contains("already released"), "{}", err.message);
+    let err = pool.release(span + 2 * MIB - 512).unwrap_err();
+    assert!(
+        err.message.contains("inside cached free memory"),
+        "{}",
+        err.message
+    );
+    assert_eq!(pool.stats(0).unwrap().allocated_bytes, 4096);
+    pool.spans.remove(span, 2 * MIB);
+    pool.release(b).unwrap();
+    pool.release(c).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn free_reusable_returns_idle_segments_only() {
     let (pool, sim) = pool(24 * GIB);
     let keep = pool.reserve(0, 10 * MIB, 0).unwrap();
@@ -1114,4 +1181,122 @@ fn a_request_just_under_10_mib_gets_a_shared_20_mib_segment_when_stitching_too()
         assert_eq!(b, a + 9 * MIB, "the second lies right after the first");
         assert_books(&pool, sim);
     }
+}
+
+/// Every batch of a sweep of device 0, `count` segments at most each, as (bytes, more).
+fn sweep_batches(pool: &Pool, count: usize, over: &dyn Fn() -> bool) -> Vec<(u64, bool)> {
+    let mut sweep = Sweep::default();
+    let mut batches = Vec::new();
+    loop {
+        let (mut device, cx) = pool.lock(0).unwrap();
+        let (bytes, more) = device
+            .free_reusable_batch(&cx, &mut sweep, count, over)
+            .unwrap();
+        drop(device);
+        batches.push((bytes, more));
+        pool.check().unwrap();
+        if !more {
+            return batches;
+        }
+        assert!(batches.len() < 1000, "the sweep does not end");
+    }
+}
+
+/// `n` idle 20 MiB segments with their blocks parked, a 2 MiB one with 16 small blocks parked
+/// on another stream, and a block used on that stream, pending on its work: returns the
+/// other stream.
+fn cache_to_sweep(pool: &Pool, sim: &Sim, n: usize) -> u64 {
+    let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+    let large: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, s1).unwrap())
+        .collect();
+    let small: Vec<u64> = (0..16)
+        .map(|_| pool.reserve(0, 4096, s2).unwrap())
+        .collect();
+    let p = pool.reserve(0, 4 * MIB, s1).unwrap();
+    pool.record_stream(p, s2).unwrap();
+    sim.enqueue_work(0, s2).unwrap();
+    for ptr in large.into_iter().chain(small).chain([p]) {
+        pool.release(ptr).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.segments, s.reserved_bytes),
+        (n as u64 + 2, (n as u64 + 1) * 20 * MIB + 2 * MIB)
+    );
+    s2
+}
+
+#[test]
+fn a_sweep_bounds_every_batch_on_both_policies_and_ends_with_exact_books() {
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[24 * GIB], config);
+        let n = 20;
+        let s2 = cache_to_sweep(&pool, sim, n);
+        // One segment a batch. The parked blocks (16: the most a stream keeps; the small
+        // blocks merged with each other as they were released) are merged by the first batch
+        // before it returns a segment, the pending block is waited for, and each segment goes
+        // back in a batch of its own.
+        let batches = sweep_batches(&pool, 1, &|| false);
+        assert_eq!(batches.len(), n + 2, "{config:?}");
+        let mut sizes: Vec<u64> = batches.iter().map(|&(bytes, _)| bytes).collect();
+        sizes.sort_unstable();
+        let mut expected = vec![20 * MIB; n + 1];
+        expected.insert(0, 2 * MIB);
+        assert_eq!(sizes, expected, "{config:?}");
+        assert!(batches[..n + 1].iter().all(|&(_, more)| more));
+        assert_eq!(
+            sim.pending_work(0, s2).unwrap(),
+            0,
+            "the host waited for s2"
+        );
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.segments, s.reserved_bytes), (0, 0), "{config:?}");
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_batch_stops_after_one_segment_once_its_time_is_up() {
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[24 * GIB], config);
+        let n = 2 * FREE_BATCH;
+        cache_to_sweep(&pool, sim, n);
+        let batches = sweep_batches(&pool, FREE_BATCH, &|| true);
+        // Parked blocks all merged and the pending block freed in the first, then one segment
+        // a batch.
+        assert_eq!(batches.len(), n + 2, "{config:?}");
+        assert!(batches
+            .iter()
+            .all(|&(bytes, _)| bytes == 20 * MIB || bytes == 2 * MIB));
+        let total: u64 = batches.iter().map(|&(bytes, _)| bytes).sum();
+        assert_eq!(total, (n as u64 + 1) * 20 * MIB + 2 * MIB);
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_sweep_takes_apart_a_lender_before_its_borrower_with_exact_books() {
+    // The free memory between live blocks is lent to a new segment: the first segment has
+    // holes, the second runs lent by it. Swept one segment a batch, the lender goes first and
+    // its pages lent on become the borrower's; the books stay exact after every batch
+    // (`sweep_batches` checks them) and nothing is held afterwards.
+    let (pool, sim, ptrs) = fragmented(vmm());
+    let big = pool.reserve(0, 60 * MIB, 0).unwrap();
+    for p in [ptrs[2], ptrs[3], ptrs[6], ptrs[7], big] {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 92 * MIB);
+    let batches = sweep_batches(&pool, 1, &|| false);
+    // Taken apart first, the lender returns nothing: the borrower still maps 48 MiB of its
+    // handle. Then the borrower goes, and with it the last mappings of both handles, returned
+    // one a batch, the larger first.
+    assert_eq!(
+        batches,
+        vec![(0, true), (80 * MIB, true), (12 * MIB, false)]
+    );
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
 }

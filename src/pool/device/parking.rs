@@ -117,4 +117,22 @@ impl DevicePool {
         }
         self.parked = 0;
     }
+
+    /// Merge up to `count` parked blocks into the free blocks of their streams; whether none
+    /// is left parked.
+    pub(super) fn flush_parked_upto(&mut self, count: usize) -> bool {
+        let mut left = count;
+        for slot in 0..self.slots.len() {
+            while left > 0 {
+                let Some(id) = self.slots[slot].parked.pop() else {
+                    break;
+                };
+                self.parked -= 1;
+                self.by_ptr.remove(&self.blocks[id].ptr);
+                self.free_block(id);
+                left -= 1;
+            }
+        }
+        self.parked == 0
+    }
 }

@@ -27,8 +27,12 @@ impl DevicePool {
                     in_use: false,
                     idle_at: NIL,
                     runs: Vec::new(),
+                    borrowers: Vec::new(),
                     stitched: false,
                 });
+                // Room for every segment to be forgotten (see `Blocks::insert`).
+                self.vacant_segments
+                    .reserve(self.segments.capacity() - self.vacant_segments.len());
                 u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
             }
         };
@@ -44,6 +48,9 @@ impl DevicePool {
         });
         let slot = self.join_slot(stream);
         let stitched = !runs.is_empty();
+        for lender in runs.iter().filter_map(|r| r.lender.map(|(l, _)| l)) {
+            self.add_borrower(lender, seg);
+        }
         self.segments[seg as usize] = Segment {
             base: ptr,
             size: segment,
@@ -53,11 +60,12 @@ impl DevicePool {
             in_use: true,
             idle_at: NIL,
             runs,
+            borrowers: Vec::new(),
             stitched,
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);
-        cx.directory.insert(ptr, segment, self.device);
+        cx.spans.add(ptr, segment, self.device);
         self.stats.segments += 1;
         id
     }
@@ -104,33 +112,6 @@ impl DevicePool {
         Ok(released)
     }
 
-    /// Return up to `count` idle classic segments to the driver, the largest first, after the
-    /// device's queued work. Returns the bytes returned.
-    pub(super) fn release_idle_segments(&mut self, cx: &Context<'_>, count: usize) -> Result<u64> {
-        let mut idle: Vec<(u64, u32)> = self
-            .idle
-            .iter()
-            .map(|&seg| (self.segments[seg as usize].size, seg))
-            .collect();
-        if idle.is_empty() || count == 0 {
-            return Ok(0);
-        }
-        if idle.len() > count {
-            idle.select_nth_unstable_by(count - 1, |a, b| b.cmp(a));
-            idle.truncate(count);
-        }
-        // Work queued before the blocks were released may still use them.
-        cx.driver.synchronize(self.device).map_err(|e| {
-            Error::driver("waiting for the device before returning cached memory", &e)
-        })?;
-        let mut released = 0;
-        for (size, seg) in idle {
-            self.free_segment(cx, seg)?;
-            released += size;
-        }
-        Ok(released)
-    }
-
     /// Give an idle segment back to the driver and forget it.
     pub(super) fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
         let (base, size) = (
@@ -138,29 +119,28 @@ impl DevicePool {
             self.segments[seg as usize].size,
         );
         if !self.segments[seg as usize].stitched {
-            // Out of the directory before the driver can hand the addresses to another device.
-            cx.directory.remove(base, self.device);
+            // Out of the span map before the driver can hand the addresses to another device.
+            cx.spans.remove(base, size);
             if let Err(e) = cx.driver.mem_free(self.device, base) {
-                cx.directory.insert(base, size, self.device);
+                cx.spans.add(base, size, self.device);
                 return Err(Error::driver(
                     &format!("returning segment {base:#x} to the driver"),
                     &e,
                 ));
             }
-            self.forget_segment(cx, seg);
+            self.forget_segment(seg);
             self.stats.remove_reserved(size, 1);
             return Ok(());
         }
         self.dismantle(cx, seg)
     }
 
-    /// Drop a segment with no block in use from the books (not its memory), its address out
-    /// of the directory (if the caller has not taken it out already). Call it *before* the
-    /// driver frees the segment's addresses, which another device may be given at once.
-    pub(super) fn forget_segment(&mut self, cx: &Context<'_>, seg: u32) {
-        let (base, slot, class, mut id, idle_at) = {
+    /// Drop a segment with no block in use from the books (not its memory, nor its entry in
+    /// the span map, which the caller takes out before the driver frees the addresses).
+    pub(super) fn forget_segment(&mut self, seg: u32) {
+        let (slot, class, mut id, idle_at) = {
             let s = &self.segments[seg as usize];
-            (s.base, s.slot, s.class, s.first, s.idle_at)
+            (s.slot, s.class, s.first, s.idle_at)
         };
         while id != NIL {
             let next = self.blocks[id].next;
@@ -177,9 +157,9 @@ impl DevicePool {
         self.leave_slot(slot);
         self.segments[seg as usize].in_use = false;
         self.vacant_segments.push(seg);
-        cx.directory.remove(base, self.device);
         self.stats.segments -= 1;
         self.segments[seg as usize].runs = Vec::new();
+        self.segments[seg as usize].borrowers = Vec::new();
     }
 
     pub(super) fn mark_idle(&mut self, seg: u32) {

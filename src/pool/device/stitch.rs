@@ -450,15 +450,18 @@ impl DevicePool {
             .map_err(|e| Error::driver("freeing an abandoned address range", &e))
     }
 
-    /// Retry the ranges kept after a failure.
-    pub(super) fn retry_stuck(&mut self, cx: &Context<'_>) -> Result<()> {
-        while let Some(mut stuck) = self.stuck.pop() {
+    /// Retry up to `count` of the ranges kept after a failure; whether none is left.
+    pub(super) fn retry_stuck(&mut self, cx: &Context<'_>, count: usize) -> Result<bool> {
+        for _ in 0..count {
+            let Some(mut stuck) = self.stuck.pop() else {
+                break;
+            };
             if let Err(err) = self.unstick(cx, &mut stuck) {
                 self.stuck.push(stuck);
                 return Err(err);
             }
         }
-        Ok(())
+        Ok(self.stuck.is_empty())
     }
 
     /// Mark `[ptr, ptr + size)` of `seg`, inside one free block, a hole: its pages are lent.
@@ -561,16 +564,23 @@ impl DevicePool {
                 .expect("a lent piece lies in a run");
             r.lender.map(|(l, at)| (l, at + (ptr - base - r.offset)))
         };
-        for s in 0..self.segments.len() {
-            if !self.segments[s].in_use {
-                continue;
-            }
-            for i in 0..self.segments[s].runs.len() {
-                if let Some((l, ptr)) = self.segments[s].runs[i].lender {
+        for borrower in std::mem::take(&mut self.segments[seg as usize].borrowers) {
+            for i in 0..self.segments[borrower as usize].runs.len() {
+                if let Some((l, ptr)) = self.segments[borrower as usize].runs[i].lender {
                     if l == seg {
-                        self.segments[s].runs[i].lender = lender_of(ptr);
+                        let lender = lender_of(ptr);
+                        self.segments[borrower as usize].runs[i].lender = lender;
+                        if let Some((l, _)) = lender {
+                            self.add_borrower(l, borrower);
+                        }
                     }
                 }
+            }
+        }
+        // Its own lenders lend it nothing any more.
+        for r in &runs {
+            if let Some((l, _)) = r.lender {
+                self.segments[l as usize].borrowers.retain(|&b| b != seg);
             }
         }
         // Pages it owned go back to their lender, or become spare.
@@ -600,7 +610,9 @@ impl DevicePool {
                 }
             }
         }
-        self.forget_segment(cx, seg);
+        self.forget_segment(seg);
+        // Out of the span map before the driver can hand the addresses to another device.
+        cx.spans.remove(base, size);
         if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
             self.stuck.push(Stuck {
                 base,
@@ -616,58 +628,48 @@ impl DevicePool {
         Ok(())
     }
 
+    /// Note that `borrower` has a run lent by `lender`.
+    pub(super) fn add_borrower(&mut self, lender: u32, borrower: u32) {
+        let borrowers = &mut self.segments[lender as usize].borrowers;
+        if !borrowers.contains(&borrower) {
+            borrowers.push(borrower);
+        }
+    }
+
     /// Return cached memory until at least `needed` bytes went back to the driver (`u64::MAX`:
     /// all): unused handles, then segments with no block in use (idle, or only free blocks and
     /// holes) taken apart, largest first, and the handles that leaves unused. Returns the bytes
     /// returned.
     pub(super) fn release_idle_stitched(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        let mut released = self.release_unused(cx, needed)?;
+        let mut released = self.release_unused(cx, needed, usize::MAX)?;
+        if released >= needed {
+            return Ok(released);
+        }
+        // Taking a segment apart fills holes in its lenders and changes no other segment's
+        // blocks from free to used or back, so one scan finds every candidate; each is checked
+        // again before it goes.
+        let mut found: Vec<(u64, u32)> = (0..self.segments.len() as u32)
+            .filter(|&seg| self.is_unused(seg))
+            .map(|seg| (self.segments[seg as usize].size, seg))
+            .collect();
+        found.sort_unstable_by(|a, b| b.cmp(a));
         let mut waited = false;
-        while released < needed {
-            let Some(seg) = self.unused_segment() else {
+        for (_, seg) in found {
+            if released >= needed {
                 break;
-            };
+            }
+            if !self.is_unused(seg) {
+                continue;
+            }
             if !waited {
                 // Work queued before the blocks were released may still use them.
-                cx.driver.synchronize(self.device).map_err(|e| {
-                    Error::driver("waiting for the device before returning cached memory", &e)
-                })?;
+                self.wait_before_returning(cx)?;
                 waited = true;
             }
             self.dismantle(cx, seg)?;
-            released += self.release_unused(cx, needed - released)?;
+            released += self.release_unused(cx, needed - released, usize::MAX)?;
         }
         Ok(released)
-    }
-
-    /// One batch of returning all cached memory: every handle mapped nowhere, and at most
-    /// `count` unused segments taken apart, largest first, with the handles that leaves unused.
-    /// Returns the bytes returned and whether more unused segments were found than taken.
-    pub(super) fn release_stitched_batch(
-        &mut self,
-        cx: &Context<'_>,
-        count: usize,
-    ) -> Result<(u64, bool)> {
-        let mut released = self.release_unused(cx, u64::MAX)?;
-        // One scan finds the batch, largest first; each is checked again before it is taken
-        // apart, since taking one apart changes its lenders.
-        let mut found = self.unused_segments();
-        let more = found.len() > count;
-        found.sort_unstable_by(|a, b| b.cmp(a));
-        found.truncate(count);
-        if !found.is_empty() {
-            // Work queued before the blocks were released may still use them.
-            cx.driver.synchronize(self.device).map_err(|e| {
-                Error::driver("waiting for the device before returning cached memory", &e)
-            })?;
-        }
-        for (_, seg) in found {
-            if self.is_unused(seg) {
-                self.dismantle(cx, seg)?;
-                released += self.release_unused(cx, u64::MAX)?;
-            }
-        }
-        Ok((released, more))
     }
 
     /// Take apart every idle stitched segment made in part from lent pages, so that the pages
@@ -714,24 +716,16 @@ impl DevicePool {
         returned
     }
 
-    /// Every stitched segment whose blocks are all free or holes, with its size.
-    fn unused_segments(&self) -> Vec<(u64, u32)> {
-        (0..self.segments.len() as u32)
-            .filter(|&seg| self.is_unused(seg))
-            .map(|seg| (self.segments[seg as usize].size, seg))
-            .collect()
-    }
-
-    /// The largest stitched segment whose blocks are all free or holes.
-    fn unused_segment(&self) -> Option<u32> {
-        (0..self.segments.len() as u32)
-            .filter(|&seg| self.is_unused(seg))
-            .max_by_key(|&seg| (self.segments[seg as usize].size, seg))
+    /// Wait for the device's queued work, which may still use blocks released before it.
+    pub(super) fn wait_before_returning(&self, cx: &Context<'_>) -> Result<()> {
+        cx.driver
+            .synchronize(self.device)
+            .map_err(|e| Error::driver("waiting for the device before returning cached memory", &e))
     }
 
     /// Whether `seg` is a stitched segment in use whose blocks are all free or holes, lending
     /// nothing in flight.
-    fn is_unused(&self, seg: u32) -> bool {
+    pub(super) fn is_unused(&self, seg: u32) -> bool {
         let s = &self.segments[seg as usize];
         if !(s.in_use && s.stitched && !self.lending.contains(&seg)) {
             return false;
@@ -746,16 +740,36 @@ impl DevicePool {
         true
     }
 
-    /// Release handles mapped nowhere, largest first, until `needed` bytes went back.
-    fn release_unused(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        let mut released = 0;
+    /// Whether a handle mapped nowhere is left that [`DevicePool::release_unused`] would return.
+    pub(super) fn has_unused_handles(&self) -> bool {
+        self.phys.unused().any(|(handle, _)| !self.is_stuck(handle))
+    }
+
+    fn is_stuck(&self, handle: PhysHandle) -> bool {
+        self.stuck.iter().any(|s| s.handles.contains(&handle))
+    }
+
+    /// Release handles mapped nowhere, largest first, until `needed` bytes or `count` handles
+    /// went back; those mapped in a range kept to retry stay. Returns the bytes returned.
+    pub(super) fn release_unused(
+        &mut self,
+        cx: &Context<'_>,
+        needed: u64,
+        count: usize,
+    ) -> Result<u64> {
+        let mut chosen = Vec::new();
+        let mut sum = 0u64;
         for (handle, size) in self.phys.unused() {
-            if released >= needed {
+            if sum >= needed || chosen.len() == count {
                 break;
             }
-            if self.stuck.iter().any(|s| s.handles.contains(&handle)) {
-                continue;
+            if !self.is_stuck(handle) {
+                chosen.push((handle, size));
+                sum = sum.saturating_add(size);
             }
+        }
+        let mut released = 0;
+        for (handle, size) in chosen {
             cx.driver
                 .vmm_release(self.device, handle)
                 .map_err(|e| Error::driver("returning cached memory to the driver", &e))?;
@@ -764,6 +778,32 @@ impl DevicePool {
             released += size;
         }
         Ok(released)
+    }
+
+    /// Check that each segment lists as borrowers exactly the segments with a run it lent,
+    /// each once.
+    fn check_borrowers(&self) -> std::result::Result<(), String> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let mut expected: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
+        for (index, s) in self.segments.iter().enumerate().filter(|(_, s)| s.in_use) {
+            for (l, _) in s.runs.iter().filter_map(|r| r.lender) {
+                expected.entry(l).or_default().insert(index as u32);
+            }
+        }
+        for (index, s) in self.segments.iter().enumerate() {
+            let listed: BTreeSet<u32> = s.borrowers.iter().copied().collect();
+            let lent = expected.remove(&(index as u32)).unwrap_or_default();
+            if listed.len() != s.borrowers.len()
+                || listed != lent
+                || (!s.in_use && !lent.is_empty())
+            {
+                return Err(format!(
+                    "segment {:#x} lists borrowers {:?} but lent runs to {:?}",
+                    s.base, s.borrowers, lent
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
@@ -815,6 +855,7 @@ impl DevicePool {
         if lent != holes {
             return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
         }
+        self.check_borrowers()?;
         if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
             return Err(format!(
                 "segments own {owned} bytes and {} are spare, but handles hold {}",

@@ -42,6 +42,40 @@ impl DevicePool {
         Ok(())
     }
 
+    /// Wait for the events of up to `count` pending blocks and free them, stopping early once
+    /// `over()`; whether none is left pending.
+    pub(super) fn wait_pending(
+        &mut self,
+        cx: &Context<'_>,
+        count: usize,
+        over: &dyn Fn() -> bool,
+    ) -> Result<bool> {
+        for _ in 0..count {
+            let Some(pending) = self.pending.last() else {
+                break;
+            };
+            for &event in &pending.events {
+                cx.driver
+                    .event_synchronize(self.device, event)
+                    .map_err(|e| {
+                        Error::driver(
+                            "waiting for work on other streams using a released block",
+                            &e,
+                        )
+                    })?;
+            }
+            let Some(Pending { block, mut events }) = self.pending.pop() else {
+                break;
+            };
+            self.spare_events.append(&mut events);
+            self.free_block(block);
+            if over() {
+                break;
+            }
+        }
+        Ok(self.pending.is_empty())
+    }
+
     /// The stream of block `id` (its segment's).
     pub(super) fn stream_of(&self, id: u32) -> StreamHandle {
         let slot = self.segments[self.blocks[id].segment as usize].slot;
