@@ -13,7 +13,9 @@
  * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
  * unless given). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
  * the front cache passes to the pool, from one thread on device 0, then two threads on devices
- * 0 and 1: `device_pair <threads> <ns per pair per thread>`. `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
+ * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread. `pairs handoff [HOLD_US] [BATCHES]`
+ * measures the same waits behind a plain pthread mutex held HOLD_US (20) at a time, BATCHES
+ * (320) times: the machine's share of the waits behind batches of that length. `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
  * instruction counts over the difference of N is the instructions of one pair
  * (scripts/bench-c.sh does this). `pairs quick` measures only the pairs with nothing else cached, from
@@ -27,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 
 #include "resmem.h"
@@ -251,7 +254,77 @@ static void free_reusable_pauses(size_t segments) {
          d[3]);
 }
 
+/* ----- the same waits behind a plain mutex, for reference ----- */
+
+static pthread_mutex_t ref_lock = PTHREAD_MUTEX_INITIALIZER;
+static atomic_int ref_waiting;
+
+/* Lock, unlock and time it, in a loop, until phase 3; a lock that is held counts as waiting
+ * until taken, as the pool counts its lock's waiters. */
+static void *ref_probe(void *arg) {
+  (void)arg;
+  int p;
+  while ((p = atomic_load(&phase)) != 3) {
+    if (p == 0) continue;
+    double start = now_ns();
+    if (pthread_mutex_trylock(&ref_lock) != 0) {
+      atomic_fetch_add(&ref_waiting, 1);
+      pthread_mutex_lock(&ref_lock);
+      atomic_fetch_sub(&ref_waiting, 1);
+    }
+    pthread_mutex_unlock(&ref_lock);
+    if (counts[p] < SAMPLES) waits[p][counts[p]++] = (float)(now_ns() - start);
+  }
+  return NULL;
+}
+
+static void spin_us(double us) {
+  double end = now_ns() + us * 1e3;
+  while (now_ns() < end) {
+  }
+}
+
+/* What rm_free_reusable's batches look like to a waiter, with a pthread mutex and no pool: the
+ * main thread holds the lock `hold_us` at a time, `batches` times, and between two holds yields
+ * while a thread waits for the lock, for up to 200 us (as the pool does). The waits measured
+ * are the machine's (waking a thread that sleeps on a lock, preemption), for batches of that
+ * length. Prints: handoff <batches> <hold us> then, as `pairs pauses` does, the baseline and
+ * the time of the batches: <calls> <median us> <p99.9 us> <max us> <calls over 100 us> */
+static void handoff_reference(double hold_us, int batches) {
+  waits[1] = malloc(sizeof(float) * SAMPLES);
+  waits[2] = malloc(sizeof(float) * SAMPLES);
+  pthread_t t;
+  pthread_create(&t, NULL, ref_probe, NULL);
+  struct timespec baseline = {0, 200 * 1000 * 1000};
+  atomic_store(&phase, 1);
+  nanosleep(&baseline, NULL);
+  atomic_store(&phase, 2);
+  for (int i = 0; i < batches; i++) {
+    pthread_mutex_lock(&ref_lock);
+    spin_us(hold_us);
+    pthread_mutex_unlock(&ref_lock);
+    double start = now_ns();
+    while (atomic_load(&ref_waiting) > 0 && now_ns() - start < 200e3) sched_yield();
+  }
+  atomic_store(&phase, 3);
+  pthread_join(t, NULL);
+  double b[4], d[4];
+  summarize(1, b);
+  summarize(2, d);
+  printf("handoff %d %.1f %zu %.2f %.1f %.1f %.0f %zu %.2f %.1f %.1f %.0f\n", batches, hold_us,
+         counts[1], b[0], b[1], b[2], b[3], counts[2], d[0], d[1], d[2], d[3]);
+}
+
 /* ----- releases the front cache does not know, one device per thread ----- */
+
+static double device_cpu[2];
+
+/* The calling thread's CPU time in ns. */
+static double cpu_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
+}
 
 /* Pairs of 128 MiB blocks (beyond the front cache's 64 MiB, so each release goes to the pool
  * and finds the block's device there), each thread on its own device and stream. */
@@ -270,7 +343,7 @@ static void *device_work(void *arg) {
   while (!atomic_load(&go)) {
   }
   unsigned long long n = 0;
-  double start = now_ns();
+  double start = now_ns(), cpu_start = cpu_ns();
   while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
     for (int i = 0; i < 256; i++) {
       rm_reserve(dev, size, stream, &p);
@@ -279,15 +352,17 @@ static void *device_work(void *arg) {
     n += 256;
   }
   w->ns = now_ns() - start;
+  device_cpu[dev] = cpu_ns() - cpu_start;
   w->pairs = n;
   return NULL;
 }
 
-/* Prints `device_pair <threads> <ns per pair per thread, median over threads>` for 1 and 2
- * threads (devices 0 and 1 of CUDA_SIM_DEVICES). */
+/* Prints `device_pair <threads> <wall ns> <CPU ns>` per pair per thread (the median over
+ * threads; the CPU time is the thread's own, which leaves out the time it waited for a CPU)
+ * for 1 and 2 threads (devices 0 and 1 of CUDA_SIM_DEVICES). */
 static void device_pairs(void) {
   for (int threads = 1; threads <= 2; threads++) {
-    double per[2];
+    double per[2], cpu[2];
     atomic_store(&go, 0);
     atomic_store(&stop, 0);
     for (int t = 0; t < threads; t++) {
@@ -302,9 +377,11 @@ static void device_pairs(void) {
     for (int t = 0; t < threads; t++) {
       pthread_join(device_workers[t].thread, NULL);
       per[t] = device_workers[t].ns / (double)device_workers[t].pairs;
+      cpu[t] = device_cpu[t] / (double)device_workers[t].pairs;
     }
     qsort(per, threads, sizeof per[0], cmp_double);
-    printf("device_pair %d %.1f\n", threads, per[threads / 2]);
+    qsort(cpu, threads, sizeof cpu[0], cmp_double);
+    printf("device_pair %d %.1f %.1f\n", threads, per[threads / 2], cpu[threads / 2]);
     fflush(stdout);
   }
 }
@@ -340,6 +417,10 @@ int main(int argc, char **argv) {
       rm_reserve(0, size, stream, &p);
       rm_release(p);
     }
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "handoff") == 0) {
+    handoff_reference(argc > 2 ? atof(argv[2]) : 20, argc > 3 ? atoi(argv[3]) : 320);
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "devices") == 0) {

@@ -55,7 +55,7 @@ pub const FREE_BATCH: usize = 32;
 /// The time after which a batch of [`Pool::free_reusable`] stops early (checked after each
 /// segment), so that the batches fit the driver's speed: a slow driver gets fewer segments per
 /// hold of the lock.
-const BATCH_TIME: Duration = Duration::from_micros(40);
+const BATCH_TIME: Duration = Duration::from_micros(20);
 
 /// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
 /// device's lock.

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The waits behind rm_free_reusable (benches/c/pairs.c `pauses`: 100k idle 2 MiB segments, the
+# default policy and classic segments), the same waits behind a plain pthread mutex held 20 us
+# at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
+# passes to the pool, from one thread and from two threads on two devices (`devices`), through
+# the shipped libresmem.so. With BASELINE_LIB=path/to/another/libresmem.so, every run does the
+# same with that library too, alternating, for a comparison in the same session. Prints a
+# Markdown section.
+#
+#   scripts/bench-pauses.sh
+#   RUNS=5 BASELINE_LIB=/tmp/old/libresmem.so scripts/bench-pauses.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${RUNS:-3}
+cargo build --release -q -p resmem -p libcuda-sim
+out=target/bench-pauses
+libs=("this:$PWD/target/release/libresmem.so")
+if [ -n "${BASELINE_LIB:-}" ]; then
+  libs=("baseline:$BASELINE_LIB" "${libs[@]}")
+fi
+for entry in "${libs[@]}"; do
+  name=${entry%%:*}
+  mkdir -p "$out/$name"
+  cp "${entry#*:}" "$out/$name/libresmem.so.0"
+  gcc -O2 -std=c11 -Wall -Wextra -Iinclude benches/c/pairs.c -o "$out/$name/pairs" \
+    -L"$PWD/$out/$name" -l:libresmem.so.0 -Wl,-rpath,"$PWD/$out/$name" -lpthread -ldl
+done
+export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
+: > "$out/results"
+for i in $(seq 1 "$runs"); do
+  for entry in "${libs[@]}"; do
+    name=${entry%%:*}
+    echo "$name $i default $(CUDA_SIM_DEVICES=240GiB "$out/$name/pairs" pauses)" >> "$out/results"
+    echo "$name $i classic $(CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses)" \
+      >> "$out/results"
+    CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
+  done
+  echo "reference $i mutex $("$out/this/pairs" handoff)" >> "$out/results"
+done
+python3 - "$out/results" "$runs" <<'PY'
+import sys, platform, subprocess, datetime
+path, runs = sys.argv[1], int(sys.argv[2])
+cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {platform.machine()}, "
+      f"{cpu} CPUs (`nproc`), Linux {platform.release()}; simulated devices through "
+      "`libcuda_sim.so`. Waits in µs of `rm_mem_get_info` calls in a loop on another thread "
+      "(they take the device's lock), with nothing else running (alone) and during "
+      "`rm_free_reusable` of 100k idle 2 MiB segments (240 GiB device); `mutex` is the same "
+      "probe behind a pthread mutex held 20 µs at a time, 320 times, with the pool's hand-over "
+      "between holds (the machine's share).\n")
+print("| library | run | policy | rm_free_reusable (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")
+print("| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+pairs = []
+for line in open(path):
+    f = line.split()
+    if f[2] == "device_pair":
+        pairs.append((f[0], f[1], f[3], f"{f[4]} / {f[5]}"))
+        continue
+    lib, run, policy, rest = f[0], f[1], f[2], f[4:]
+    if policy == "mutex":
+        total, nums = "-", rest[2:]
+    else:
+        total, nums = rest[1], rest[3:]
+    for phase, p in (("alone", nums[0:5]), ("during", nums[5:10])):
+        print(f"| {lib} | {run} | {policy} | {total} | {phase} | {int(p[0]):,} | {p[1]} | {p[2]} | "
+              f"{float(p[3]):.0f} | {p[4]} |")
+print()
+print("Pairs of 128 MiB blocks (reserve + release through the pool, the front cache passing them "
+      "on), ns per pair per thread, wall / the thread's own CPU time (which leaves out waiting for "
+      "a CPU), one thread on device 0, then two threads on devices 0 and 1:\n")
+print("| library | run | 1 thread, wall / CPU | 2 threads, 2 devices, wall / CPU |")
+print("| --- | ---: | ---: | ---: |")
+rows = {}
+for lib, run, threads, ns in pairs:
+    rows.setdefault((lib, run), {})[threads] = ns
+for (lib, run), v in rows.items():
+    print(f"| {lib} | {run} | {v.get('1', '-')} | {v.get('2', '-')} |")
+PY
