@@ -243,15 +243,14 @@ impl Front {
     /// `(free, total)` bytes of `device`, where free counts reusable memory, cached blocks
     /// included.
     pub fn mem_get_info(&self, device: i32) -> Result<(u64, u64)> {
-        let pool = &self.inner.pool;
-        let (free, total) = pool.mem_get_info(device)?;
+        // One hold of the device's lock.
+        let (free, total, capped) = self.inner.pool.mem_get_info_capped(device)?;
         let cached = self.inner.sum(device).cached_bytes.max(0) as u64;
         let mut free = free.saturating_add(cached).min(total);
-        if let Some(limit) = pool.memory_limit(device)? {
+        if let Some((limit, allocated)) = capped {
             // The pool bounded free by what its limit leaves, counting cached blocks as
             // allocated; bound it by what the limit leaves to the user's blocks.
-            let allocated = pool.stats(device)?.allocated_bytes.saturating_sub(cached);
-            free = free.min(limit.saturating_sub(allocated));
+            free = free.min(limit.saturating_sub(allocated.saturating_sub(cached)));
         }
         Ok((free, total))
     }

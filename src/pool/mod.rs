@@ -254,6 +254,17 @@ impl Pool {
         pool.mem_get_info(&cx)
     }
 
+    /// [`Pool::mem_get_info`] with, where `device` has a cap, the cap and the allocated bytes,
+    /// read under one hold of the device's lock: `(free, total, Some((cap, allocated)))`.
+    pub fn mem_get_info_capped(&self, device: i32) -> Result<(u64, u64, Option<(u64, u64)>)> {
+        let (pool, cx) = self.lock(device)?;
+        let (free, total) = pool.mem_get_info(&cx)?;
+        let capped = pool
+            .memory_limit()
+            .map(|cap| (cap, pool.stats().allocated_bytes));
+        Ok((free, total, capped))
+    }
+
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
     /// The work goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a
     /// batch has run for [`BATCH_TIME`]), the device's lock released between them, so that
