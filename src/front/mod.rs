@@ -244,10 +244,11 @@ impl Front {
     /// included.
     pub fn mem_get_info(&self, device: i32) -> Result<(u64, u64)> {
         // One hold of the device's lock.
-        let (free, total, capped) = self.inner.pool.mem_get_info_capped(device)?;
+        let info = self.inner.pool.mem_get_info_capped(device)?;
+        let (free, total) = (info.free, info.total);
         let cached = self.inner.sum(device).cached_bytes.max(0) as u64;
         let mut free = free.saturating_add(cached).min(total);
-        if let Some((limit, allocated)) = capped {
+        if let Some((limit, allocated)) = info.cap {
             // The pool bounded free by what its limit leaves, counting cached blocks as
             // allocated; bound it by what the limit leaves to the user's blocks.
             free = free.min(limit.saturating_sub(allocated.saturating_sub(cached)));

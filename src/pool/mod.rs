@@ -102,6 +102,16 @@ pub struct Pool {
     spans: Spans,
 }
 
+/// What [`Pool::mem_get_info_capped`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    /// As [`Pool::mem_get_info`].
+    pub free: u64,
+    pub total: u64,
+    /// Where the device has a cap: the cap and the bytes allocated.
+    pub cap: Option<(u64, u64)>,
+}
+
 impl Pool {
     /// A pool over every device `driver` sees.
     pub fn new(driver: Arc<dyn Driver>, config: PoolConfig) -> Pool {
@@ -254,15 +264,15 @@ impl Pool {
         pool.mem_get_info(&cx)
     }
 
-    /// [`Pool::mem_get_info`] with, where `device` has a cap, the cap and the allocated bytes,
-    /// read under one hold of the device's lock: `(free, total, Some((cap, allocated)))`.
-    pub fn mem_get_info_capped(&self, device: i32) -> Result<(u64, u64, Option<(u64, u64)>)> {
+    /// [`Pool::mem_get_info`] with the cap on `device`, read under one hold of the device's
+    /// lock.
+    pub fn mem_get_info_capped(&self, device: i32) -> Result<MemInfo> {
         let (pool, cx) = self.lock(device)?;
         let (free, total) = pool.mem_get_info(&cx)?;
-        let capped = pool
+        let cap = pool
             .memory_limit()
-            .map(|cap| (cap, pool.stats().allocated_bytes));
-        Ok((free, total, capped))
+            .map(|limit| (limit, pool.stats().allocated_bytes));
+        Ok(MemInfo { free, total, cap })
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
