@@ -2,9 +2,8 @@
 # The C benchmark (benches/c/pairs.c) through the shipped libresmem.so, with glibc's malloc +
 # free measured in the same run: cache-hit pairs from 1, 2, 4 and 8 threads (each on its own
 # simulated stream) at 512 B, 64 KiB, 4 MiB and 64 MiB with 0, 1k and 100k other blocks cached;
-# rm_get_stats with those caches; and the longest wait behind rm_free_reusable returning 100k
-# idle segments (the default policy and classic segments); and the instructions of one pair
-# under callgrind. Runs everything RUNS times (default 3) and prints a Markdown section with the
+# rm_get_stats with those caches; and the instructions of one pair under callgrind. (The waits
+# behind rm_free_reusable are scripts/bench-pauses.sh's.) Runs everything RUNS times (default 3) and prints a Markdown section with the
 # minimum and the median of the runs.
 #
 #   scripts/bench-c.sh            # build (release), run, print the section
@@ -24,8 +23,6 @@ export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.s
 if [ -z "${REPORT_ONLY:-}" ]; then
   for i in $(seq 1 "$runs"); do
     CUDA_SIM_DEVICES=80GiB "$out/pairs" > "$out/pairs.$i"
-    CUDA_SIM_DEVICES=240GiB "$out/pairs" pauses > "$out/pauses.$i"
-    CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/pairs" pauses > "$out/pauses-classic.$i"
   done
   # Instructions of one cache-hit pair (callgrind: 120k pairs less 20k pairs, over 100k).
   : > "$out/instructions"
@@ -44,7 +41,7 @@ fi
 python3 - "$out" "$runs" <<'PY'
 import statistics, sys, platform, subprocess, datetime, os
 out, runs = sys.argv[1], int(sys.argv[2])
-pairs, stats, pauses = {}, {}, []
+pairs, stats = {}, {}
 for i in range(1, runs + 1):
     for line in open(f"{out}/pairs.{i}"):
         f = line.split()
@@ -53,10 +50,6 @@ for i in range(1, runs + 1):
             pairs.setdefault((f[1], int(f[2]), int(f[3]), int(f[4])), []).append((float(f[5]), float(f[6])))
         elif f[0] == "stats":
             stats.setdefault(int(f[1]), []).append(float(f[2]))
-    for policy, name in (("default", "pauses"), ("classic", "pauses-classic")):
-        for line in open(f"{out}/{name}.{i}"):
-            f = line.split()
-            pauses.append((policy, float(f[2]), int(f[3]), [float(x) for x in f[4:9]], [float(x) for x in f[9:14]]))
 def human(n):
     for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -104,17 +97,7 @@ for cached in sorted(stats):
     s = mm(stats[cached])
     print(f"| {cached:,} | {s[0]:.0f} / {s[1]:.0f} |")
 print()
-print("`rm_free_reusable` returning 100k idle 2 MiB segments (240 GiB device) while another "
-      "thread calls `rm_mem_get_info` (which takes the device's lock) in a loop, each call timed: "
-      "first 200 ms with nothing else running (the machine's own noise, mostly preemption by "
-      "other processes on the 2 shared CPUs), then during `rm_free_reusable`. Waits in µs.\n")
-print("| policy | run | rm_free_reusable (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")
-print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-for i, (policy, total, released, base, during) in enumerate(pauses, 1):
-    for name, p in (("alone", base), ("during", during)):
-        print(f"| {policy} | {(i + 1) // 2} | {total:.1f} | {name} | {int(p[0]):,} | {p[1]:.2f} | "
-              f"{p[2]:.1f} | {p[3]:.0f} | {int(p[4])} |")
-print()
+print("The waits behind `rm_free_reusable` are measured by `scripts/bench-pauses.sh` (below).\n")
 instructions = [line.split() for line in open(f"{out}/instructions")]
 if instructions:
     print("Instructions of one cache-hit pair, one thread (callgrind, `pairs count`): " +

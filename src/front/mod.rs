@@ -442,7 +442,11 @@ impl Inner {
         );
         let requested = e.requested.load(Relaxed);
         if owner == cache.index {
-            let Some(bin) = cache.find_or_key(device, e.stream.load(Relaxed), size) else {
+            let stream = e.stream.load(Relaxed);
+            let Some(bin) = cache
+                .find_or_key(device, stream, size)
+                .or_else(|| self.make_room(cache, device, stream, size))
+            else {
                 return false;
             };
             if !bin.push(index, e, size) {
@@ -464,6 +468,21 @@ impl Inner {
         true
     }
 
+    /// A bin for a key none of `cache`'s bins holds when every bin it may use holds blocks of
+    /// other keys: the emptiest of them gives its blocks back to the pool and takes the new key,
+    /// so that a thread cycling through more keys than it has bins keeps its newest cached.
+    #[cold]
+    fn make_room<'a>(
+        &self,
+        cache: &'a ThreadCache,
+        device: i32,
+        stream: StreamHandle,
+        size: u64,
+    ) -> Option<&'a Bin> {
+        self.evict_list(cache.emptiest(device, stream, size).take());
+        cache.find_or_key(device, stream, size)
+    }
+
     /// Sort the blocks other threads released to `cache` into its bins.
     fn collect_remote(&self, cache: &ThreadCache) {
         let mut index = cache.remote.swap(NIL, Acquire);
@@ -471,7 +490,10 @@ impl Inner {
             let e = self.entries.get(index);
             let next = e.next.load(Relaxed);
             let size = e.size.load(Relaxed);
-            let bin = cache.find_or_key(e.device.load(Relaxed), e.stream.load(Relaxed), size);
+            let (device, stream) = (e.device.load(Relaxed), e.stream.load(Relaxed));
+            let bin = cache
+                .find_or_key(device, stream, size)
+                .or_else(|| self.make_room(cache, device, stream, size));
             if !bin.is_some_and(|bin| bin.push(index, e, size)) {
                 self.evict(index, e.ptr(), CACHED);
             }

@@ -346,3 +346,29 @@ fn a_dropped_front_leaves_the_threads_that_used_it_working() {
     go_tx.send(()).unwrap();
     t.join().unwrap();
 }
+
+#[test]
+fn a_thread_using_more_sizes_than_it_has_bins_keeps_the_newest_cached() {
+    let (front, sim) = front();
+    // 200 sizes, more than the bins, each released after reserving: every size ends cached
+    // while it is among the newest, the oldest bins emptied into the pool to make room.
+    let sizes: Vec<u64> = (1..=200).map(|k| k * 512).collect();
+    for &size in &sizes {
+        let p = front.reserve(0, size, 0).unwrap();
+        front.release(p).unwrap();
+    }
+    let calls = front.pool().stats(0).unwrap().reserve_calls;
+    let pool_hits = front.pool().stats(0).unwrap().cache_hits;
+    // The newest size is a hit, served without the pool.
+    let last = *sizes.last().unwrap();
+    let p = front.reserve(0, last, 0).unwrap();
+    assert_eq!(front.pool().stats(0).unwrap().reserve_calls, calls);
+    front.release(p).unwrap();
+    // Every block not in a bin went back to the pool: at most one block a bin is cached.
+    let cached = front.pool().stats(0).unwrap().live_blocks;
+    assert!((1..=thread::BINS as u64).contains(&cached), "{cached}");
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 201, pool_hits + 1));
+    front.free_reusable(None).unwrap();
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
+    assert_eq!(sim.used_bytes(0), 0);
+}

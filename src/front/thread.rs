@@ -221,6 +221,16 @@ impl ThreadCache {
         Some(bin)
     }
 
+    /// The bin with the fewest blocks among those `(device, stream, size)` may use (owner
+    /// only): the one to empty when none is free for a new key.
+    pub fn emptiest(&self, device: i32, stream: StreamHandle, size: u64) -> &Bin {
+        let start = slot_of(device, stream, size);
+        (0..PROBE)
+            .map(|i| &self.bins[(start + i) % BINS])
+            .min_by_key(|bin| length(bin.list.load(Relaxed)))
+            .unwrap_or(&self.bins[start])
+    }
+
     /// Push entry `e`, at `index`, onto the remote list `list` (its `next` is written here),
     /// which others push to and the owner exchanges.
     #[inline]
