@@ -120,18 +120,18 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* The median over threads of each thread's wall time per pair, and of its CPU time per pair
- * (`*cpu`: the time the thread ran, which leaves out the time it waited for a CPU). */
-static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
-  struct worker w[64];
+static struct worker workers[64];
+
+/* Run `body` on `threads` threads (each given its `workers` slot) for 200 ms after a 20 ms
+ * warm-up; the median over threads of each thread's wall time per pair, and of its CPU time per
+ * pair (`*cpu`: the time the thread ran, which leaves out the time it waited for a CPU). */
+static double time_workers(void *(*body)(void *), int threads, double *cpu) {
   double per[64], per_cpu[64];
-  pair_size = size;
-  use_glibc = glibc;
   atomic_store(&go, 0);
   atomic_store(&stop, 0);
   for (int t = 0; t < threads; t++) {
-    memset(&w[t], 0, sizeof w[t]);
-    pthread_create(&w[t].thread, NULL, work, &w[t]);
+    memset(&workers[t], 0, sizeof workers[t]);
+    pthread_create(&workers[t].thread, NULL, body, &workers[t]);
   }
   struct timespec warm = {0, 20 * 1000 * 1000}, run = {0, 200 * 1000 * 1000};
   nanosleep(&warm, NULL);
@@ -139,9 +139,9 @@ static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
   nanosleep(&run, NULL);
   atomic_store(&stop, 1);
   for (int t = 0; t < threads; t++) {
-    pthread_join(w[t].thread, NULL);
-    per[t] = w[t].ns / (double)w[t].pairs;
-    per_cpu[t] = w[t].cpu_ns / (double)w[t].pairs;
+    pthread_join(workers[t].thread, NULL);
+    per[t] = workers[t].ns / (double)workers[t].pairs;
+    per_cpu[t] = workers[t].cpu_ns / (double)workers[t].pairs;
   }
   qsort(per, threads, sizeof per[0], cmp_double);
   qsort(per_cpu, threads, sizeof per_cpu[0], cmp_double);
@@ -149,7 +149,14 @@ static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
   return per[threads / 2];
 }
 
-static struct worker device_workers[2];
+/* Cache-hit pairs of `size` bytes (glibc's malloc + free with `glibc`) from `threads` threads:
+ * as `time_workers`. */
+static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
+  pair_size = size;
+  use_glibc = glibc;
+  return time_workers(work, threads, cpu);
+}
+
 
 /* ----- the cache ----- */
 
@@ -317,20 +324,11 @@ static void handoff_reference(double hold_us, int batches) {
 
 /* ----- releases the front cache does not know, one device per thread ----- */
 
-static double device_cpu[2];
-
-/* The calling thread's CPU time in ns. */
-static double cpu_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
-}
-
 /* Pairs of 128 MiB blocks (beyond the front cache's 64 MiB, so each release goes to the pool
  * and finds the block's device there), each thread on its own device and stream. */
 static void *device_work(void *arg) {
   struct worker *w = arg;
-  int dev = (int)(w - device_workers);
+  int dev = (int)(w - workers);
   void *ctx = NULL, *stream = NULL;
   if (cu_retain(&ctx, dev) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
     fprintf(stderr, "creating a simulated stream on device %d failed\n", dev);
@@ -343,7 +341,7 @@ static void *device_work(void *arg) {
   while (!atomic_load(&go)) {
   }
   unsigned long long n = 0;
-  double start = now_ns(), cpu_start = cpu_ns();
+  double start = now_ns(), cpu_start = thread_cpu_ns();
   while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
     for (int i = 0; i < 256; i++) {
       rm_reserve(dev, size, stream, &p);
@@ -352,7 +350,7 @@ static void *device_work(void *arg) {
     n += 256;
   }
   w->ns = now_ns() - start;
-  device_cpu[dev] = cpu_ns() - cpu_start;
+  w->cpu_ns = thread_cpu_ns() - cpu_start;
   w->pairs = n;
   return NULL;
 }
@@ -362,26 +360,8 @@ static void *device_work(void *arg) {
  * for 1 and 2 threads (devices 0 and 1 of CUDA_SIM_DEVICES). */
 static void device_pairs(void) {
   for (int threads = 1; threads <= 2; threads++) {
-    double per[2], cpu[2];
-    atomic_store(&go, 0);
-    atomic_store(&stop, 0);
-    for (int t = 0; t < threads; t++) {
-      memset(&device_workers[t], 0, sizeof device_workers[t]);
-      pthread_create(&device_workers[t].thread, NULL, device_work, &device_workers[t]);
-    }
-    struct timespec warm = {0, 20 * 1000 * 1000}, run = {0, 200 * 1000 * 1000};
-    nanosleep(&warm, NULL);
-    atomic_store(&go, 1);
-    nanosleep(&run, NULL);
-    atomic_store(&stop, 1);
-    for (int t = 0; t < threads; t++) {
-      pthread_join(device_workers[t].thread, NULL);
-      per[t] = device_workers[t].ns / (double)device_workers[t].pairs;
-      cpu[t] = device_cpu[t] / (double)device_workers[t].pairs;
-    }
-    qsort(per, threads, sizeof per[0], cmp_double);
-    qsort(cpu, threads, sizeof cpu[0], cmp_double);
-    printf("device_pair %d %.1f %.1f\n", threads, per[threads / 2], cpu[threads / 2]);
+    double cpu, wall = time_workers(device_work, threads, &cpu);
+    printf("device_pair %d %.1f %.1f\n", threads, wall, cpu);
     fflush(stdout);
   }
 }

@@ -658,16 +658,9 @@ impl DevicePool {
             if released >= needed {
                 break;
             }
-            if !self.is_unused(seg) {
-                continue;
+            if self.dismantle_if_unused(cx, seg, &mut waited)? {
+                released += self.release_unused(cx, needed - released, usize::MAX)?;
             }
-            if !waited {
-                // Work queued before the blocks were released may still use them.
-                self.wait_before_returning(cx)?;
-                waited = true;
-            }
-            self.dismantle(cx, seg)?;
-            released += self.release_unused(cx, needed - released, usize::MAX)?;
         }
         Ok(released)
     }
@@ -714,6 +707,26 @@ impl DevicePool {
             }
         }
         returned
+    }
+
+    /// Take `seg` apart if it is an unused stitched segment, the first time (`waited` false)
+    /// after waiting for the device's queued work, which may still use its blocks. Returns
+    /// whether it was taken apart.
+    pub(super) fn dismantle_if_unused(
+        &mut self,
+        cx: &Context<'_>,
+        seg: u32,
+        waited: &mut bool,
+    ) -> Result<bool> {
+        if !self.is_unused(seg) {
+            return Ok(false);
+        }
+        if !*waited {
+            self.wait_before_returning(cx)?;
+            *waited = true;
+        }
+        self.dismantle(cx, seg)?;
+        Ok(true)
     }
 
     /// Wait for the device's queued work, which may still use blocks released before it.

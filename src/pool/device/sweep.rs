@@ -120,15 +120,9 @@ impl DevicePool {
             let seg = sweep.next as u32;
             sweep.next += 1;
             looked += 1;
-            if !self.is_unused(seg) {
+            if !self.dismantle_if_unused(cx, seg, &mut waited)? {
                 continue;
             }
-            if !waited {
-                // Work queued before the blocks were released may still use them.
-                self.wait_before_returning(cx)?;
-                waited = true;
-            }
-            self.dismantle(cx, seg)?;
             taken += 1;
             if over() {
                 break;
