@@ -17,32 +17,48 @@ fn root() -> &'static Path {
 /// `c_examples/workload.c`, compiled once per test binary (never run while being written).
 fn workload() -> &'static Path {
     static EXE: OnceLock<PathBuf> = OnceLock::new();
-    EXE.get_or_init(compile_workload)
+    EXE.get_or_init(|| compile_workload(false))
 }
 
-fn compile_workload() -> PathBuf {
+/// `c_examples/workload.c` linked against `libresmem.so` (found by its rpath), or with
+/// `link_static` against `libresmem.a`: a setuid program runs as another user, who may not be
+/// allowed into the folders above the shared library.
+fn compile_workload(link_static: bool) -> PathBuf {
     let a = artifacts();
-    let exe = a.work.join("workload");
-    let output = Command::new("gcc")
-        .args([
-            "-std=c99",
-            "-Wall",
-            "-Wextra",
-            "-pedantic",
-            "-Werror",
-            "-pthread",
-        ])
-        .arg("-I")
-        .arg(root().join("include"))
-        .arg(root().join("c_examples/workload.c"))
-        .arg("-L")
-        .arg(&a.link_dir)
-        .arg("-lresmem")
-        .arg(format!("-Wl,-rpath,{}", a.link_dir.display()))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .expect("gcc is installed");
+    let exe = a.work.join(if link_static {
+        "workload-static"
+    } else {
+        "workload"
+    });
+    let mut cmd = Command::new("gcc");
+    cmd.args([
+        "-std=c99",
+        "-Wall",
+        "-Wextra",
+        "-pedantic",
+        "-Werror",
+        "-pthread",
+    ])
+    .arg("-I")
+    .arg(root().join("include"))
+    .arg(root().join("c_examples/workload.c"));
+    if link_static {
+        cmd.arg(a.lib_dir.join("libresmem.a")).args([
+            "-lpthread",
+            "-ldl",
+            "-lm",
+            "-lrt",
+            "-lutil",
+            "-lgcc_s",
+            "-lc",
+        ]);
+    } else {
+        cmd.arg("-L")
+            .arg(&a.link_dir)
+            .arg("-lresmem")
+            .arg(format!("-Wl,-rpath,{}", a.link_dir.display()));
+    }
+    let output = cmd.arg("-o").arg(&exe).output().expect("gcc is installed");
     assert!(
         output.status.success(),
         "{}",
@@ -208,9 +224,11 @@ fn a_setuid_program_records_nothing() {
         eprintln!("skipped: making a setuid program needs root");
         return;
     }
+    // Linked statically: the program runs as nobody, who may not be allowed into the folders
+    // above the shared library (a checkout in a private temporary folder).
     let setuid = workload().with_file_name("workload-setuid");
     let _ = std::fs::remove_file(&setuid);
-    std::fs::copy(workload(), &setuid).unwrap();
+    std::fs::copy(compile_workload(true), &setuid).unwrap();
     std::os::unix::fs::chown(&setuid, Some(65534), None).unwrap();
     std::fs::set_permissions(&setuid, std::fs::Permissions::from_mode(0o4755)).unwrap();
     let dir = artifacts().work.join("recorded-setuid");
