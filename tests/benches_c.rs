@@ -12,28 +12,20 @@ use common::{artifacts, run, Driver};
 
 /// Compile `benches/c/<name>.c` against the built library.
 fn compile(name: &str) -> PathBuf {
-    let a = artifacts();
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = a.work.join(format!("bench-{name}"));
-    let output = Command::new("gcc")
-        .args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
+    let source = root.join("benches/c").join(format!("{name}.c"));
+    let mut cmd = Command::new("gcc");
+    cmd.args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
         .arg("-I")
         .arg(root.join("include"))
-        .arg(root.join("benches/c").join(format!("{name}.c")))
-        .arg("-L")
-        .arg(&a.link_dir)
-        .arg("-lresmem")
-        .arg(format!("-Wl,-rpath,{}", a.link_dir.display()))
-        .args(["-lpthread", "-ldl", "-o"])
-        .arg(&out)
-        .output()
-        .expect("a C compiler (gcc) is installed");
-    assert!(
-        output.status.success(),
-        "compiling benches/c/{name}.c failed:\n{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    out
+        .arg(&source);
+    common::link_resmem(&mut cmd, false);
+    cmd.args(["-lpthread", "-ldl"]);
+    common::compile(
+        cmd,
+        &source,
+        &artifacts().work.join(format!("bench-{name}")),
+    )
 }
 
 #[test]

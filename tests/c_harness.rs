@@ -52,31 +52,8 @@ fn compile_now(name: &str, cxx: bool, link_static: bool) -> PathBuf {
     if cxx {
         cmd.args(["-x", "none"]);
     }
-    if link_static {
-        cmd.arg(a.lib_dir.join("libresmem.a")).args([
-            "-lpthread",
-            "-ldl",
-            "-lm",
-            "-lrt",
-            "-lutil",
-            "-lgcc_s",
-            "-lc",
-        ]);
-    } else {
-        cmd.arg("-L")
-            .arg(&a.link_dir)
-            .arg("-lresmem")
-            .arg(format!("-Wl,-rpath,{}", a.link_dir.display()));
-    }
-    cmd.arg("-o").arg(&out);
-    let output = cmd.output().expect("a C compiler (gcc, g++) is installed");
-    assert!(
-        output.status.success(),
-        "compiling {} failed:\n{}",
-        source.display(),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    out
+    common::link_resmem(&mut cmd, link_static);
+    common::compile(cmd, &source, &out)
 }
 
 #[test]

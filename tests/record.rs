@@ -30,6 +30,7 @@ fn compile_workload(link_static: bool) -> PathBuf {
     } else {
         "workload"
     });
+    let source = root().join("c_examples/workload.c");
     let mut cmd = Command::new("gcc");
     cmd.args([
         "-std=c99",
@@ -41,30 +42,9 @@ fn compile_workload(link_static: bool) -> PathBuf {
     ])
     .arg("-I")
     .arg(root().join("include"))
-    .arg(root().join("c_examples/workload.c"));
-    if link_static {
-        cmd.arg(a.lib_dir.join("libresmem.a")).args([
-            "-lpthread",
-            "-ldl",
-            "-lm",
-            "-lrt",
-            "-lutil",
-            "-lgcc_s",
-            "-lc",
-        ]);
-    } else {
-        cmd.arg("-L")
-            .arg(&a.link_dir)
-            .arg("-lresmem")
-            .arg(format!("-Wl,-rpath,{}", a.link_dir.display()));
-    }
-    let output = cmd.arg("-o").arg(&exe).output().expect("gcc is installed");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    exe
+    .arg(&source);
+    common::link_resmem(&mut cmd, link_static);
+    common::compile(cmd, &source, &exe)
 }
 
 /// The `resmem` command, built in the same profile.

@@ -22,24 +22,13 @@ fn program() -> &'static Path {
         let a = artifacts();
         let root = Path::new(env!("CARGO_MANIFEST_DIR"));
         let out = a.work.join("share");
-        let output = Command::new("gcc")
-            .args(["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-I"])
+        let source = root.join("c_examples/share.c");
+        let mut cmd = Command::new("gcc");
+        cmd.args(["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-I"])
             .arg(root.join("include"))
-            .arg(root.join("c_examples/share.c"))
-            .arg("-L")
-            .arg(&a.link_dir)
-            .arg("-lresmem")
-            .arg(format!("-Wl,-rpath,{}", a.link_dir.display()))
-            .arg("-o")
-            .arg(&out)
-            .output()
-            .expect("a C compiler (gcc) is installed");
-        assert!(
-            output.status.success(),
-            "compiling share.c failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        out
+            .arg(&source);
+        common::link_resmem(&mut cmd, false);
+        common::compile(cmd, &source, &out)
     })
 }
 

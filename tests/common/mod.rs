@@ -84,6 +84,45 @@ pub fn artifacts() -> &'static Artifacts {
     })
 }
 
+/// Add to `cmd` (a gcc or g++ command line) what links a program against the built library:
+/// `libresmem.so` through `link_dir`, found at run time by an rpath; or with `link_static`,
+/// `libresmem.a` and the system libraries it needs.
+pub fn link_resmem(cmd: &mut Command, link_static: bool) {
+    let a = artifacts();
+    if link_static {
+        cmd.arg(a.lib_dir.join("libresmem.a")).args([
+            "-lpthread",
+            "-ldl",
+            "-lm",
+            "-lrt",
+            "-lutil",
+            "-lgcc_s",
+            "-lc",
+        ]);
+    } else {
+        cmd.arg("-L")
+            .arg(&a.link_dir)
+            .arg("-lresmem")
+            .arg(format!("-Wl,-rpath,{}", a.link_dir.display()));
+    }
+}
+
+/// Run the compiler command `cmd` that writes `out`; panics with its messages if it fails.
+pub fn compile(mut cmd: Command, what: &Path, out: &Path) -> PathBuf {
+    let output = cmd
+        .arg("-o")
+        .arg(out)
+        .output()
+        .expect("a C compiler (gcc, g++) is installed");
+    assert!(
+        output.status.success(),
+        "compiling {} failed:\n{}",
+        what.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    out.to_path_buf()
+}
+
 /// Which driver a program runs against.
 #[derive(Clone, Debug)]
 pub enum Driver {
