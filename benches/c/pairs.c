@@ -50,17 +50,19 @@ static void check(rm_status s, const char *what) {
   }
 }
 
-static void *reserve(size_t size, void *stream) {
+static void *reserve_on(int device, size_t size, void *stream) {
   void *p = NULL;
-  check(rm_reserve(0, size, stream, &p), "rm_reserve");
+  check(rm_reserve(device, size, stream, &p), "rm_reserve");
   return p;
 }
 
-/* A new simulated stream for the calling thread (its context made current first). */
-static void *new_stream(void) {
+static void *reserve(size_t size, void *stream) { return reserve_on(0, size, stream); }
+
+/* A new simulated stream on `device` for the calling thread (its context made current first). */
+static void *new_stream(int device) {
   void *ctx = NULL, *stream = NULL;
-  if (cu_retain(&ctx, 0) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
-    fprintf(stderr, "creating a simulated stream failed\n");
+  if (cu_retain(&ctx, device) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
+    fprintf(stderr, "creating a simulated stream on device %d failed\n", device);
     exit(1);
   }
   return stream;
@@ -71,6 +73,8 @@ static void *new_stream(void) {
 static atomic_int go, stop;
 static size_t pair_size;
 static int use_glibc;
+/* Each thread on the device of its index (`devices` mode), else all on device 0. */
+static int device_each;
 static void *volatile sink;
 
 struct worker {
@@ -85,11 +89,14 @@ static double thread_cpu_ns(void) {
   return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
 }
 
+static struct worker workers[64];
+
 static void *work(void *arg) {
   struct worker *w = arg;
-  void *stream = use_glibc ? NULL : new_stream();
+  int dev = device_each ? (int)(w - workers) : 0;
+  void *stream = use_glibc ? NULL : new_stream(dev);
   if (!use_glibc) {
-    check(rm_release(reserve(pair_size, stream)), "rm_release"); /* now cached */
+    check(rm_release(reserve_on(dev, pair_size, stream)), "rm_release"); /* now cached */
   }
   while (!atomic_load(&go)) {
   }
@@ -103,7 +110,7 @@ static void *work(void *arg) {
         free(p);
       } else {
         void *p = NULL;
-        rm_reserve(0, pair_size, stream, &p);
+        rm_reserve(dev, pair_size, stream, &p);
         rm_release(p);
       }
     }
@@ -119,8 +126,6 @@ static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return (x > y) - (x < y);
 }
-
-static struct worker workers[64];
 
 /* Run `body` on `threads` threads (each given its `workers` slot) for 200 ms after a 20 ms
  * warm-up; the median over threads of each thread's wall time per pair, and of its CPU time per
@@ -324,46 +329,19 @@ static void handoff_reference(double hold_us, int batches) {
 
 /* ----- releases the front cache does not know, one device per thread ----- */
 
-/* Pairs of 128 MiB blocks (beyond the front cache's 64 MiB, so each release goes to the pool
- * and finds the block's device there), each thread on its own device and stream. */
-static void *device_work(void *arg) {
-  struct worker *w = arg;
-  int dev = (int)(w - workers);
-  void *ctx = NULL, *stream = NULL;
-  if (cu_retain(&ctx, dev) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
-    fprintf(stderr, "creating a simulated stream on device %d failed\n", dev);
-    exit(1);
-  }
-  size_t size = (size_t)128 << 20;
-  void *p = NULL;
-  check(rm_reserve(dev, size, stream, &p), "rm_reserve");
-  check(rm_release(p), "rm_release");
-  while (!atomic_load(&go)) {
-  }
-  unsigned long long n = 0;
-  double start = now_ns(), cpu_start = thread_cpu_ns();
-  while (!atomic_load_explicit(&stop, memory_order_relaxed)) {
-    for (int i = 0; i < 256; i++) {
-      rm_reserve(dev, size, stream, &p);
-      rm_release(p);
-    }
-    n += 256;
-  }
-  w->ns = now_ns() - start;
-  w->cpu_ns = thread_cpu_ns() - cpu_start;
-  w->pairs = n;
-  return NULL;
-}
-
 /* Prints `device_pair <threads> <wall ns> <CPU ns>` per pair per thread (the median over
  * threads; the CPU time is the thread's own, which leaves out the time it waited for a CPU)
  * for 1 and 2 threads (devices 0 and 1 of CUDA_SIM_DEVICES). */
 static void device_pairs(void) {
+  /* Pairs of 128 MiB blocks: beyond the front cache's 64 MiB, so each release goes to the pool
+   * and finds the block's device there; each thread on its own device and stream. */
+  device_each = 1;
   for (int threads = 1; threads <= 2; threads++) {
-    double cpu, wall = time_workers(device_work, threads, &cpu);
+    double cpu, wall = run_pairs(threads, (size_t)128 << 20, 0, &cpu);
     printf("device_pair %d %.1f %.1f\n", threads, wall, cpu);
     fflush(stdout);
   }
+  device_each = 0;
 }
 
 int main(int argc, char **argv) {
@@ -390,7 +368,7 @@ int main(int argc, char **argv) {
   if (argc > 3 && strcmp(argv[1], "count") == 0) {
     long n = atol(argv[2]);
     size_t size = (size_t)atol(argv[3]);
-    void *stream = new_stream();
+    void *stream = new_stream(0);
     check(rm_release(reserve(size, stream)), "rm_release");
     for (long i = 0; i < n; i++) {
       void *p = NULL;
