@@ -81,7 +81,7 @@ fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
     // resmem's default maps the cached pages again and creates only the shortfall: the
     // request is met.
     let default = replay(&trace, Policy::Resmem, 1676 * MIB, |_| {}).unwrap();
-    assert_eq!(figures(&default), (976 * MIB, 1212 * MIB, 48, 0, 0));
+    assert_eq!(figures(&default), (976 * MIB, 1226 * MIB, 46, 0, 0));
     assert_eq!(default.first_oom, None);
 }
 
@@ -110,10 +110,11 @@ fn classic_segments_replay_every_shipped_trace_as_pytorchs_policy() {
     }
 }
 
-/// Interleaved lifetimes on 4 GiB: the one shipped trace where the default reserves more than
-/// PyTorch's policy (+1.9%: at the last 256 MiB buffer PyTorch runs out of memory, empties its
-/// cache and grows again; the default, with room left on the driver, keeps its cache, whose
-/// free pieces lie between live blocks). Exact figures, so that a change shows.
+/// Interleaved lifetimes on 4 GiB: at the last 256 MiB buffer PyTorch runs out of memory,
+/// empties its cache and grows again; the default, with room left on the driver, keeps its
+/// cache, and reserves 2% less, having built ranges half made of the free pieces between live
+/// blocks (in more memory-creating calls than PyTorch: 73 against 50). Exact figures, so that a
+/// change shows.
 #[test]
 fn interleaved_lifetimes_figures() {
     let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), 0).unwrap();
@@ -130,7 +131,7 @@ fn interleaved_lifetimes_figures() {
             peak(Policy::ResmemClassic),
             peak(Policy::Resmem)
         ),
-        (4_146_069_504, 4_146_069_504, 4_225_761_280)
+        (4_146_069_504, 4_146_069_504, 4_064_280_576)
     );
 }
 
@@ -156,7 +157,7 @@ fn decoding_and_training_figures() {
     assert_eq!(figures(&torch), (17_016_823_808, 17_263_755_264, 54, 0, 0));
     assert_eq!(
         figures(&default(&decode)),
-        (17_016_823_808, 17_070_817_280, 22, 0, 0)
+        (17_016_823_808, 17_018_388_480, 48, 0, 0)
     );
     let training = generate::by_name("qwen3-0.6b-training").unwrap();
     let (resmem, torch) = both(&training);
@@ -165,7 +166,7 @@ fn decoding_and_training_figures() {
     let default = default(&training);
     assert_eq!(
         figures(&default),
-        (15_426_009_600, 15_653_142_528, 255, 0, 0)
+        (15_426_009_600, 15_709_765_632, 145, 0, 0)
     );
     assert!(2.0 * default.fragmentation() < torch.fragmentation());
 }

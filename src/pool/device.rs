@@ -133,6 +133,9 @@ pub struct DevicePool {
     stuck: Vec<Stuck>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<u32>,
+    /// Bytes created since a stitched range was last made wholly from the cache: how fast the
+    /// pool is growing, which sizes the headroom of the next creation (`stitch::headroom`).
+    streak: u64,
 }
 
 impl DevicePool {
@@ -159,6 +162,7 @@ impl DevicePool {
             phys: Phys::default(),
             stuck: Vec::new(),
             lending: Vec::new(),
+            streak: 0,
         }
     }
 

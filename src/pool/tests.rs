@@ -1158,7 +1158,11 @@ fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
     for p in blocks {
         pool.release(p).unwrap();
     }
-    assert_eq!(pool.free_reusable(Some(0)).unwrap(), n * 20 * MIB);
+    // The pool grew with headroom (at most a thirty-second of what it reserved) beyond the
+    // blocks' own bytes, and returns all of it.
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    assert!(reserved >= n * 20 * MIB && reserved <= n * 20 * MIB + n * 20 * MIB / 32 + 2 * MIB);
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), reserved);
     let s = pool.stats(0).unwrap();
     assert_eq!((s.segments, s.reserved_bytes), (0, 0));
     assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
@@ -1202,10 +1206,11 @@ fn sweep_batches(pool: &Pool, count: usize, over: &dyn Fn() -> bool) -> Vec<(u64
     }
 }
 
-/// `n` idle 20 MiB segments with their blocks parked, a 2 MiB one with 16 small blocks parked
-/// on another stream, and a block used on that stream, pending on its work: returns the
-/// other stream.
-fn cache_to_sweep(pool: &Pool, sim: &Sim, n: usize) -> u64 {
+/// `n` idle 20 MiB blocks, a 2 MiB segment with 16 small blocks parked on another stream, and
+/// a block used on that stream, pending on its work: returns the other stream, the number of
+/// segments and the bytes reserved. Classic segments are one per large block (checked here);
+/// stitched ones grow with headroom, so some hold more than one, and lend pages to others.
+fn cache_to_sweep(pool: &Pool, sim: &Sim, n: usize, stitched: bool) -> (u64, usize, u64) {
     let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
     let large: Vec<u64> = (0..n)
         .map(|_| pool.reserve(0, 20 * MIB, s1).unwrap())
@@ -1220,11 +1225,14 @@ fn cache_to_sweep(pool: &Pool, sim: &Sim, n: usize) -> u64 {
         pool.release(ptr).unwrap();
     }
     let s = pool.stats(0).unwrap();
-    assert_eq!(
-        (s.segments, s.reserved_bytes),
-        (n as u64 + 2, (n as u64 + 1) * 20 * MIB + 2 * MIB)
-    );
-    s2
+    assert!(s.reserved_bytes >= n as u64 * 20 * MIB + 2 * MIB);
+    if !stitched {
+        assert_eq!(
+            (s.segments, s.reserved_bytes),
+            (n as u64 + 2, (n as u64 + 1) * 20 * MIB + 2 * MIB)
+        );
+    }
+    (s2, s.segments as usize, s.reserved_bytes)
 }
 
 #[test]
@@ -1232,19 +1240,26 @@ fn a_sweep_bounds_every_batch_on_both_policies_and_ends_with_exact_books() {
     for config in [classic(), vmm()] {
         let (pool, sim) = pool_with(&[24 * GIB], config);
         let n = 20;
-        let s2 = cache_to_sweep(&pool, sim, n);
+        let (s2, segments, reserved) = cache_to_sweep(&pool, sim, n, config.vmm);
         // One segment a batch. The parked blocks (16: the most a stream keeps; the small
         // blocks merged with each other as they were released) are merged by the first batch
         // before it returns a segment, the pending block is waited for, and each segment goes
-        // back in a batch of its own.
+        // back in a batch of its own (a lender's pages with its last borrower).
         let batches = sweep_batches(&pool, 1, &|| false);
-        assert_eq!(batches.len(), n + 2, "{config:?}");
-        let mut sizes: Vec<u64> = batches.iter().map(|&(bytes, _)| bytes).collect();
-        sizes.sort_unstable();
-        let mut expected = vec![20 * MIB; n + 1];
-        expected.insert(0, 2 * MIB);
-        assert_eq!(sizes, expected, "{config:?}");
-        assert!(batches[..n + 1].iter().all(|&(_, more)| more));
+        assert_eq!(batches.len(), segments, "{config:?}");
+        assert_eq!(
+            batches.iter().map(|&(bytes, _)| bytes).sum::<u64>(),
+            reserved,
+            "{config:?}"
+        );
+        if !config.vmm {
+            let mut sizes: Vec<u64> = batches.iter().map(|&(bytes, _)| bytes).collect();
+            sizes.sort_unstable();
+            let mut expected = vec![20 * MIB; n + 1];
+            expected.insert(0, 2 * MIB);
+            assert_eq!(sizes, expected);
+        }
+        assert!(batches[..segments - 1].iter().all(|&(_, more)| more));
         assert_eq!(
             sim.pending_work(0, s2).unwrap(),
             0,
@@ -1262,16 +1277,13 @@ fn a_batch_stops_after_one_segment_once_its_time_is_up() {
     for config in [classic(), vmm()] {
         let (pool, sim) = pool_with(&[24 * GIB], config);
         let n = 2 * FREE_BATCH;
-        cache_to_sweep(&pool, sim, n);
+        let (_, segments, reserved) = cache_to_sweep(&pool, sim, n, config.vmm);
         let batches = sweep_batches(&pool, FREE_BATCH, &|| true);
         // Parked blocks all merged and the pending block freed in the first, then one segment
         // a batch.
-        assert_eq!(batches.len(), n + 2, "{config:?}");
-        assert!(batches
-            .iter()
-            .all(|&(bytes, _)| bytes == 20 * MIB || bytes == 2 * MIB));
+        assert_eq!(batches.len(), segments, "{config:?}");
         let total: u64 = batches.iter().map(|&(bytes, _)| bytes).sum();
-        assert_eq!(total, (n as u64 + 1) * 20 * MIB + 2 * MIB);
+        assert_eq!(total, reserved, "{config:?}");
         assert_nothing_held(sim);
         assert_books(&pool, sim);
     }

@@ -18,12 +18,14 @@
 //! The piece chosen is the smallest single one that covers what is needed, else the largest
 //! pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece. A range
 //! made from the cache is only as large as the request's pages. Where the cache covers the
-//! request only in part, it is used only when that matters ([`partial_pays`]): the driver lacks a
-//! segment of the request's size, or all but a sliver is cached; otherwise a segment is created
-//! whole, as PyTorch would, and the cache stays for the requests that reuse it. The shortfall is
-//! created as one handle sized like PyTorch's segment for it (one `cuMemCreate` per growth,
-//! through the growth policy shared with classic segments: a cap, release before growing, and
-//! release everything and retry once on out-of-memory).
+//! request only in part, it is used only when that pays ([`partial_pays`]): half of it or more is
+//! cached, the driver lacks a segment of the request's size, or all but a sliver is cached;
+//! otherwise a segment is created whole, as PyTorch would, and the cache stays for the requests
+//! that reuse it. The shortfall is created as one handle sized like PyTorch's segment for it,
+//! and while the pool keeps growing with some headroom ([`headroom`]), so that a pool growing
+//! step by step does not call the driver at every step (one `cuMemCreate` per growth, through
+//! the growth policy shared with classic segments: a cap, release before growing, and release
+//! everything and retry once on out-of-memory).
 //!
 //! Lent pages stay holes in their lender, which keep its free neighbours apart, until the range
 //! that borrowed them is taken apart. So at a miss (no free block of the stream holds the
@@ -137,15 +139,37 @@ pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piec
 /// Whether a range only partly covered by the cache (`have` of `size` bytes) should still be
 /// made from it. Covered wholly, it always is: nothing is created. Covered partly, something is
 /// created anyway, and the free blocks lent are lost to the requests that would have reused
-/// them (replayed training snapshots made up to twice PyTorch's driver allocations that way).
-/// So partly only where it matters: when the driver lacks a segment of the request's size
-/// (PyTorch would run out of memory or return its cache), or when the cache covers all but a
-/// sliver (a sixteenth or less: a model's warm-up next to a block that outlived generation);
-/// and never where the driver cannot supply the rest, so that a request that cannot be met
-/// fails holding no cache back from the release that precedes the failure.
+/// them (replayed training snapshots made up to twice PyTorch's driver allocations when every
+/// partial cover was taken). So partly only where it pays: when at least half of the range is
+/// cached (creating it whole would leave that much idle: a model's next warm-up beside the
+/// block that outlived generation; the snapshot whose 477 MiB request met 340 MiB of free
+/// blocks, and reserved 15% more than it needed under PyTorch's policy), or when the driver
+/// lacks a segment of the request's size (PyTorch would run out of memory or return its cache).
+/// Never where the driver cannot supply the rest, so that a request that cannot be met fails
+/// holding no cache back from the release that precedes the failure.
 pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
     have.saturating_add(driver_free) >= size
-        && (driver_free < segment_size(size) || (size - have) * 16 <= size)
+        && (have.saturating_mul(2) >= size || driver_free < segment_size(size))
+}
+
+/// The headroom of a creation: how much memory a growing pool creates at least, given the
+/// bytes it created since a range was last made wholly from its cache (`streak`), what it
+/// reserves, and the driver's free memory. Creating only each request's shortfall keeps the
+/// peak low but makes a pool that grows step by step call the driver at every step (on the
+/// replayed snapshots, up to 7 memory-creating calls more than PyTorch); so while it keeps
+/// growing, a creation is at least an eighth of what the streak created, and at most a
+/// thirty-second of what the pool reserves: the most it may leave idle at its peak, above what
+/// it needed (a pool that only grows by requests of a segment's size each, which PyTorch's
+/// policy fits exactly, may reserve that much more than PyTorch, in fewer calls). None while
+/// the driver's memory is short: never more than half of what it has left, so headroom never
+/// takes memory a later request needs.
+pub(super) fn headroom(streak: u64, reserved: u64, driver_free: u64) -> u64 {
+    let headroom = (streak / 8).min(reserved / 32);
+    if headroom > driver_free / 2 {
+        0
+    } else {
+        headroom
+    }
 }
 
 impl DevicePool {
@@ -195,6 +219,10 @@ impl DevicePool {
             Vec::new()
         };
         let have: u64 = pieces.iter().map(|p| p.pages.size).sum();
+        if have >= size {
+            // Met from the cache alone: the pool holds what it needs, growth (if any) is over.
+            self.streak = 0;
+        }
         let mut all: Vec<Piece> = pieces.clone();
         // The lenders of pieces in flight are not taken apart to make room meanwhile.
         self.lending = pieces
@@ -247,9 +275,9 @@ impl DevicePool {
         let have: u64 = all.iter().map(|p| p.pages.size).sum();
         if have < size {
             // The shortfall is created as PyTorch would size a segment for it (a 20 MiB handle
-            // for under 10 MiB), so that growth keeps pace with PyTorch's in driver calls; the
-            // excess stays free at the end of the new range. Where that much is not to be had,
-            // the bare shortfall.
+            // for under 10 MiB), and at least the growing pool's headroom, so that growth keeps
+            // pace with PyTorch's in driver calls; the excess stays free at the end of the new
+            // range. Where that much is not to be had, the bare shortfall.
             let need = size - have;
             let granularity = match self.vmm {
                 VmmMode::On(g) => g,
@@ -264,6 +292,11 @@ impl DevicePool {
             let sized = segment_size(lacking)
                 .min(segment)
                 .max(need)
+                .max(headroom(
+                    self.streak,
+                    self.stats.reserved_bytes,
+                    driver_free,
+                ))
                 .next_multiple_of(granularity);
             let device = self.device;
             let mut created = self.obtain(cx, sized, requested, mode, driver_free, |driver| {
@@ -281,6 +314,7 @@ impl DevicePool {
                 });
             }
             let handle = created?;
+            self.streak += made;
             self.phys.add(handle, made);
             self.stats.add_reserved(made, 1);
             all.push(Piece {
@@ -954,13 +988,29 @@ mod tests {
         // The same with the driver short of 16 MiB: the cache helps.
         assert!(partial_pays(16 * MIB, 4 * MIB, 14 * MIB));
         // Under 10 MiB a segment is 20 MiB: short of that, the cache helps.
-        assert!(partial_pays(4 * MIB, 2 * MIB, 18 * MIB));
-        assert!(!partial_pays(4 * MIB, 2 * MIB, 20 * MIB));
+        assert!(partial_pays(6 * MIB, 2 * MIB, 18 * MIB));
+        assert!(!partial_pays(6 * MIB, 2 * MIB, 20 * MIB));
         // Nor where the driver cannot supply the rest.
         assert!(!partial_pays(5 * gib, 2 * MIB, 4 * gib));
-        // A sixteenth short is a sliver; more is not.
-        assert!(partial_pays(32 * MIB, 30 * MIB, gib));
-        assert!(!partial_pays(32 * MIB, 28 * MIB, gib));
+        // Half cached pays; less does not.
+        assert!(partial_pays(32 * MIB, 16 * MIB, gib));
+        assert!(!partial_pays(32 * MIB, 14 * MIB, gib));
+        // The snapshot's 477 MiB request beside 340 MiB of free blocks.
+        assert!(partial_pays(478 * MIB, 340 * MIB, 70 * gib));
+    }
+
+    #[test]
+    fn a_growing_pool_creates_with_headroom_bounded_by_what_it_reserves() {
+        let gib = 1 << 30;
+        // Nothing created since the cache last sufficed: no headroom.
+        assert_eq!(headroom(0, 4 * gib, 60 * gib), 0);
+        // An eighth of what the streak created...
+        assert_eq!(headroom(160 * MIB, 4 * gib, 60 * gib), 20 * MIB);
+        // ... at most a thirty-second of what the pool reserves...
+        assert_eq!(headroom(4 * gib, gib, 60 * gib), 32 * MIB);
+        // ... and none where it would take half of what the driver has left.
+        assert_eq!(headroom(4 * gib, 4 * gib, 250 * MIB), 0);
+        assert_eq!(headroom(4 * gib, 4 * gib, 256 * MIB), 128 * MIB);
     }
 
     #[test]
