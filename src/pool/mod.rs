@@ -33,10 +33,10 @@
 pub(crate) mod bins;
 pub(crate) mod blocks;
 pub(crate) mod device;
-pub mod hash;
-pub mod size;
+pub(crate) mod hash;
+pub(crate) mod size;
 pub(crate) mod spans;
-pub mod stats;
+pub(crate) mod stats;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
