@@ -632,6 +632,33 @@ fn a_memory_limit_caps_reserved_and_names_itself() {
 }
 
 #[test]
+fn a_growing_pools_headroom_stays_within_its_cap() {
+    // 30 segments of 32 MiB: the pool grows by 960 MiB, so its next creation takes 30 MiB of
+    // headroom (a thirty-second of what it reserves). Under a cap of 980 MiB it may take 20
+    // MiB more: the headroom is dropped rather than make the pool return cache or fail for it.
+    for (cap, reserved) in [(None, 990 * MIB), (Some(980 * MIB), 980 * MIB)] {
+        let (pool, sim) = pool_with(&[24 * GIB], vmm());
+        let blocks: Vec<u64> = (0..30)
+            .map(|_| pool.reserve(0, 32 * MIB, 0).unwrap())
+            .collect();
+        assert_eq!(pool.stats(0).unwrap().reserved_bytes, 960 * MIB);
+        pool.set_memory_limit(Some(0), cap).unwrap();
+        pool.release(blocks[0]).unwrap();
+        // 34 MiB: the idle 32 MiB segment's pages, and 2 MiB lacking, created as PyTorch's
+        // 20 MiB segment for it or as the headroom, whichever is larger.
+        let p = pool.reserve(0, 34 * MIB, 0).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!(
+            (s.reserved_bytes, s.ooms, s.driver_frees),
+            (reserved, 0, 0),
+            "cap {cap:?}"
+        );
+        pool.release(p).unwrap();
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
 fn parked_blocks_are_free_blocks_to_best_fit_and_merge_with_a_released_neighbour() {
     let (pool, sim) = pool(24 * GIB);
     // a | b | c | d | the rest of a 2 MiB small segment.

@@ -154,18 +154,19 @@ pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
 
 /// The headroom of a creation: how much memory a growing pool creates at least, given the
 /// bytes it created since a range was last made wholly from its cache (`streak`), what it
-/// reserves, and the driver's free memory. Creating only each request's shortfall keeps the
+/// reserves, and the memory it may still take (`room`: the driver's free memory, and under a
+/// cap no more than the cap leaves). Creating only each request's shortfall keeps the
 /// peak low but makes a pool that grows step by step call the driver at every step (on the
 /// replayed snapshots, up to 7 memory-creating calls more than PyTorch); so while it keeps
 /// growing, a creation is at least an eighth of what the streak created, and at most a
 /// thirty-second of what the pool reserves: the most it may leave idle at its peak, above what
 /// it needed (a pool that only grows by requests of a segment's size each, which PyTorch's
 /// policy fits exactly, may reserve that much more than PyTorch, in fewer calls). None while
-/// the driver's memory is short: never more than half of what it has left, so headroom never
-/// takes memory a later request needs.
-pub(super) fn headroom(streak: u64, reserved: u64, driver_free: u64) -> u64 {
+/// room is short: never more than half of what is left, so headroom never takes memory a later
+/// request needs, nor makes the pool return cache to stay under its cap.
+pub(super) fn headroom(streak: u64, reserved: u64, room: u64) -> u64 {
     let headroom = (streak / 8).min(reserved / 32);
-    if headroom > driver_free / 2 {
+    if headroom > room / 2 {
         0
     } else {
         headroom
@@ -295,7 +296,9 @@ impl DevicePool {
                 .max(headroom(
                     self.streak,
                     self.stats.reserved_bytes,
-                    driver_free,
+                    self.limit.map_or(driver_free, |limit| {
+                        driver_free.min(limit.saturating_sub(self.stats.reserved_bytes))
+                    }),
                 ))
                 .next_multiple_of(granularity);
             let device = self.device;
