@@ -34,6 +34,8 @@ pub(crate) mod bins;
 pub(crate) mod blocks;
 pub(crate) mod device;
 pub mod hash;
+#[cfg(feature = "hold-probe")]
+mod probe;
 pub mod size;
 pub(crate) mod spans;
 pub mod stats;
@@ -287,13 +289,19 @@ impl Pool {
             None => (0..self.device_count()).collect(),
         };
         let mut total = 0;
+        #[cfg(feature = "hold-probe")]
+        let mut holds = probe::Holds::default();
         for device in devices {
             let mut sweep = Sweep::default();
             loop {
                 let (mut pool, cx) = self.lock(device)?;
+                #[cfg(feature = "hold-probe")]
+                let timing = probe::Holds::start(sweep.step_name());
                 let start = Instant::now();
                 let over = || start.elapsed() >= BATCH_TIME;
                 let (bytes, more) = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over)?;
+                #[cfg(feature = "hold-probe")]
+                holds.end(timing);
                 drop(pool);
                 total += bytes;
                 if !more {
@@ -302,6 +310,8 @@ impl Pool {
                 self.let_waiters_in(device);
             }
         }
+        #[cfg(feature = "hold-probe")]
+        holds.print();
         Ok(total)
     }
 

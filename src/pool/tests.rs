@@ -1163,6 +1163,17 @@ fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
     assert_eq!((s.segments, s.reserved_bytes), (0, 0));
     assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
     assert_eq!(sim.reserved_ranges(), 0);
+    // Taken apart, the segments kept their lists of runs for the next ones in their places.
+    assert_eq!(pool.lock(0).unwrap().0.vacant_with_runs_room(), n as usize);
+    assert_books(&pool, sim);
+    // Which get lists of their own, with exact books.
+    let again: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    assert_eq!(pool.stats(0).unwrap().segments, n);
+    for p in again {
+        pool.release(p).unwrap();
+    }
     assert_books(&pool, sim);
 }
 

@@ -25,6 +25,19 @@ pub struct Sweep {
     next: usize,
 }
 
+impl Sweep {
+    /// The step the next batch begins with, for the benchmark probe.
+    #[cfg(feature = "hold-probe")]
+    pub fn step_name(&self) -> &'static str {
+        match self.step {
+            Step::Parked => "parked",
+            Step::Pending => "pending",
+            Step::Stuck => "stuck",
+            Step::Segments => "segments",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Step {
     #[default]
@@ -131,5 +144,16 @@ impl DevicePool {
         released += self.release_unused(cx, u64::MAX, count)?;
         let more = sweep.next < self.segments.len() || self.has_unused_handles();
         Ok((released, more))
+    }
+}
+
+#[cfg(test)]
+impl DevicePool {
+    /// How many vacant segments still hold an allocated list of runs (for tests).
+    pub(crate) fn vacant_with_runs_room(&self) -> usize {
+        self.vacant_segments
+            .iter()
+            .filter(|&&seg| self.segments[seg as usize].runs.capacity() > 0)
+            .count()
     }
 }
