@@ -42,6 +42,7 @@ for i in $(seq 1 "$runs"); do
     echo "$name $i classic $(CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses)" \
       >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
+    CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
   echo "reference $i mutex $("$out/this/pairs" handoff)" >> "$out/results"
   for entry in "${probes[@]}"; do
@@ -67,8 +68,8 @@ print("| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
 pairs = []
 for line in open(path):
     f = line.split()
-    if f[2] == "device_pair":
-        pairs.append((f[0], f[1], f[3], f"{f[4]} / {f[5]}"))
+    if f[2] in ("device_pair", "stream_pair"):
+        pairs.append((f[0], f[1], f[2][0] + f[3], f"{f[4]} / {f[5]}"))
         continue
     lib, run, policy, rest = f[0], f[1], f[2], f[4:]
     if policy == "mutex":
@@ -81,22 +82,25 @@ for line in open(path):
 print()
 print("Pairs of 128 MiB blocks (reserve + release through the pool, the front cache passing them "
       "on), ns per pair per thread, wall / the thread's own CPU time (which leaves out waiting for "
-      "a CPU), one thread on device 0, then two threads on devices 0 and 1:\n")
-print("| library | run | 1 thread, wall / CPU | 2 threads, 2 devices, wall / CPU |")
-print("| --- | ---: | ---: | ---: |")
+      "a CPU), one thread on device 0, then two threads on devices 0 and 1 (`pairs devices`), "
+      "then two threads on device 0, each on its own stream (`pairs streams`: every call takes "
+      "the one device's lock):\n")
+print("| library | run | 1 thread, wall / CPU | 2 threads, 2 devices, wall / CPU | "
+      "2 threads, 1 device, wall / CPU |")
+print("| --- | ---: | ---: | ---: | ---: |")
 rows = {}
 for lib, run, threads, ns in pairs:
     rows.setdefault((lib, run), {})[threads] = ns
 for (lib, run), v in rows.items():
-    print(f"| {lib} | {run} | {v.get('1', '-')} | {v.get('2', '-')} |")
+    print(f"| {lib} | {run} | {v.get('d1', '-')} | {v.get('d2', '-')} | {v.get('s2', '-')} |")
 print()
 print("The holds of the device's lock by `rm_free_reusable` of 100k idle 2 MiB segments, timed "
       "inside the library (a copy built with the `hold-probe` feature), in µs: wall-clock, and "
-      "the sweeping thread's own CPU time (which leaves out preemption). `fastbin` is glibc's "
-      "count of free chunks in its fastbins before and after the longest hold (`mallinfo2`, "
-      "read outside the timed span): a fall means glibc merged them all (`malloc_consolidate`) "
-      "inside that hold.\n")
-print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin |")
+      "the sweeping thread's own CPU time. For the longest hold (wall): its sweep step; glibc's "
+      "count of free chunks in its fastbins before and after it (`mallinfo2`, read outside the "
+      "timed span: a fall means glibc merged them all, `malloc_consolidate`, inside the hold); "
+      "and the thread's involuntary context switches in it (`getrusage`: a preemption).\n")
+print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin, switches |")
 print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 def holds(name):
     return [l.split()[1:] for l in open(name) if l.startswith("hold ")]
@@ -116,5 +120,5 @@ for run in range(1, runs + 1):
             print(f"| {lib} | {run} | {policy} | {n} | {wall[n // 2] / 1e3:.1f} | "
                   f"{wall[min(n - 1, n * 99 // 100)] / 1e3:.1f} | {wall[-1] / 1e3:.1f} | "
                   f"{cpu[-1] / 1e3:.1f} | {over_w} / {over_c} | {longest[0]}, "
-                  f"{int(longest[3]):,} → {int(longest[4]):,} |")
+                  f"{int(longest[3]):,} → {int(longest[4]):,}, {longest[6]} |")
 PY

@@ -13,7 +13,8 @@
  * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
  * unless given). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
  * the front cache passes to the pool, from one thread on device 0, then two threads on devices
- * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread. `pairs handoff [HOLD_US] [BATCHES]`
+ * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread; `pairs streams` the
+ * same from one thread, then two threads on device 0, each on its own stream: `stream_pair`. `pairs handoff [HOLD_US] [BATCHES]`
  * measures the same waits behind a plain pthread mutex held HOLD_US (20) at a time, BATCHES
  * (320) times: the machine's share of the waits behind batches of that length. `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
@@ -344,6 +345,17 @@ static void device_pairs(void) {
   device_each = 0;
 }
 
+/* The same pairs of 128 MiB blocks from one thread, then two threads on device 0, each on its
+ * own stream: every reserve and release takes the device's lock, the two threads' blocks in
+ * different segments. Prints `stream_pair <threads> <wall ns> <CPU ns>` per pair per thread. */
+static void stream_pairs(void) {
+  for (int threads = 1; threads <= 2; threads++) {
+    double cpu, wall = run_pairs(threads, (size_t)128 << 20, 0, &cpu);
+    printf("stream_pair %d %.1f %.1f\n", threads, wall, cpu);
+    fflush(stdout);
+  }
+}
+
 int main(int argc, char **argv) {
   const char *lib = getenv("RESMEM_CUDA_LIBRARY");
   void *cuda = lib ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : NULL;
@@ -383,6 +395,10 @@ int main(int argc, char **argv) {
   }
   if (argc > 1 && strcmp(argv[1], "devices") == 0) {
     device_pairs();
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "streams") == 0) {
+    stream_pairs();
     return 0;
   }
   if (!only_pauses) {

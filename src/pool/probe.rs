@@ -7,8 +7,11 @@
 //! `free` that coalesced into a chunk of 64 KiB or more, or a `malloc` of a large-bin size, while
 //! fastbin chunks were waiting). The counts are read outside the timed span.
 //!
+//! The thread's page faults and involuntary context switches during each hold are counted too
+//! (`getrusage`): a fault is kernel time inside the hold, a switch a preemption.
+//!
 //! When the call ends, one line per hold goes to standard error:
-//! `hold <step> <wall ns> <CPU ns> <fastbin chunks before> <after>`.
+//! `hold <step> <wall ns> <CPU ns> <fastbin chunks before> <after> <page faults> <switches>`.
 
 use std::time::Instant;
 
@@ -39,6 +42,15 @@ fn fastbin_chunks() -> usize {
     unsafe { mallinfo2() }.smblks
 }
 
+/// The calling thread's (minor + major page faults, involuntary context switches) so far.
+fn thread_faults_and_switches() -> (u64, u64) {
+    // SAFETY: an all-zero rusage is a valid value for getrusage to overwrite.
+    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `r` is a valid rusage to write; RUSAGE_THREAD exists on Linux.
+    unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut r) };
+    ((r.ru_minflt + r.ru_majflt) as u64, r.ru_nivcsw as u64)
+}
+
 fn thread_cpu_ns() -> u64 {
     let mut t = libc::timespec {
         tv_sec: 0,
@@ -56,6 +68,8 @@ struct Hold {
     cpu_ns: u64,
     fast_before: usize,
     fast_after: usize,
+    faults: u64,
+    switches: u64,
 }
 
 /// The holds of one `free_reusable` call.
@@ -68,6 +82,7 @@ pub(super) struct Holds {
 pub(super) struct Timing {
     step: &'static str,
     fast_before: usize,
+    faults_and_switches: (u64, u64),
     wall: Instant,
     cpu_ns: u64,
 }
@@ -79,6 +94,7 @@ impl Holds {
         Timing {
             step,
             fast_before,
+            faults_and_switches: thread_faults_and_switches(),
             cpu_ns: thread_cpu_ns(),
             wall: Instant::now(),
         }
@@ -88,7 +104,11 @@ impl Holds {
     pub(super) fn end(&mut self, timing: Timing) {
         let wall_ns = timing.wall.elapsed().as_nanos() as u64;
         let cpu_ns = thread_cpu_ns() - timing.cpu_ns;
+        let (faults, switches) = thread_faults_and_switches();
+        let (faults_before, switches_before) = timing.faults_and_switches;
         self.holds.push(Hold {
+            faults: faults - faults_before,
+            switches: switches - switches_before,
             step: timing.step,
             wall_ns,
             cpu_ns,
@@ -103,8 +123,8 @@ impl Holds {
         let mut out = String::with_capacity(self.holds.len() * 48);
         for h in &self.holds {
             out.push_str(&format!(
-                "hold {} {} {} {} {}\n",
-                h.step, h.wall_ns, h.cpu_ns, h.fast_before, h.fast_after
+                "hold {} {} {} {} {} {} {}\n",
+                h.step, h.wall_ns, h.cpu_ns, h.fast_before, h.fast_after, h.faults, h.switches
             ));
         }
         let _ = std::io::stderr().lock().write_all(out.as_bytes());
