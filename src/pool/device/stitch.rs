@@ -771,32 +771,33 @@ impl DevicePool {
     }
 
     /// Release handles mapped nowhere, largest first, until `needed` bytes or `count` handles
-    /// went back; those mapped in a range kept to retry stay. Returns the bytes returned.
+    /// went back; those mapped in a range kept to retry stay. Returns the bytes returned. Each
+    /// handle is looked up when its turn comes, so that no list is allocated (under the
+    /// device's lock, an allocation can cost glibc's sorting of its free chunks).
     pub(super) fn release_unused(
         &mut self,
         cx: &Context<'_>,
         needed: u64,
         count: usize,
     ) -> Result<u64> {
-        let mut chosen = Vec::new();
-        let mut sum = 0u64;
-        for (handle, size) in self.phys.unused() {
-            if sum >= needed || chosen.len() == count {
+        let mut released = 0u64;
+        for _ in 0..count {
+            if released >= needed {
                 break;
             }
-            if !self.is_stuck(handle) {
-                chosen.push((handle, size));
-                sum = sum.saturating_add(size);
-            }
-        }
-        let mut released = 0;
-        for (handle, size) in chosen {
+            let next = self
+                .phys
+                .unused()
+                .find(|&(handle, _)| !self.is_stuck(handle));
+            let Some((handle, size)) = next else {
+                break;
+            };
             cx.driver
                 .vmm_release(self.device, handle)
                 .map_err(|e| Error::driver("returning cached memory to the driver", &e))?;
             self.phys.remove(handle);
             self.stats.remove_reserved(size, 1);
-            released += size;
+            released = released.saturating_add(size);
         }
         Ok(released)
     }
