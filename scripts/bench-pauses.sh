@@ -45,6 +45,7 @@ for i in $(seq 1 "$runs"); do
     CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
   echo "reference $i mutex $("$out/this/pairs" handoff)" >> "$out/results"
+  "$out/this/pairs" work > "$out/work-$i"
   for entry in "${probes[@]}"; do
     name=${entry%%:*}
     CUDA_SIM_DEVICES=240GiB "$out/$name/pairs" pauses > /dev/null 2> "$out/holds-${name#probe-}-$i-default"
@@ -99,7 +100,10 @@ print("The holds of the device's lock by `rm_free_reusable` of 100k idle 2 MiB s
       "the sweeping thread's own CPU time. For the longest hold (wall): its sweep step; glibc's "
       "count of free chunks in its fastbins before and after it (`mallinfo2`, read outside the "
       "timed span: a fall means glibc merged them all, `malloc_consolidate`, inside the hold); "
-      "and the thread's involuntary context switches in it (`getrusage`: a preemption).\n")
+      "and the thread's involuntary context switches in it (`getrusage`: a preemption). "
+      "`fixed work` is the machine's own share, with no pool and no lock: 500 spans of a fixed "
+      "number of steps of a random walk through 64 MiB, as many as take 25 µs at the median "
+      "(`pairs work`), timed the same way in the same run.\n")
 print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin, switches |")
 print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 def holds(name):
@@ -121,4 +125,7 @@ for run in range(1, runs + 1):
                   f"{wall[min(n - 1, n * 99 // 100)] / 1e3:.1f} | {wall[-1] / 1e3:.1f} | "
                   f"{cpu[-1] / 1e3:.1f} | {over_w} / {over_c} | {longest[0]}, "
                   f"{int(longest[3]):,} → {int(longest[4]):,}, {longest[6]} |")
+    w = open(os.path.join(out, f"work-{run}")).read().split()
+    print(f"| reference | {run} | fixed work | {w[1]} | {w[2]} | {w[3]} | {w[4]} | {w[5]} | "
+          f"{w[6]} / {w[7]} | - |")
 PY
