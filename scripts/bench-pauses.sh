@@ -100,12 +100,14 @@ print("The holds of the device's lock by `rm_free_reusable` of 100k idle 2 MiB s
       "the sweeping thread's own CPU time. For the longest hold (wall): its sweep step; glibc's "
       "count of free chunks in its fastbins before and after it (`mallinfo2`, read outside the "
       "timed span: a fall means glibc merged them all, `malloc_consolidate`, inside the hold); "
-      "and the thread's involuntary context switches in it (`getrusage`: a preemption). "
+      "and the thread's involuntary context switches in it (`getrusage`: a preemption). The last "
+      "column counts the holds in which more than 100 fastbin chunks were merged, and gives the "
+      "longest of them in CPU time. "
       "`fixed work` is the machine's own share, with no pool and no lock: 500 spans of a fixed "
       "number of steps of a random walk through 64 MiB, as many as take 25 µs at the median "
       "(`pairs work`), timed the same way in the same run.\n")
-print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin, switches |")
-print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin, switches | holds merging over 100 fastbin chunks: count, longest CPU |")
+print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
 def holds(name):
     return [l.split()[1:] for l in open(name) if l.startswith("hold ")]
 for run in range(1, runs + 1):
@@ -119,13 +121,15 @@ for run in range(1, runs + 1):
             cpu = sorted(int(x[2]) for x in h)
             n = len(wall)
             longest = max(h, key=lambda x: int(x[1]))
+            merging = [int(x[2]) for x in h if int(x[3]) - int(x[4]) > 100]
             over_w = sum(1 for x in wall if x > 100_000)
             over_c = sum(1 for x in cpu if x > 100_000)
             print(f"| {lib} | {run} | {policy} | {n} | {wall[n // 2] / 1e3:.1f} | "
                   f"{wall[min(n - 1, n * 99 // 100)] / 1e3:.1f} | {wall[-1] / 1e3:.1f} | "
                   f"{cpu[-1] / 1e3:.1f} | {over_w} / {over_c} | {longest[0]}, "
-                  f"{int(longest[3]):,} → {int(longest[4]):,}, {longest[6]} |")
+                  f"{int(longest[3]):,} → {int(longest[4]):,}, {longest[6]} | {len(merging)}"
+                  f"{', ' + format(max(merging) / 1e3, '.1f') if merging else ''} |")
     w = open(os.path.join(out, f"work-{run}")).read().split()
     print(f"| reference | {run} | fixed work | {w[1]} | {w[2]} | {w[3]} | {w[4]} | {w[5]} | "
-          f"{w[6]} / {w[7]} | - |")
+          f"{w[6]} / {w[7]} | - | - |")
 PY

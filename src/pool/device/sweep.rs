@@ -53,8 +53,9 @@ impl DevicePool {
     /// retrying `segments` ranges kept after a failure, returning `segments` idle segments (in
     /// virtual-memory mode: looking at `LOOKS_PER_SEGMENT * segments` segments, taking apart at
     /// most `segments` of them, and returning at most `2 * segments` handles mapped nowhere).
-    /// Pending blocks and segments stop early once `over()` says the batch has run long enough
-    /// (after one at least). Returns the bytes returned and whether another batch is needed.
+    /// Pending blocks, segments and handles stop early once `over()` says the batch has run long
+    /// enough (after one at least). Returns the bytes returned and whether another batch is
+    /// needed.
     pub fn free_reusable_batch(
         &mut self,
         cx: &Context<'_>,
@@ -115,8 +116,9 @@ impl DevicePool {
     }
 
     /// One batch of the virtual-memory mode: handles mapped nowhere, then the next segments
-    /// from the cursor, those with no block in use taken apart (stopping early once `over()`),
-    /// then the handles that left mapped nowhere, each within its bound.
+    /// from the cursor, those with no block in use taken apart, then the handles that left
+    /// mapped nowhere, each within its bound and stopping early once `over()` (after one at
+    /// least: a handle left goes back in the next batch).
     fn sweep_stitched(
         &mut self,
         cx: &Context<'_>,
@@ -124,7 +126,7 @@ impl DevicePool {
         count: usize,
         over: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
-        let mut released = self.release_unused(cx, u64::MAX, count)?;
+        let mut released = self.release_unused_upto(cx, count, over)?;
         let (mut taken, mut looked, mut waited) = (0, 0, false);
         while sweep.next < self.segments.len()
             && taken < count
@@ -141,9 +143,28 @@ impl DevicePool {
                 break;
             }
         }
-        released += self.release_unused(cx, u64::MAX, count)?;
+        released += self.release_unused_upto(cx, count, over)?;
         let more = sweep.next < self.segments.len() || self.has_unused_handles();
         Ok((released, more))
+    }
+
+    /// Release up to `count` handles mapped nowhere, largest first, stopping early once
+    /// `over()` (after one at least). Returns the bytes returned.
+    fn release_unused_upto(
+        &mut self,
+        cx: &Context<'_>,
+        count: usize,
+        over: &dyn Fn() -> bool,
+    ) -> Result<u64> {
+        let mut released = 0;
+        for _ in 0..count {
+            let bytes = self.release_unused(cx, u64::MAX, 1)?;
+            released += bytes;
+            if bytes == 0 || over() {
+                break;
+            }
+        }
+        Ok(released)
     }
 }
 
