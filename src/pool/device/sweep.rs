@@ -90,21 +90,24 @@ impl DevicePool {
         Ok((released, !self.idle.is_empty()))
     }
 
-    /// Return up to `count` idle classic segments to the driver, after the device's queued
-    /// work, stopping early once `over()`. Returns the bytes returned.
+    /// Return up to `count` idle classic segments to the driver, the last listed first, after
+    /// the device's queued work, stopping early once `over()`. Returns the bytes returned.
     fn release_idle_segments(
         &mut self,
         cx: &Context<'_>,
         count: usize,
         over: &dyn Fn() -> bool,
     ) -> Result<u64> {
-        let chosen: Vec<u32> = self.idle.iter().rev().take(count).copied().collect();
-        if chosen.is_empty() {
+        if self.idle.is_empty() {
             return Ok(0);
         }
         self.wait_before_returning(cx)?;
         let mut released = 0;
-        for seg in chosen {
+        for _ in 0..count {
+            // Returned, a segment leaves the idle list.
+            let Some(&seg) = self.idle.last() else {
+                break;
+            };
             let size = self.segments[seg as usize].size;
             self.free_segment(cx, seg)?;
             released += size;
