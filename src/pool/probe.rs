@@ -15,31 +15,11 @@
 
 use std::time::Instant;
 
-/// glibc's `struct mallinfo2` (glibc 2.33 and later).
-#[repr(C)]
-#[derive(Default)]
-struct MallInfo2 {
-    arena: usize,
-    ordblks: usize,
-    smblks: usize,
-    hblks: usize,
-    hblkhd: usize,
-    usmblks: usize,
-    fsmblks: usize,
-    uordblks: usize,
-    fordblks: usize,
-    keepcost: usize,
-}
-
-extern "C" {
-    fn mallinfo2() -> MallInfo2;
-}
-
 /// The free chunks in glibc's fastbins, over every arena.
 fn fastbin_chunks() -> usize {
-    // SAFETY: mallinfo2 takes no argument and only reads the allocator's state under its own
-    // locks; it returns the struct by value.
-    unsafe { mallinfo2() }.smblks
+    // SAFETY: mallinfo2 (glibc 2.33 and later) takes no argument and only reads the
+    // allocator's state under its own locks; it returns the struct by value.
+    unsafe { libc::mallinfo2() }.smblks
 }
 
 /// The calling thread's (minor + major page faults, involuntary context switches) so far.
