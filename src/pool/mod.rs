@@ -9,6 +9,8 @@
 //! - [`stats`]: the figures `rm_get_stats` reports;
 //! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
 //!   touch it, which finds a pointer's device for `release`;
+//! - `probe` (only with the cargo feature `hold-probe`, for `scripts/bench-pauses.sh`): the
+//!   timing of each hold of a device's lock by [`Pool::free_reusable`];
 //! - this module: the multi-device [`Pool`], one lock per device.
 //!
 //! # Locks

@@ -141,7 +141,7 @@ impl DevicePool {
     /// in its place: a sweep returning thousands of segments under the device's lock then frees
     /// none of those small allocations. Freed, each would wait in glibc's fastbins until a later
     /// free or allocation merged them all at once (`malloc_consolidate`) inside one hold of the
-    /// lock: 100-230 µs for the 2-5 thousand a sweep of 100k segments gathered (BENCHMARKS.md).
+    /// lock: up to 400 µs for the thousands a sweep of 100k segments gathered (BENCHMARKS.md).
     pub(super) fn forget_segment(&mut self, seg: u32) {
         let (slot, class, mut id, idle_at) = {
             let s = &self.segments[seg as usize];
