@@ -4,8 +4,11 @@
 # at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
 # passes to the pool, from one thread and from two threads on two devices (`devices`), through
 # the shipped libresmem.so. With BASELINE_LIB=path/to/another/libresmem.so, every run does the
-# same with that library too, alternating, for a comparison in the same session. Prints a
-# Markdown section.
+# same with that library too, alternating, for a comparison in the same session. The lock holds
+# themselves are timed by a copy of the library built with the `hold-probe` feature
+# (src/pool/probe.rs: each hold of the device's lock by rm_free_reusable, wall-clock and thread
+# CPU time, and glibc's fastbin chunks before and after it); BASELINE_PROBE_LIB names another
+# such copy to compare. Prints a Markdown section.
 #
 #   scripts/bench-pauses.sh
 #   RUNS=5 BASELINE_LIB=/tmp/old/libresmem.so scripts/bench-pauses.sh
@@ -13,12 +16,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
 cargo build --release -q -p resmem -p libcuda-sim
+cargo build --release -q -p resmem --features hold-probe --target-dir target/hold-probe
 out=target/bench-pauses
 libs=("this:$PWD/target/release/libresmem.so")
 if [ -n "${BASELINE_LIB:-}" ]; then
   libs=("baseline:$BASELINE_LIB" "${libs[@]}")
 fi
-for entry in "${libs[@]}"; do
+probes=("probe-this:$PWD/target/hold-probe/release/libresmem.so")
+if [ -n "${BASELINE_PROBE_LIB:-}" ]; then
+  probes=("probe-baseline:$BASELINE_PROBE_LIB" "${probes[@]}")
+fi
+for entry in "${libs[@]}" "${probes[@]}"; do
   name=${entry%%:*}
   mkdir -p "$out/$name"
   cp "${entry#*:}" "$out/$name/libresmem.so.0"
@@ -34,12 +42,20 @@ for i in $(seq 1 "$runs"); do
     echo "$name $i classic $(CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses)" \
       >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
+    CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
   echo "reference $i mutex $("$out/this/pairs" handoff)" >> "$out/results"
+  "$out/this/pairs" work > "$out/work-$i"
+  for entry in "${probes[@]}"; do
+    name=${entry%%:*}
+    CUDA_SIM_DEVICES=240GiB "$out/$name/pairs" pauses > /dev/null 2> "$out/holds-${name#probe-}-$i-default"
+    CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses > /dev/null \
+      2> "$out/holds-${name#probe-}-$i-classic"
+  done
 done
-python3 - "$out/results" "$runs" <<'PY'
-import sys, platform, subprocess, datetime
-path, runs = sys.argv[1], int(sys.argv[2])
+python3 - "$out/results" "$runs" "$out" <<'PY'
+import sys, platform, subprocess, datetime, glob, os
+path, runs, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
 print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {platform.machine()}, "
       f"{cpu} CPUs (`nproc`), Linux {platform.release()}; simulated devices through "
@@ -53,8 +69,8 @@ print("| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
 pairs = []
 for line in open(path):
     f = line.split()
-    if f[2] == "device_pair":
-        pairs.append((f[0], f[1], f[3], f"{f[4]} / {f[5]}"))
+    if f[2] in ("device_pair", "stream_pair"):
+        pairs.append((f[0], f[1], f[2][0] + f[3], f"{f[4]} / {f[5]}"))
         continue
     lib, run, policy, rest = f[0], f[1], f[2], f[4:]
     if policy == "mutex":
@@ -67,12 +83,53 @@ for line in open(path):
 print()
 print("Pairs of 128 MiB blocks (reserve + release through the pool, the front cache passing them "
       "on), ns per pair per thread, wall / the thread's own CPU time (which leaves out waiting for "
-      "a CPU), one thread on device 0, then two threads on devices 0 and 1:\n")
-print("| library | run | 1 thread, wall / CPU | 2 threads, 2 devices, wall / CPU |")
-print("| --- | ---: | ---: | ---: |")
+      "a CPU), one thread on device 0, then two threads on devices 0 and 1 (`pairs devices`), "
+      "then two threads on device 0, each on its own stream (`pairs streams`: every call takes "
+      "the one device's lock):\n")
+print("| library | run | 1 thread, wall / CPU | 2 threads, 2 devices, wall / CPU | "
+      "2 threads, 1 device, wall / CPU |")
+print("| --- | ---: | ---: | ---: | ---: |")
 rows = {}
 for lib, run, threads, ns in pairs:
     rows.setdefault((lib, run), {})[threads] = ns
 for (lib, run), v in rows.items():
-    print(f"| {lib} | {run} | {v.get('1', '-')} | {v.get('2', '-')} |")
+    print(f"| {lib} | {run} | {v.get('d1', '-')} | {v.get('d2', '-')} | {v.get('s2', '-')} |")
+print()
+print("The holds of the device's lock by `rm_free_reusable` of 100k idle 2 MiB segments, timed "
+      "inside the library (a copy built with the `hold-probe` feature), in µs: wall-clock, and "
+      "the sweeping thread's own CPU time. For the longest hold (wall): its sweep step; glibc's "
+      "count of free chunks in its fastbins before and after it (`mallinfo2`, read outside the "
+      "timed span: a fall means glibc merged them all, `malloc_consolidate`, inside the hold); "
+      "and the thread's involuntary context switches in it (`getrusage`: a preemption). The last "
+      "column counts the holds in which more than 100 fastbin chunks were merged, and gives the "
+      "longest of them in CPU time. "
+      "`fixed work` is the machine's own share, with no pool and no lock: 500 spans of a fixed "
+      "number of steps of a random walk through 64 MiB, as many as take 25 µs at the median "
+      "(`pairs work`), timed the same way in the same run.\n")
+print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin, switches | holds merging over 100 fastbin chunks: count, longest CPU |")
+print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
+def holds(name):
+    return [l.split()[1:] for l in open(name) if l.startswith("hold ")]
+for run in range(1, runs + 1):
+    for lib in ("baseline", "this"):
+        for policy in ("default", "classic"):
+            name = os.path.join(out, f"holds-{lib}-{run}-{policy}")
+            if not os.path.exists(name):
+                continue
+            h = holds(name)
+            wall = sorted(int(x[1]) for x in h)
+            cpu = sorted(int(x[2]) for x in h)
+            n = len(wall)
+            longest = max(h, key=lambda x: int(x[1]))
+            merging = [int(x[2]) for x in h if int(x[3]) - int(x[4]) > 100]
+            over_w = sum(1 for x in wall if x > 100_000)
+            over_c = sum(1 for x in cpu if x > 100_000)
+            print(f"| {lib} | {run} | {policy} | {n} | {wall[n // 2] / 1e3:.1f} | "
+                  f"{wall[min(n - 1, n * 99 // 100)] / 1e3:.1f} | {wall[-1] / 1e3:.1f} | "
+                  f"{cpu[-1] / 1e3:.1f} | {over_w} / {over_c} | {longest[0]}, "
+                  f"{int(longest[3]):,} → {int(longest[4]):,}, {longest[6]} | {len(merging)}"
+                  f"{', ' + format(max(merging) / 1e3, '.1f') if merging else ''} |")
+    w = open(os.path.join(out, f"work-{run}")).read().split()
+    print(f"| reference | {run} | fixed work | {w[1]} | {w[2]} | {w[3]} | {w[4]} | {w[5]} | "
+          f"{w[6]} / {w[7]} | - | - |")
 PY

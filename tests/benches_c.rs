@@ -70,3 +70,23 @@ fn the_pair_benchmark_runs_its_counting_mode() {
     let out = run(&exe, &["count", "1000", "512"], Driver::SimLibrary, &[]);
     assert_eq!(out, "");
 }
+
+#[test]
+fn the_pair_benchmark_runs_its_two_stream_and_fixed_work_modes() {
+    let exe = compile("pairs");
+    // Two threads on one device, each on its own stream: a line for 1 thread, then for 2.
+    let out = run(&exe, &["streams"], Driver::SimLibrary, &[]);
+    let threads: Vec<&str> = out
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            assert_eq!((f[0], f.len()), ("stream_pair", 4), "{out}");
+            f[1]
+        })
+        .collect();
+    assert_eq!(threads, ["1", "2"], "{out}");
+    // The machine's reference for the lock holds of rm_free_reusable: one line, 50 spans.
+    let out = run(&exe, &["work", "50", "25"], Driver::SimLibrary, &[]);
+    let f: Vec<&str> = out.trim_end().split(' ').collect();
+    assert_eq!((f[0], f[1], f.len()), ("work", "50", 8), "{out}");
+}

@@ -13,7 +13,10 @@
  * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
  * unless given). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
  * the front cache passes to the pool, from one thread on device 0, then two threads on devices
- * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread. `pairs handoff [HOLD_US] [BATCHES]`
+ * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread; `pairs streams` the
+ * same from one thread, then two threads on device 0, each on its own stream: `stream_pair`.
+ * `pairs work [HOLDS] [SPAN_US]` times spans of fixed work as long as rm_free_reusable's lock
+ * holds, with no pool: the machine's own tail for such spans. `pairs handoff [HOLD_US] [BATCHES]`
  * measures the same waits behind a plain pthread mutex held HOLD_US (20) at a time, BATCHES
  * (320) times: the machine's share of the waits behind batches of that length. `pairs count N SIZE` only does N cache-hit pairs of SIZE bytes on one thread and prints
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
@@ -327,6 +330,64 @@ static void handoff_reference(double hold_us, int batches) {
          counts[1], b[0], b[1], b[2], b[3], counts[2], d[0], d[1], d[2], d[3]);
 }
 
+/* ----- fixed work timed as the pool's lock holds are, for reference ----- */
+
+static int cmp_u64(const void *a, const void *b) {
+  unsigned long long x = *(const unsigned long long *)a, y = *(const unsigned long long *)b;
+  return (x > y) - (x < y);
+}
+
+/* What this machine does to spans of fixed work the length of rm_free_reusable's batches, with
+ * no pool and no lock: a random cycle through 64 MiB (cache misses, as the pool's maps and
+ * trees take) is followed `holds` (500) times for a number of steps set so that the median span
+ * takes about `span_us` (25) us, each span timed in wall-clock and the thread's CPU time. Prints:
+ * work <holds> <median wall us> <99th pct wall us> <max wall us> <max CPU us> <spans over 100 us
+ * wall> <over 100 us CPU> */
+static void fixed_work_reference(int holds, double span_us) {
+  size_t n = (size_t)16 << 20;
+  unsigned *next = malloc(sizeof(unsigned) * n);
+  for (size_t i = 0; i < n; i++) next[i] = (unsigned)i;
+  unsigned long long x = 0x9E3779B97F4A7C15ull;
+  for (size_t i = n - 1; i > 0; i--) { /* Sattolo: one cycle through every entry */
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    size_t j = (size_t)(x % i);
+    unsigned t = next[i];
+    next[i] = next[j];
+    next[j] = t;
+  }
+  unsigned at = 0;
+  /* Calibrate: the median of 101 spans of 1000 steps. */
+  double trial[101];
+  for (int k = 0; k < 101; k++) {
+    double start = now_ns();
+    for (int i = 0; i < 1000; i++) at = next[at];
+    trial[k] = now_ns() - start;
+  }
+  qsort(trial, 101, sizeof trial[0], cmp_double);
+  long steps = (long)(1000 * span_us * 1e3 / trial[50]);
+  unsigned long long *wall = malloc(sizeof *wall * holds), *cpu = malloc(sizeof *cpu * holds);
+  for (int h = 0; h < holds; h++) {
+    double start = now_ns(), cpu_start = thread_cpu_ns();
+    for (long i = 0; i < steps; i++) at = next[at];
+    cpu[h] = (unsigned long long)(thread_cpu_ns() - cpu_start);
+    wall[h] = (unsigned long long)(now_ns() - start);
+  }
+  sink = (void *)(uintptr_t)at;
+  int over_wall = 0, over_cpu = 0;
+  for (int h = 0; h < holds; h++) {
+    over_wall += wall[h] > 100000;
+    over_cpu += cpu[h] > 100000;
+  }
+  qsort(wall, holds, sizeof *wall, cmp_u64);
+  qsort(cpu, holds, sizeof *cpu, cmp_u64);
+  printf("work %d %.1f %.1f %.1f %.1f %d %d\n", holds, wall[holds / 2] / 1e3,
+         wall[holds * 99 / 100] / 1e3, wall[holds - 1] / 1e3, cpu[holds - 1] / 1e3, over_wall,
+         over_cpu);
+  free(wall);
+  free(cpu);
+  free(next);
+}
+
 /* ----- releases the front cache does not know, one device per thread ----- */
 
 /* Prints `device_pair <threads> <wall ns> <CPU ns>` per pair per thread (the median over
@@ -342,6 +403,17 @@ static void device_pairs(void) {
     fflush(stdout);
   }
   device_each = 0;
+}
+
+/* The same pairs of 128 MiB blocks from one thread, then two threads on device 0, each on its
+ * own stream: every reserve and release takes the device's lock, the two threads' blocks in
+ * different segments. Prints `stream_pair <threads> <wall ns> <CPU ns>` per pair per thread. */
+static void stream_pairs(void) {
+  for (int threads = 1; threads <= 2; threads++) {
+    double cpu, wall = run_pairs(threads, (size_t)128 << 20, 0, &cpu);
+    printf("stream_pair %d %.1f %.1f\n", threads, wall, cpu);
+    fflush(stdout);
+  }
 }
 
 int main(int argc, char **argv) {
@@ -383,6 +455,14 @@ int main(int argc, char **argv) {
   }
   if (argc > 1 && strcmp(argv[1], "devices") == 0) {
     device_pairs();
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "work") == 0) {
+    fixed_work_reference(argc > 2 ? atoi(argv[2]) : 500, argc > 3 ? atof(argv[3]) : 25);
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "streams") == 0) {
+    stream_pairs();
     return 0;
   }
   if (!only_pauses) {

@@ -9,6 +9,8 @@
 //! - [`stats`]: the figures `rm_get_stats` reports;
 //! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
 //!   touch it, which finds a pointer's device for `release`;
+//! - `probe` (only with the cargo feature `hold-probe`, for `scripts/bench-pauses.sh`): the
+//!   timing of each hold of a device's lock by [`Pool::free_reusable`];
 //! - this module: the multi-device [`Pool`], one lock per device.
 //!
 //! # Locks
@@ -34,6 +36,8 @@ pub(crate) mod bins;
 pub(crate) mod blocks;
 pub(crate) mod device;
 pub(crate) mod hash;
+#[cfg(feature = "hold-probe")]
+mod probe;
 pub(crate) mod size;
 pub(crate) mod spans;
 pub(crate) mod stats;
@@ -287,13 +291,19 @@ impl Pool {
             None => (0..self.device_count()).collect(),
         };
         let mut total = 0;
+        #[cfg(feature = "hold-probe")]
+        let mut holds = probe::Holds::default();
         for device in devices {
             let mut sweep = Sweep::default();
             loop {
                 let (mut pool, cx) = self.lock(device)?;
+                #[cfg(feature = "hold-probe")]
+                let timing = probe::Holds::start(sweep.step_name());
                 let start = Instant::now();
                 let over = || start.elapsed() >= BATCH_TIME;
                 let (bytes, more) = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over)?;
+                #[cfg(feature = "hold-probe")]
+                holds.end(timing);
                 drop(pool);
                 total += bytes;
                 if !more {
@@ -302,6 +312,8 @@ impl Pool {
                 self.let_waiters_in(device);
             }
         }
+        #[cfg(feature = "hold-probe")]
+        holds.print();
         Ok(total)
     }
 

@@ -1194,6 +1194,17 @@ fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
     assert_eq!((s.segments, s.reserved_bytes), (0, 0));
     assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
     assert_eq!(sim.reserved_ranges(), 0);
+    // Taken apart, the segments kept their lists of runs for the next ones in their places.
+    assert_eq!(pool.lock(0).unwrap().0.vacant_with_runs_room(), n as usize);
+    assert_books(&pool, sim);
+    // Which get lists of their own, with exact books.
+    let again: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    assert_eq!(pool.stats(0).unwrap().segments, n);
+    for p in again {
+        pool.release(p).unwrap();
+    }
     assert_books(&pool, sim);
 }
 
@@ -1314,6 +1325,43 @@ fn a_batch_stops_after_one_segment_once_its_time_is_up() {
         assert_nothing_held(sim);
         assert_books(&pool, sim);
     }
+}
+
+#[test]
+fn a_batch_returns_handles_left_mapped_nowhere_a_few_at_a_time_once_its_time_is_up() {
+    let (pool, sim) = pool_with(&[24 * GIB], vmm());
+    let n = 8;
+    let blocks: Vec<u64> = (0..n)
+        .map(|_| pool.reserve(0, 20 * MIB, 0).unwrap())
+        .collect();
+    for p in blocks {
+        pool.release(p).unwrap();
+    }
+    // A batch with time to spare takes every segment apart, then fails to return the first
+    // handle: all are left mapped nowhere, with exact books.
+    sim.inject_faults("cuMemRelease@1=999").unwrap();
+    {
+        let (mut device, cx) = pool.lock(0).unwrap();
+        let mut sweep = Sweep::default();
+        let failed = device.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &|| false);
+        assert!(failed.is_err());
+    }
+    pool.check().unwrap();
+    assert_eq!((sim.physical_allocations(0), sim.reserved_ranges()), (n, 0));
+    // Once their time is up, batches return them one before the segments are looked at and
+    // one after: two a batch, not all in the first.
+    let batches = sweep_batches(&pool, FREE_BATCH, &|| true);
+    assert_eq!(
+        batches,
+        vec![
+            (40 * MIB, true),
+            (40 * MIB, true),
+            (40 * MIB, true),
+            (40 * MIB, false)
+        ]
+    );
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
 }
 
 #[test]

@@ -584,6 +584,8 @@ impl DevicePool {
 
     /// Take apart a stitched segment with no block in use (all free blocks and holes): unmap it
     /// with one call, give its pages back where they came from, and free its address range.
+    /// Its lists of runs and borrowers stay allocated with the vacant segment (see
+    /// `forget_segment`): taking it apart frees no heap memory of its own.
     pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
         let (base, size) = (
             self.segments[seg as usize].base,
@@ -592,7 +594,10 @@ impl DevicePool {
         cx.driver
             .vmm_unmap(self.device, base, size)
             .map_err(|e| Error::driver(&format!("unmapping cached segment {base:#x}"), &e))?;
-        let runs = self.segments[seg as usize].runs.clone();
+        // Out of the segment while its lenders and borrowers change (none of which is `seg`),
+        // put back before it is forgotten.
+        let runs = std::mem::take(&mut self.segments[seg as usize].runs);
+        let mut borrowers = std::mem::take(&mut self.segments[seg as usize].borrowers);
         // Pages this segment lent on now belong to their borrower, lent by this run's lender.
         let lender_of = |ptr: DevicePtr| {
             let r = runs
@@ -601,7 +606,7 @@ impl DevicePool {
                 .expect("a lent piece lies in a run");
             r.lender.map(|(l, at)| (l, at + (ptr - base - r.offset)))
         };
-        for borrower in std::mem::take(&mut self.segments[seg as usize].borrowers) {
+        for &borrower in &borrowers {
             for i in 0..self.segments[borrower as usize].runs.len() {
                 if let Some((l, ptr)) = self.segments[borrower as usize].runs[i].lender {
                     if l == seg {
@@ -620,17 +625,16 @@ impl DevicePool {
                 self.segments[l as usize].borrowers.retain(|&b| b != seg);
             }
         }
-        // Pages it owned go back to their lender, or become spare.
-        let mut owned = Vec::new();
+        // Pages it owned go back to their lender, or become spare (changing only the lenders'
+        // blocks, so the walk of its own goes on).
         let mut id = self.segments[seg as usize].first;
         while id != NIL {
             let b = &self.blocks[id];
-            if b.state == State::Free {
-                owned.push((b.ptr, b.size));
-            }
+            let (ptr, len, free) = (b.ptr, b.size, b.state == State::Free);
             id = b.next;
-        }
-        for (ptr, len) in owned {
+            if !free {
+                continue;
+            }
             for r in &runs {
                 let (rs, re) = (base + r.offset, base + r.offset + r.pages.size);
                 let (from, to) = (ptr.max(rs), (ptr + len).min(re));
@@ -647,6 +651,10 @@ impl DevicePool {
                 }
             }
         }
+        borrowers.clear();
+        let s = &mut self.segments[seg as usize];
+        s.runs = runs;
+        s.borrowers = borrowers;
         self.forget_segment(seg);
         // Out of the span map before the driver can hand the addresses to another device.
         cx.spans.remove(base, size);
@@ -800,32 +808,33 @@ impl DevicePool {
     }
 
     /// Release handles mapped nowhere, largest first, until `needed` bytes or `count` handles
-    /// went back; those mapped in a range kept to retry stay. Returns the bytes returned.
+    /// went back; those mapped in a range kept to retry stay. Returns the bytes returned. Each
+    /// handle is looked up when its turn comes, so that no list is allocated (under the
+    /// device's lock, an allocation can cost glibc's sorting of its free chunks).
     pub(super) fn release_unused(
         &mut self,
         cx: &Context<'_>,
         needed: u64,
         count: usize,
     ) -> Result<u64> {
-        let mut chosen = Vec::new();
-        let mut sum = 0u64;
-        for (handle, size) in self.phys.unused() {
-            if sum >= needed || chosen.len() == count {
+        let mut released = 0u64;
+        for _ in 0..count {
+            if released >= needed {
                 break;
             }
-            if !self.is_stuck(handle) {
-                chosen.push((handle, size));
-                sum = sum.saturating_add(size);
-            }
-        }
-        let mut released = 0;
-        for (handle, size) in chosen {
+            let next = self
+                .phys
+                .unused()
+                .find(|&(handle, _)| !self.is_stuck(handle));
+            let Some((handle, size)) = next else {
+                break;
+            };
             cx.driver
                 .vmm_release(self.device, handle)
                 .map_err(|e| Error::driver("returning cached memory to the driver", &e))?;
             self.phys.remove(handle);
             self.stats.remove_reserved(size, 1);
-            released += size;
+            released = released.saturating_add(size);
         }
         Ok(released)
     }

@@ -25,6 +25,19 @@ pub struct Sweep {
     next: usize,
 }
 
+impl Sweep {
+    /// The step the next batch begins with, for the benchmark probe.
+    #[cfg(feature = "hold-probe")]
+    pub fn step_name(&self) -> &'static str {
+        match self.step {
+            Step::Parked => "parked",
+            Step::Pending => "pending",
+            Step::Stuck => "stuck",
+            Step::Segments => "segments",
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 enum Step {
     #[default]
@@ -40,8 +53,9 @@ impl DevicePool {
     /// retrying `segments` ranges kept after a failure, returning `segments` idle segments (in
     /// virtual-memory mode: looking at `LOOKS_PER_SEGMENT * segments` segments, taking apart at
     /// most `segments` of them, and returning at most `2 * segments` handles mapped nowhere).
-    /// Pending blocks and segments stop early once `over()` says the batch has run long enough
-    /// (after one at least). Returns the bytes returned and whether another batch is needed.
+    /// Pending blocks, segments and handles stop early once `over()` says the batch has run long
+    /// enough (after one at least). Returns the bytes returned and whether another batch is
+    /// needed.
     pub fn free_reusable_batch(
         &mut self,
         cx: &Context<'_>,
@@ -76,21 +90,24 @@ impl DevicePool {
         Ok((released, !self.idle.is_empty()))
     }
 
-    /// Return up to `count` idle classic segments to the driver, after the device's queued
-    /// work, stopping early once `over()`. Returns the bytes returned.
+    /// Return up to `count` idle classic segments to the driver, the last listed first, after
+    /// the device's queued work, stopping early once `over()`. Returns the bytes returned.
     fn release_idle_segments(
         &mut self,
         cx: &Context<'_>,
         count: usize,
         over: &dyn Fn() -> bool,
     ) -> Result<u64> {
-        let chosen: Vec<u32> = self.idle.iter().rev().take(count).copied().collect();
-        if chosen.is_empty() {
+        if self.idle.is_empty() {
             return Ok(0);
         }
         self.wait_before_returning(cx)?;
         let mut released = 0;
-        for seg in chosen {
+        for _ in 0..count {
+            // Returned, a segment leaves the idle list.
+            let Some(&seg) = self.idle.last() else {
+                break;
+            };
             let size = self.segments[seg as usize].size;
             self.free_segment(cx, seg)?;
             released += size;
@@ -102,8 +119,9 @@ impl DevicePool {
     }
 
     /// One batch of the virtual-memory mode: handles mapped nowhere, then the next segments
-    /// from the cursor, those with no block in use taken apart (stopping early once `over()`),
-    /// then the handles that left mapped nowhere, each within its bound.
+    /// from the cursor, those with no block in use taken apart, then the handles that left
+    /// mapped nowhere, each within its bound and stopping early once `over()` (after one at
+    /// least: a handle left goes back in the next batch).
     fn sweep_stitched(
         &mut self,
         cx: &Context<'_>,
@@ -111,7 +129,7 @@ impl DevicePool {
         count: usize,
         over: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
-        let mut released = self.release_unused(cx, u64::MAX, count)?;
+        let mut released = self.release_unused_upto(cx, count, over)?;
         let (mut taken, mut looked, mut waited) = (0, 0, false);
         while sweep.next < self.segments.len()
             && taken < count
@@ -128,8 +146,38 @@ impl DevicePool {
                 break;
             }
         }
-        released += self.release_unused(cx, u64::MAX, count)?;
+        released += self.release_unused_upto(cx, count, over)?;
         let more = sweep.next < self.segments.len() || self.has_unused_handles();
         Ok((released, more))
+    }
+
+    /// Release up to `count` handles mapped nowhere, largest first, stopping early once
+    /// `over()` (after one at least). Returns the bytes returned.
+    fn release_unused_upto(
+        &mut self,
+        cx: &Context<'_>,
+        count: usize,
+        over: &dyn Fn() -> bool,
+    ) -> Result<u64> {
+        let mut released = 0;
+        for _ in 0..count {
+            let bytes = self.release_unused(cx, u64::MAX, 1)?;
+            released += bytes;
+            if bytes == 0 || over() {
+                break;
+            }
+        }
+        Ok(released)
+    }
+}
+
+#[cfg(test)]
+impl DevicePool {
+    /// How many vacant segments still hold an allocated list of runs (for tests).
+    pub(crate) fn vacant_with_runs_room(&self) -> usize {
+        self.vacant_segments
+            .iter()
+            .filter(|&&seg| self.segments[seg as usize].runs.capacity() > 0)
+            .count()
     }
 }
