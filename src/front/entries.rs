@@ -40,6 +40,9 @@ pub struct Entry {
     /// made on other threads).
     pub owner: AtomicU32,
     pub device: AtomicI32,
+    /// Used on another stream too (`record_stream`): its release goes to the pool, which
+    /// orders its reuse after that stream's work.
+    pub shared: AtomicBool,
     pub stream: AtomicU64,
     /// Block size (a multiple of 512).
     pub size: AtomicU64,
@@ -47,10 +50,13 @@ pub struct Entry {
     pub pool_requested: AtomicU64,
     /// Bytes the caller asked for when it last reserved the block.
     pub requested: AtomicU64,
-    /// Used on another stream too (`record_stream`): its release goes to the pool, which
-    /// orders its reuse after that stream's work.
-    pub shared: AtomicBool,
+    /// The tag of the owner's bin it was last cached in (`thread::ThreadCache::tagged`);
+    /// 0: none yet.
+    pub bin: AtomicU64,
 }
+
+// One cache line each (the fields above fill it).
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
 
 impl Entry {
     /// The word for `ptr` in `state`.
@@ -73,6 +79,7 @@ impl Entry {
         self.pool_requested.store(requested, Relaxed);
         self.requested.store(requested, Relaxed);
         self.shared.store(false, Relaxed);
+        self.bin.store(0, Relaxed);
         self.next.store(NIL, Relaxed);
     }
 }

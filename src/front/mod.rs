@@ -58,6 +58,7 @@ pub(crate) use bindings::forget_key;
 use bindings::{Binding, Bindings};
 use counters::{Counters, Delta};
 use entries::{Entries, Entry, CACHED, NIL, USER};
+use giveback::Was;
 use map::AddressMap;
 use thread::{Bin, Registry, ThreadCache};
 
@@ -121,7 +122,7 @@ impl Front {
         let hit = tls::with(|t| {
             inner.with_cache(t, |cache| {
                 let bin = inner.bin_with_blocks(cache, device, stream, block)?;
-                inner.pop(cache, bin, device, block, size)
+                inner.pop(bin, size)
             })
         });
         match hit.flatten() {
@@ -148,7 +149,7 @@ impl Front {
         }
         let block = block_of(size);
         let bin = cache.find(device, stream, block)?;
-        inner.pop(cache, bin, device, block, size)
+        inner.pop(bin, size)
     }
 
     /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
@@ -199,7 +200,7 @@ impl Front {
             }
         };
         if !cached {
-            inner.evict(index, ptr, USER);
+            inner.evict(index, ptr, Was::Held);
         }
         Some(Ok(()))
     }
@@ -406,65 +407,74 @@ impl Inner {
         cache.find(device, stream, block)
     }
 
-    /// A block from `bin`, the caller's bin of `(device, _, block)`, for a request of `size`
-    /// bytes; `None` where it is empty.
+    /// A block from `bin`, one of the caller's bins, for a request of `size` bytes; `None`
+    /// where it is empty.
     #[inline(always)]
-    fn pop(
-        &self,
-        cache: &ThreadCache,
-        bin: &Bin,
-        device: i32,
-        block: u64,
-        size: u64,
-    ) -> Option<DevicePtr> {
+    fn pop(&self, bin: &Bin, size: u64) -> Option<DevicePtr> {
         let e = bin.pop(|first| self.entries.get(first))?;
         let ptr = e.ptr();
         e.requested.store(size, Relaxed);
         e.word.store(Entry::word_of(ptr, USER), Release);
-        cache.counters[device as usize].add_owned(Delta {
-            cached_bytes: -(block as i64),
-            cached_blocks: -1,
-            requested: size as i64,
-            hits: 1,
-        });
+        bin.count_hit(size);
         Some(ptr)
     }
 
     /// Put the block of entry `e` (at `index`), just claimed from its caller, in a cache: the
     /// caller's own if it reserved the block, else the reserving thread's remote list. `false`
     /// where it does not fit (the caller then gives it to the pool).
+    ///
+    /// The common case, the caller's own block going back to the bin it was last cached in,
+    /// finds that bin from the tag noted in the entry; anything else is [`Inner::rebin`]'s.
     #[inline(always)]
     fn cache_released(&self, cache: &ThreadCache, index: u32, e: &Entry) -> bool {
-        let (owner, device, size) = (
+        let requested = e.requested.load(Relaxed);
+        let Some(bin) = cache.tagged(e.bin.load(Relaxed)) else {
+            return self.rebin(cache, index, e, requested);
+        };
+        if !bin.push(index, e) {
+            return false;
+        }
+        bin.count_release(requested);
+        true
+    }
+
+    /// [`Inner::cache_released`] of a block whose bin is not the one its entry names: the
+    /// caller's bin of its key (keyed now if needed, its tag noted in the entry) if the caller
+    /// reserved it, else the reserving thread's remote list.
+    #[inline(never)]
+    fn rebin(&self, cache: &ThreadCache, index: u32, e: &Entry, requested: u64) -> bool {
+        let (owner, device, stream, size) = (
             e.owner.load(Relaxed),
             e.device.load(Relaxed),
+            e.stream.load(Relaxed),
             e.size.load(Relaxed),
         );
-        let requested = e.requested.load(Relaxed);
-        if owner == cache.index {
-            let stream = e.stream.load(Relaxed);
-            let Some(bin) = cache
-                .find_or_key(device, stream, size)
-                .or_else(|| self.make_room(cache, device, stream, size))
-            else {
-                return false;
-            };
-            if !bin.push(index, e, size) {
-                return false;
-            }
-        } else {
+        if owner != cache.index {
             let Some(owner) = self.threads.get(owner) else {
                 return false;
             };
             ThreadCache::push_remote(&owner.remote, index, e);
+            // Counted here while it waits in the remote list (the owner may take it at once:
+            // only values read above count).
+            cache.counters[device as usize].add_owned(Delta {
+                cached_bytes: size as i64,
+                cached_blocks: 1,
+                requested: -(requested as i64),
+                hits: 0,
+            });
+            return true;
         }
-        // The entry may be in use by its owner again already: only values read above count.
-        cache.counters[device as usize].add_owned(Delta {
-            cached_bytes: size as i64,
-            cached_blocks: 1,
-            requested: -(requested as i64),
-            hits: 0,
-        });
+        let Some(bin) = cache
+            .find_or_key(device, stream, size)
+            .or_else(|| self.make_room(cache, device, stream, size))
+        else {
+            return false;
+        };
+        e.bin.store(bin.tag(), Relaxed);
+        if !bin.push(index, e) {
+            return false;
+        }
+        bin.count_release(requested);
         true
     }
 
@@ -479,7 +489,7 @@ impl Inner {
         stream: StreamHandle,
         size: u64,
     ) -> Option<&'a Bin> {
-        self.evict_list(cache.emptiest(device, stream, size).take());
+        self.evict_list(cache.emptiest(device, stream, size).take(), Was::InBin);
         cache.find_or_key(device, stream, size)
     }
 
@@ -494,8 +504,18 @@ impl Inner {
             let bin = cache
                 .find_or_key(device, stream, size)
                 .or_else(|| self.make_room(cache, device, stream, size));
-            if !bin.is_some_and(|bin| bin.push(index, e, size)) {
-                self.evict(index, e.ptr(), CACHED);
+            if let Some(bin) = bin {
+                e.bin.store(bin.tag(), Relaxed);
+            }
+            if bin.is_some_and(|bin| bin.push(index, e)) {
+                // Counted by its bin from now on, no longer as waiting in a remote list.
+                cache.counters[device as usize].add_owned(Delta {
+                    cached_bytes: -(size as i64),
+                    cached_blocks: -1,
+                    ..Delta::default()
+                });
+            } else {
+                self.evict(index, e.ptr(), Was::InRemote);
             }
             index = next;
         }
@@ -561,7 +581,8 @@ impl Inner {
         self.map.set(ptr, index);
     }
 
-    /// What the front caches change in `device`'s figures, summed over every cache.
+    /// What the front caches change in `device`'s figures, summed over every cache: the
+    /// shared counters, each cache's own, and each of its bins on `device`.
     fn sum(&self, device: i32) -> Delta {
         let Some(shared) = usize::try_from(device)
             .ok()
@@ -570,7 +591,11 @@ impl Inner {
             return Delta::default();
         };
         self.threads.iter().fold(shared.read(), |sum, cache| {
-            sum.plus(cache.counters[device as usize].read())
+            let bins = cache.bins.iter().filter(|bin| bin.on(device));
+            bins.fold(
+                sum.plus(cache.counters[device as usize].read()),
+                |sum, bin| sum.plus(bin.figures()),
+            )
         })
     }
 
