@@ -195,9 +195,7 @@ impl Front {
         }
         let cached = match inner.bound(t) {
             Some(cache) => inner.cache_released(cache, index, e),
-            None => {
-                inner.with_cache(t, |cache| inner.cache_released(cache, index, e)) == Some(true)
-            }
+            None => inner.cache_released_unbound(t, index, e),
         };
         if !cached {
             inner.evict(index, ptr, Was::Held);
@@ -476,6 +474,14 @@ impl Inner {
         }
         bin.count_release(requested);
         true
+    }
+
+    /// [`Inner::cache_released`] by a thread whose last call was not into this front: its
+    /// cache bound first.
+    #[cold]
+    #[inline(never)]
+    fn cache_released_unbound(self: &Arc<Self>, t: &tls::Thread, index: u32, e: &Entry) -> bool {
+        self.with_cache(t, |cache| self.cache_released(cache, index, e)) == Some(true)
     }
 
     /// A bin for a key none of `cache`'s bins holds when every bin it may use holds blocks of
