@@ -144,7 +144,8 @@ impl Front {
     ) -> Option<DevicePtr> {
         let inner = &*self.inner;
         let cache = inner.bound(t)?;
-        if size.wrapping_sub(1) >= MAX_BLOCK || device as u32 >= inner.devices {
+        // No device check: only the pool's devices are keyed, so no bin has another.
+        if size.wrapping_sub(1) >= MAX_BLOCK {
             return None;
         }
         let block = block_of(size);
@@ -170,14 +171,54 @@ impl Front {
     /// and a second release refused. `None`, with nothing changed, for a pointer the front does
     /// not hold for a caller: the pool knows what it is. (The error is boxed, so that the
     /// outcome fits a register on the hit path.)
+    ///
+    /// The common case is handled first, with nothing else kept at hand: the caller's own
+    /// block, used on its stream only, going back to the bin it was last cached in (named by
+    /// the tag in its entry). Anything else is [`Front::release_other`]'s.
     #[inline(never)]
     pub(crate) fn release_known(
         &self,
         t: &tls::Thread,
         ptr: DevicePtr,
     ) -> Option<std::result::Result<(), Box<Error>>> {
-        let inner = &self.inner;
+        let inner = &*self.inner;
         let index = inner.map.get(ptr)?;
+        let e = inner.entries.get(index);
+        let bin = inner
+            .bound(t)
+            .and_then(|cache| cache.tagged(e.bin.load(Relaxed)));
+        let Some(bin) = bin.filter(|_| !e.shared.load(Relaxed)) else {
+            return self.release_other(t, ptr, index);
+        };
+        // Read before the block is cached: from then on its entry may be reused.
+        let requested = e.requested.load(Relaxed);
+        let claimed = e.word.compare_exchange(
+            Entry::word_of(ptr, USER),
+            Entry::word_of(ptr, CACHED),
+            Acquire,
+            Relaxed,
+        );
+        if claimed.is_err() {
+            return self.release_other(t, ptr, index);
+        }
+        if bin.push(index, e) {
+            bin.count_release(requested);
+        } else {
+            inner.evict(index, ptr, Was::Held);
+        }
+        Some(Ok(()))
+    }
+
+    /// [`Front::release_known`] of the block at `ptr`, of entry `index`, past its common case.
+    #[cold]
+    #[inline(never)]
+    fn release_other(
+        &self,
+        t: &tls::Thread,
+        ptr: DevicePtr,
+        index: u32,
+    ) -> Option<std::result::Result<(), Box<Error>>> {
+        let inner = &self.inner;
         let e = inner.entries.get(index);
         match e.word.compare_exchange(
             Entry::word_of(ptr, USER),

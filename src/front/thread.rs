@@ -16,7 +16,7 @@
 //! list for the adopter or the next drain.
 
 use std::sync::atomic::{
-    AtomicBool, AtomicI32, AtomicI64, AtomicU32, AtomicU64,
+    AtomicBool, AtomicI64, AtomicU32, AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::OnceLock;
@@ -40,15 +40,15 @@ pub const MAX_THREADS: usize = 1024;
 // A bin's tag holds its slot in 6 bits and its cache's index in 10 (see `ThreadCache::tagged`).
 const _: () = assert!(BINS == 1 << 6 && MAX_THREADS <= 1 << 10);
 
-/// One LIFO list of blocks of one key. `size` 0: the bin has no key. A cache line each, so
-/// that no two threads' bins share one.
+/// One LIFO list of blocks of one key. A cache line each, so that no two threads' bins share
+/// one.
 #[repr(align(64))]
 pub struct Bin {
-    device: AtomicI32,
+    /// Its device and block size, as [`key_of`] packs them; 0 (size 0): the bin has no key.
+    key: AtomicU64,
+    stream: AtomicU64,
     /// The most blocks it holds, from [`MAX_BIN_BLOCKS`] and [`MAX_BIN_BYTES`] (set with the key).
     cap: AtomicU32,
-    stream: AtomicU64,
-    size: AtomicU64,
     /// This keying's tag (see [`ThreadCache::tagged`]); [`UNKEYED`] before the first.
     tag: AtomicU64,
     /// The list: its length in the high half, its first entry (or [`NIL`]) in the low half.
@@ -59,6 +59,14 @@ pub struct Bin {
     /// What its pops and pushes since keyed change in the requested bytes (owner only; folded
     /// likewise): the callers' requests of the blocks it handed out less those it took back.
     requested: AtomicI64,
+}
+
+/// A bin's device and block size (a multiple of 512, below 2 TiB) in one word, so that a key
+/// is compared in two: the device in the high half, the size in 512-byte units in the low.
+#[inline(always)]
+fn key_of(device: i32, size: u64) -> u64 {
+    debug_assert!(size % 512 == 0 && size >> 41 == 0);
+    (device as u32 as u64) << 32 | size >> 9
 }
 
 /// The tag of a bin never keyed, which no entry holds.
@@ -84,10 +92,9 @@ fn length(list: u64) -> u32 {
 impl Default for Bin {
     fn default() -> Self {
         Bin {
-            device: AtomicI32::new(0),
-            cap: AtomicU32::new(0),
+            key: AtomicU64::new(0),
             stream: AtomicU64::new(0),
-            size: AtomicU64::new(0),
+            cap: AtomicU32::new(0),
             tag: AtomicU64::new(UNKEYED),
             list: AtomicU64::new(EMPTY),
             hits: AtomicU64::new(0),
@@ -97,15 +104,24 @@ impl Default for Bin {
 }
 
 impl Bin {
+    #[inline(always)]
     fn is(&self, device: i32, stream: StreamHandle, size: u64) -> bool {
-        self.size.load(Relaxed) == size
-            && self.stream.load(Relaxed) == stream
-            && self.device.load(Relaxed) == device
+        self.key.load(Relaxed) == key_of(device, size) && self.stream.load(Relaxed) == stream
+    }
+
+    /// The device of its key.
+    fn device(&self) -> i32 {
+        (self.key.load(Relaxed) >> 32) as i32
+    }
+
+    /// The block size of its key.
+    fn size(&self) -> u64 {
+        (self.key.load(Relaxed) as u32 as u64) << 9
     }
 
     /// Whether its key is on `device`.
     pub fn on(&self, device: i32) -> bool {
-        self.device.load(Relaxed) == device
+        self.device() == device
     }
 
     /// The block size of the blocks it holds now; 0 when it holds none.
@@ -113,7 +129,7 @@ impl Bin {
         if self.is_empty() {
             0
         } else {
-            self.size.load(Relaxed)
+            self.size()
         }
     }
 
@@ -141,7 +157,7 @@ impl Bin {
     pub fn figures(&self) -> Delta {
         let blocks = length(self.list.load(Relaxed)) as i64;
         Delta {
-            cached_bytes: blocks.wrapping_mul(self.size.load(Relaxed) as i64),
+            cached_bytes: blocks.wrapping_mul(self.size() as i64),
             cached_blocks: blocks,
             requested: self.requested.load(Relaxed),
             hits: self.hits.load(Relaxed) as i64,
@@ -300,12 +316,11 @@ impl ThreadCache {
         // Only the owner pushes, so an empty bin stays empty while it is re-keyed. Its counts
         // were of its old key's device: they go to the cache's counters of that device.
         if bin.tag() != UNKEYED {
-            let old = bin.device.load(Relaxed) as usize;
+            let old = bin.device() as usize;
             self.counters[old].add_owned(bin.take_counts());
         }
-        bin.device.store(device, Relaxed);
+        bin.key.store(key_of(device, size), Relaxed);
         bin.stream.store(stream, Relaxed);
-        bin.size.store(size, Relaxed);
         bin.cap.store(cap_of(size), Relaxed);
         let keyings = self.keyings.load(Relaxed) + 1;
         self.keyings.store(keyings, Relaxed);
