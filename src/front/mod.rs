@@ -201,11 +201,23 @@ impl Front {
         if claimed.is_err() {
             return self.release_other(t, ptr, index);
         }
-        if bin.push(index, e) {
-            bin.count_release(requested);
-        } else {
-            inner.evict(index, ptr, Was::Held);
+        if !bin.push(index, e) {
+            return self.release_to_pool(index, ptr);
         }
+        bin.count_release(requested);
+        Some(Ok(()))
+    }
+
+    /// [`Front::release_known`] of a block claimed from its caller that no bin takes: to the
+    /// pool.
+    #[cold]
+    #[inline(never)]
+    fn release_to_pool(
+        &self,
+        index: u32,
+        ptr: DevicePtr,
+    ) -> Option<std::result::Result<(), Box<Error>>> {
+        self.inner.evict(index, ptr, Was::Held);
         Some(Ok(()))
     }
 
