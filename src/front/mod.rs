@@ -149,8 +149,10 @@ impl Front {
             return None;
         }
         let block = block_of(size);
-        let bin = cache.find(device, stream, block)?;
-        inner.pop(bin, size)
+        match cache.home(device, stream, block) {
+            Some(bin) => inner.pop(bin, size),
+            None => inner.reserve_probed(cache, device, stream, block, size),
+        }
     }
 
     /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
@@ -456,6 +458,21 @@ impl Inner {
         }
         self.collect_remote(cache);
         cache.find(device, stream, block)
+    }
+
+    /// [`Front::reserve_hit`] of a key not in its home bin: the probe for it.
+    #[cold]
+    #[inline(never)]
+    fn reserve_probed(
+        &self,
+        cache: &ThreadCache,
+        device: i32,
+        stream: StreamHandle,
+        block: u64,
+        size: u64,
+    ) -> Option<DevicePtr> {
+        let bin = cache.find(device, stream, block)?;
+        self.pop(bin, size)
     }
 
     /// A block from `bin`, one of the caller's bins, for a request of `size` bytes; `None`

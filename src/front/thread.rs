@@ -250,9 +250,10 @@ pub struct ThreadCache {
     pub counters: Box<[Counters]>,
 }
 
+/// The home slot of a key: the top bits of its words mixed by a multiplication.
+#[inline(always)]
 fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
-    let h = (stream ^ (size >> 9).rotate_left(29) ^ (device as u64).rotate_left(53))
-        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let h = (key_of(device, size) ^ stream).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     (h >> 58) as usize
 }
 
@@ -278,13 +279,17 @@ impl ThreadCache {
     /// The bin holding `(device, stream, size)`, if any (owner only).
     #[inline(always)]
     pub fn find(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
-        let start = slot_of(device, stream, size);
         // The key's own bin, where it almost always is, before the probe.
-        let home = &self.bins[start];
-        if home.is(device, stream, size) {
-            return Some(home);
-        }
-        self.probe(start, device, stream, size)
+        self.home(device, stream, size)
+            .or_else(|| self.probe(slot_of(device, stream, size), device, stream, size))
+    }
+
+    /// The bin holding `(device, stream, size)` if it is the key's home bin, the first that
+    /// [`ThreadCache::find`] looks at (owner only).
+    #[inline(always)]
+    pub fn home(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
+        let home = &self.bins[slot_of(device, stream, size)];
+        home.is(device, stream, size).then_some(home)
     }
 
     /// The rest of [`ThreadCache::find`]: the bins after the key's own.
