@@ -134,7 +134,7 @@ impl Front {
     /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
     /// from the calling thread's own bin of `(device, stream, size)`; `None`, with nothing
     /// changed, where that bin is empty (or the thread is not bound, or the size is not cached).
-    #[inline(never)]
+    #[inline(always)]
     pub(crate) fn reserve_hit(
         &self,
         t: &tls::Thread,
