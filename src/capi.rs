@@ -146,8 +146,15 @@ pub(crate) fn release_hit(function: &str, ptr: *mut c_void) -> Option<rm_status>
     let outcome = hit(|front, t| front.release_known(t, ptr as DevicePtr))?;
     Some(match outcome {
         Ok(()) => rm_status::RM_SUCCESS,
-        Err(error) => fail(function, *error),
+        Err(error) => fail_boxed(function, error),
     })
+}
+
+/// [`fail`] of a boxed error, out of the hit path.
+#[cold]
+#[inline(never)]
+fn fail_boxed(function: &str, error: Box<Error>) -> rm_status {
+    fail(function, *error)
 }
 
 /// In debug builds only: panic inside the export named by `RESMEM_TEST_PANIC`, so that tests

@@ -33,9 +33,10 @@
 //!
 //! # Figures
 //!
-//! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable, from running
-//! counters each thread keeps for itself ([`counters`]), summed when read: they read without
-//! a side effect in O(threads), and are exact whenever no call is in flight. The peak of
+//! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable, from the
+//! bins' lengths and running counters each thread and each bin keeps for itself
+//! ([`counters`]), summed when read: they read without a side effect in O(threads × bins),
+//! and are exact whenever no call is in flight. The peak of
 //! allocated bytes counts cached blocks as allocated while they are cached (the pool's peak);
 //! `reset_peak_stats` drains first, so the peaks it sets are exact.
 
@@ -283,14 +284,14 @@ impl Front {
     pub fn stats(&self, device: i32) -> Result<Stats> {
         let inner = &self.inner;
         let mut s = inner.pool.stats(device)?;
-        let d = inner.sum(device);
+        let (d, largest) = inner.cached(device);
         s.allocated_bytes = s.allocated_bytes.wrapping_sub(d.cached_bytes as u64);
         s.live_blocks = s.live_blocks.wrapping_sub(d.cached_blocks as u64);
         s.requested_bytes = s.requested_bytes.wrapping_add(d.requested as u64);
         s.reserve_calls = s.reserve_calls.wrapping_add(d.hits as u64);
         s.cache_hits = s.cache_hits.wrapping_add(d.hits as u64);
         s.reusable_bytes = s.reserved_bytes.saturating_sub(s.allocated_bytes);
-        s.largest_reusable_block = s.largest_reusable_block.max(inner.largest_cached(device));
+        s.largest_reusable_block = s.largest_reusable_block.max(largest);
         Ok(s)
     }
 
@@ -657,33 +658,30 @@ impl Inner {
         self.map.set(ptr, index);
     }
 
-    /// What the front caches change in `device`'s figures, summed over every cache: the
-    /// shared counters, each cache's own, and each of its bins on `device`.
+    /// What the front caches change in `device`'s figures, summed over every cache.
     fn sum(&self, device: i32) -> Delta {
+        self.cached(device).0
+    }
+
+    /// What the front caches change in `device`'s figures, summed over every cache (the
+    /// shared counters, each cache's own, and each of its bins on `device`), and the largest
+    /// block size a bin on `device` holds (remote lists not counted): one pass over the bins.
+    fn cached(&self, device: i32) -> (Delta, u64) {
         let Some(shared) = usize::try_from(device)
             .ok()
             .and_then(|d| self.shared.get(d))
         else {
-            return Delta::default();
+            return (Delta::default(), 0);
         };
-        self.threads.iter().fold(shared.read(), |sum, cache| {
-            let bins = cache.bins.iter().filter(|bin| bin.on(device));
-            bins.fold(
-                sum.plus(cache.counters[device as usize].read()),
-                |sum, bin| sum.plus(bin.figures()),
-            )
-        })
-    }
-
-    /// The largest block size a front cache holds on `device` (remote lists not counted).
-    fn largest_cached(&self, device: i32) -> u64 {
-        self.threads
-            .iter()
-            .flat_map(|cache| cache.bins.iter())
-            .filter(|bin| bin.on(device))
-            .map(|bin| bin.holds())
-            .max()
-            .unwrap_or(0)
+        let (mut sum, mut largest) = (shared.read(), 0);
+        for cache in self.threads.iter() {
+            sum = sum.plus(cache.counters[device as usize].read());
+            for bin in cache.bins.iter().filter(|bin| bin.on(device)) {
+                sum = sum.plus(bin.figures());
+                largest = largest.max(bin.holds());
+            }
+        }
+        (sum, largest)
     }
 }
 

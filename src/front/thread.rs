@@ -252,7 +252,7 @@ pub struct ThreadCache {
 
 /// The home slot of a key: the top bits of its words mixed by a multiplication.
 #[inline(always)]
-fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
+pub(super) fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
     let h = (key_of(device, size) ^ stream).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     (h >> 58) as usize
 }
@@ -486,6 +486,48 @@ mod tests {
         assert!(half.push(c, entries.get(c)));
         let d = entries.take().unwrap();
         assert!(!half.push(d, entries.get(d)));
+    }
+
+    #[test]
+    fn a_tag_names_one_keying_of_one_bin_of_one_cache() {
+        let (a, b) = (ThreadCache::new(0, 1), ThreadCache::new(1, 1));
+        let entries = Entries::default();
+        let first = a.find_or_key(0, 7, 512).unwrap();
+        let tag = first.tag();
+        assert!(std::ptr::eq(a.tagged(tag).unwrap(), first));
+        // No entry's "none", and not the same bin of another cache.
+        assert!(a.tagged(0).is_none());
+        let other = b.find_or_key(0, 7, 512).unwrap();
+        assert_ne!(other.tag(), tag);
+        assert!(b.tagged(tag).is_none());
+        // Counted in the bin: its blocks and hits and requested bytes.
+        let i = entries.take().unwrap();
+        assert!(first.push(i, entries.get(i)));
+        first.count_release(300);
+        let d = first.figures();
+        assert_eq!(
+            (d.cached_bytes, d.cached_blocks, d.requested, d.hits),
+            (512, 1, -300, 0)
+        );
+        assert!(first.pop(|i| entries.get(i)).is_some());
+        first.count_hit(200);
+        let d = first.figures();
+        assert_eq!(
+            (d.cached_bytes, d.cached_blocks, d.requested, d.hits),
+            (0, 0, -100, 1)
+        );
+        // Re-keyed (empty) for another key sharing its home slot: a new tag, the old one
+        // names nothing, and the counts went to the cache's counters of the old device.
+        let home = slot_of(0, 7, 512);
+        let stream = (8..).find(|&s| slot_of(0, s, 512) == home).unwrap();
+        let second = a.find_or_key(0, stream, 512).unwrap();
+        assert!(std::ptr::eq(second, first));
+        assert_ne!(second.tag(), tag);
+        assert!(a.tagged(tag).is_none());
+        assert!(std::ptr::eq(a.tagged(second.tag()).unwrap(), second));
+        assert_eq!(second.figures(), Delta::default());
+        let folded = a.counters[0].read();
+        assert_eq!((folded.requested, folded.hits), (-100, 1));
     }
 
     #[test]
