@@ -150,9 +150,11 @@ pub(crate) fn release_hit(function: &str, ptr: *mut c_void) -> Option<rm_status>
     })
 }
 
-/// [`fail`] of a boxed error, out of the hit path.
+/// [`fail`] of a boxed error, out of the hit path (which passes the box on: moving the error
+/// out there would give it a stack frame).
 #[cold]
 #[inline(never)]
+#[allow(clippy::boxed_local)]
 fn fail_boxed(function: &str, error: Box<Error>) -> rm_status {
     fail(function, *error)
 }

@@ -7,6 +7,7 @@
 //! 8 GiB, and 17..9 the slot in a 2 KiB leaf covering 256 KiB, so memory follows the blocks'
 //! spread: a sparse 4 MiB block costs one leaf.
 
+use std::alloc::{self, Layout};
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 
@@ -25,9 +26,15 @@ type Level<T> = [AtomicPtr<T>; WIDE];
 
 /// A new zeroed `T` on the heap (`T`: arrays of atomics, for which zero is a valid value).
 fn zeroed<T>() -> Box<T> {
-    // SAFETY: only used for `Level<_>` and `Leaf`: arrays of atomic integers and pointers, all
-    // valid with zero bytes.
-    unsafe { Box::<T>::new_zeroed().assume_init() }
+    let layout = Layout::new::<T>();
+    // SAFETY: only used for `Level<_>` and `Leaf`, of non-zero sizes.
+    let at = unsafe { alloc::alloc_zeroed(layout) }.cast::<T>();
+    if at.is_null() {
+        alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: allocated above with `T`'s layout, and a `Level<_>` or `Leaf` (arrays of atomic
+    // integers and pointers) is valid with zero bytes.
+    unsafe { Box::from_raw(at) }
 }
 
 /// The level at `slot`, made if it is missing (a race to make it keeps the first one made).
