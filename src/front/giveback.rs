@@ -125,7 +125,8 @@ impl Inner {
     }
 
     /// The exit of the thread using cache `index`: its blocks go back to the pool, its figures
-    /// to the shared set, and the cache to the next thread that needs one.
+    /// (its counters and its bins' counts) to the shared set, and the cache to the next thread
+    /// that needs one.
     pub(super) fn hand_back(&self, index: u32) {
         let Some(cache) = self.threads.get(index) else {
             return;
@@ -133,6 +134,14 @@ impl Inner {
         self.drain_cache(cache);
         for (own, shared) in cache.counters.iter().zip(self.shared.iter()) {
             shared.add_shared(own.take());
+        }
+        for bin in cache.bins.iter() {
+            if let Some(shared) = usize::try_from(bin.device())
+                .ok()
+                .and_then(|d| self.shared.get(d))
+            {
+                shared.add_shared(bin.take_counts());
+            }
         }
         cache.retire();
     }

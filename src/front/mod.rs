@@ -35,8 +35,8 @@
 //!
 //! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable, from the
 //! bins' lengths and running counters each thread and each bin keeps for itself
-//! ([`counters`]), summed when read: they read without a side effect in O(threads × bins),
-//! and are exact whenever no call is in flight. The peak of
+//! ([`counters`]), summed when read: they read without a side effect in O(live threads ×
+//! bins), and are exact whenever no call is in flight. The peak of
 //! allocated bytes counts cached blocks as allocated while they are cached (the pool's peak);
 //! `reset_peak_stats` drains first, so the peaks it sets are exact.
 
@@ -664,8 +664,9 @@ impl Inner {
     }
 
     /// What the front caches change in `device`'s figures, summed over every cache (the
-    /// shared counters, each cache's own, and each of its bins on `device`), and the largest
-    /// block size a bin on `device` holds (remote lists not counted): one pass over the bins.
+    /// shared counters, each live cache's own, and each of its bins on `device`; a retired
+    /// cache holds none), and the largest block size a bin on `device` holds (remote lists not
+    /// counted): one pass over the live caches' bins.
     fn cached(&self, device: i32) -> (Delta, u64) {
         let Some(shared) = usize::try_from(device)
             .ok()
@@ -674,7 +675,7 @@ impl Inner {
             return (Delta::default(), 0);
         };
         let (mut sum, mut largest) = (shared.read(), 0);
-        for cache in self.threads.iter() {
+        for cache in self.threads.iter().filter(|cache| cache.is_alive()) {
             sum = sum.plus(cache.counters[device as usize].read());
             for bin in cache.bins.iter().filter(|bin| bin.on(device)) {
                 sum = sum.plus(bin.figures());

@@ -110,7 +110,7 @@ impl Bin {
     }
 
     /// The device of its key.
-    fn device(&self) -> i32 {
+    pub fn device(&self) -> i32 {
         (self.key.load(Relaxed) >> 32) as i32
     }
 
@@ -165,7 +165,7 @@ impl Bin {
     }
 
     /// Its counts, leaving zeros (owner only).
-    fn take_counts(&self) -> Delta {
+    pub fn take_counts(&self) -> Delta {
         let d = Delta {
             requested: self.requested.load(Relaxed),
             hits: self.hits.load(Relaxed) as i64,
@@ -371,9 +371,15 @@ impl ThreadCache {
         }
     }
 
-    /// Mark the cache free for another thread (its owner has exited).
+    /// Mark the cache free for another thread (its owner has exited, having given back its
+    /// blocks and folded its figures into the shared set: a retired cache changes no figure).
     pub fn retire(&self) {
         self.alive.store(false, Release);
+    }
+
+    /// Whether a thread uses it (else it is retired, and changes no figure).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Acquire)
     }
 }
 
