@@ -146,8 +146,17 @@ pub(crate) fn release_hit(function: &str, ptr: *mut c_void) -> Option<rm_status>
     let outcome = hit(|front, t| front.release_known(t, ptr as DevicePtr))?;
     Some(match outcome {
         Ok(()) => rm_status::RM_SUCCESS,
-        Err(error) => fail(function, *error),
+        Err(error) => fail_boxed(function, error),
     })
+}
+
+/// [`fail`] of a boxed error, out of the hit path (which passes the box on: moving the error
+/// out there would give it a stack frame).
+#[cold]
+#[inline(never)]
+#[allow(clippy::boxed_local)]
+fn fail_boxed(function: &str, error: Box<Error>) -> rm_status {
+    fail(function, *error)
 }
 
 /// In debug builds only: panic inside the export named by `RESMEM_TEST_PANIC`, so that tests

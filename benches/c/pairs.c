@@ -25,6 +25,7 @@
  * 1 and 2 threads.
  */
 #define _GNU_SOURCE
+#include <alloca.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -157,12 +158,26 @@ static double time_workers(void *(*body)(void *), int threads, double *cpu) {
   return per[threads / 2];
 }
 
+/* PAIRS_STACK_SHIFT=N: each worker's stack starts N bytes lower (0: as without it). A pair's
+ * time depends on whether the block's record and the stack the calls push onto sit at the same
+ * offset within their pages (the CPU then holds the record's loads behind the pushes: "4K
+ * aliasing"); shifting the stack shows it. */
+static size_t stack_shift;
+
+static void *shifted_work(void *arg) {
+  volatile char *pad = alloca(stack_shift);
+  pad[0] = 0;
+  void *result = work(arg);
+  pad[0] = 1;
+  return result;
+}
+
 /* Cache-hit pairs of `size` bytes (glibc's malloc + free with `glibc`) from `threads` threads:
  * as `time_workers`. */
 static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
   pair_size = size;
   use_glibc = glibc;
-  return time_workers(work, threads, cpu);
+  return time_workers(stack_shift ? shifted_work : work, threads, cpu);
 }
 
 
@@ -418,6 +433,8 @@ static void stream_pairs(void) {
 
 int main(int argc, char **argv) {
   const char *lib = getenv("RESMEM_CUDA_LIBRARY");
+  const char *shift = getenv("PAIRS_STACK_SHIFT");
+  stack_shift = shift ? (size_t)atol(shift) : 0;
   void *cuda = lib ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : NULL;
   if (!cuda) {
     fprintf(stderr, "set RESMEM_CUDA_LIBRARY to libcuda_sim.so (%s)\n", dlerror());

@@ -1,8 +1,12 @@
-//! Running counters of what the front caches change in the pool's figures, per device. Each
-//! thread cache keeps its own set, written only by its thread (a load and a store, no atomic
-//! read-modify-write, no shared cache line); changes made outside a thread's own calls (drains,
-//! a thread's exit) go to one shared set with atomic adds. A reader sums every set: the sum is
-//! exact whenever no call is in flight, and within the changes of the calls in flight otherwise.
+//! Running counters of what the front caches change in the pool's figures, per device. The
+//! common changes are kept by the bins themselves (`thread::Bin`): the blocks a bin holds are
+//! its list's length, and it counts its own hits and requested bytes, so a hit or a release into
+//! a bin writes nothing else. The rest is counted here: each thread cache keeps its own set,
+//! written only by its thread (a load and a store, no atomic read-modify-write, no shared cache
+//! line), for the blocks it pushed onto other threads' remote lists and the counts of its bins
+//! when re-keyed; changes made outside a thread's own calls (drains, a thread's exit) go to one
+//! shared set with atomic adds. A reader sums every set and every bin: the sum is exact whenever
+//! no call is in flight, and within the changes of the calls in flight otherwise.
 
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 

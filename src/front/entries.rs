@@ -1,7 +1,9 @@
 //! The records of the blocks the front cache knows, in an arena that never moves: an entry's
 //! memory stays valid for the life of the front, so a thread holding a stale index reads an
 //! old value, never freed memory. Indices are recycled through a free list (taken on misses
-//! only).
+//! only). The arena is one mapping of zeroed memory for all [`CAPACITY`] entries, made with the
+//! front: an entry is found from its index with one addition, and the system gives a page of
+//! it memory only when an entry on it is first written.
 //!
 //! An entry's `word` is the block's address with its state in the low bits (addresses are
 //! 512-byte aligned): [`USER`] while the caller holds the block, [`CACHED`] while it waits in a
@@ -9,8 +11,10 @@
 //! the address and claims the block, so a release racing a recycling of the entry for another
 //! address fails instead of claiming the wrong block.
 
+use std::alloc::{self, Layout};
+use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use crate::driver::{DevicePtr, StreamHandle};
 
@@ -23,9 +27,6 @@ pub const CACHED: u64 = 2;
 
 /// Entries an arena holds: blocks beyond them are not cached (they go to the pool).
 pub const CAPACITY: usize = 1 << 20;
-/// Entries made at once.
-const CHUNK: usize = 1 << 12;
-const CHUNKS: usize = CAPACITY / CHUNK;
 
 /// One block the front cache knows, on a cache line of its own: entries of blocks that
 /// different threads use never share one.
@@ -40,6 +41,9 @@ pub struct Entry {
     /// made on other threads).
     pub owner: AtomicU32,
     pub device: AtomicI32,
+    /// Used on another stream too (`record_stream`): its release goes to the pool, which
+    /// orders its reuse after that stream's work.
+    pub shared: AtomicBool,
     pub stream: AtomicU64,
     /// Block size (a multiple of 512).
     pub size: AtomicU64,
@@ -47,10 +51,13 @@ pub struct Entry {
     pub pool_requested: AtomicU64,
     /// Bytes the caller asked for when it last reserved the block.
     pub requested: AtomicU64,
-    /// Used on another stream too (`record_stream`): its release goes to the pool, which
-    /// orders its reuse after that stream's work.
-    pub shared: AtomicBool,
+    /// The tag of the owner's bin it was last cached in (`thread::ThreadCache::tagged`);
+    /// 0: none yet.
+    pub bin: AtomicU64,
 }
+
+// One cache line each (the fields above fill it).
+const _: () = assert!(std::mem::size_of::<Entry>() == 64);
 
 impl Entry {
     /// The word for `ptr` in `state`.
@@ -73,40 +80,82 @@ impl Entry {
         self.pool_requested.store(requested, Relaxed);
         self.requested.store(requested, Relaxed);
         self.shared.store(false, Relaxed);
+        self.bin.store(0, Relaxed);
         self.next.store(NIL, Relaxed);
     }
 }
 
-/// The arena: up to [`CAPACITY`] entries in chunks of [`CHUNK`], each made when first needed.
+/// The arena: [`CAPACITY`] entries, all zero bytes at first (unused entries: every field of an
+/// entry is an atomic, for which zero is a valid value).
 pub struct Entries {
-    /// Fixed sizes, so that [`Entries::get`] indexes them with no bounds check.
-    chunks: Box<[OnceLock<Box<[Entry; CHUNK]>>; CHUNKS]>,
+    all: NonNull<[Entry; CAPACITY]>,
+    /// Made with `mmap` (else with the allocator, which writes every page at once).
+    mapped: bool,
     /// Indices handed out so far, and the ones given back.
     alloc: Mutex<(u32, Vec<u32>)>,
 }
 
+// SAFETY: the arena is owned by `Entries` and only ever reached as shared `&Entry`s, and `Entry`
+// (atomics only) is `Sync`.
+unsafe impl Send for Entries {}
+// SAFETY: as above.
+unsafe impl Sync for Entries {}
+
 impl Default for Entries {
     fn default() -> Self {
-        let chunks: Box<[OnceLock<Box<[Entry; CHUNK]>>]> =
-            (0..CHUNKS).map(|_| OnceLock::new()).collect();
+        let layout = Layout::new::<[Entry; CAPACITY]>();
+        // SAFETY: a new private anonymous mapping, at no address of ours; it reads as zeros.
+        let mapped = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                layout.size(),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        let (all, mapped) = if mapped == libc::MAP_FAILED {
+            // SAFETY: the layout's size is not zero.
+            (unsafe { alloc::alloc_zeroed(layout) }, false)
+        } else {
+            (mapped.cast::<u8>(), true)
+        };
+        // `mmap` aligns to pages, more than an entry's 64 bytes.
+        let Some(all) = NonNull::new(all.cast::<[Entry; CAPACITY]>()) else {
+            alloc::handle_alloc_error(layout)
+        };
         Entries {
-            chunks: chunks
-                .try_into()
-                .unwrap_or_else(|_| unreachable!("CHUNKS chunks")),
+            all,
+            mapped,
             alloc: Mutex::new((0, Vec::new())),
+        }
+    }
+}
+
+impl Drop for Entries {
+    fn drop(&mut self) {
+        let layout = Layout::new::<[Entry; CAPACITY]>();
+        let all = self.all.as_ptr().cast::<u8>();
+        if self.mapped {
+            // SAFETY: the mapping made in `default`, of this size, no longer referenced (`&mut`).
+            unsafe { libc::munmap(all.cast(), layout.size()) };
+        } else {
+            // SAFETY: allocated in `default` with this layout, no longer referenced.
+            unsafe { alloc::dealloc(all, layout) };
         }
     }
 }
 
 impl Entries {
     /// The entry at `index`, which [`Entries::take`] has handed out at some time.
-    #[inline]
+    #[inline(always)]
     pub fn get(&self, index: u32) -> &Entry {
+        // SAFETY: `all` is valid, zeroed or written only through shared atomics, for as long as
+        // `self` lives.
+        let all = unsafe { self.all.as_ref() };
         // Indices handed out are below CAPACITY: the mask changes none of them.
-        let chunk = self.chunks[index as usize / CHUNK % CHUNKS]
-            .get()
-            .expect("an index handed out by Entries::take");
-        &chunk[index as usize % CHUNK]
+        &all[index as usize % CAPACITY]
     }
 
     /// An unused entry's index; `None` once all are in use.
@@ -116,13 +165,9 @@ impl Entries {
             return Some(index);
         }
         let index = alloc.0;
-        let chunk = self.chunks.get(index as usize / CHUNK)?;
-        chunk.get_or_init(|| {
-            let entries: Box<[Entry]> = (0..CHUNK).map(|_| Entry::default()).collect();
-            entries
-                .try_into()
-                .unwrap_or_else(|_| unreachable!("CHUNK entries"))
-        });
+        if index as usize >= CAPACITY {
+            return None;
+        }
         alloc.0 += 1;
         Some(index)
     }
@@ -155,11 +200,17 @@ mod tests {
         entries.put(a);
         assert_eq!(entries.take(), Some(0));
         assert_eq!(entries.take(), Some(2));
-        // A second chunk starts where the first ends, its entries unused.
-        for _ in 3..CHUNK as u32 + 1 {
-            entries.take().unwrap();
+        // Every entry up to CAPACITY is handed out once, unused (all zero) and writable, then
+        // none: the last one is at the end of the arena.
+        for i in 3..CAPACITY as u32 {
+            assert_eq!(entries.take(), Some(i));
         }
-        assert_eq!(entries.take(), Some(CHUNK as u32 + 1));
-        assert_eq!(entries.get(CHUNK as u32).word.load(Relaxed), 0);
+        assert_eq!(entries.take(), None);
+        let last = entries.get(CAPACITY as u32 - 1);
+        assert_eq!((last.word.load(Relaxed), last.bin.load(Relaxed)), (0, 0));
+        last.word.store(Entry::word_of(0x7000, CACHED), Relaxed);
+        assert_eq!(last.ptr(), 0x7000);
+        entries.put(CAPACITY as u32 - 1);
+        assert_eq!(entries.take(), Some(CAPACITY as u32 - 1));
     }
 }

@@ -6,32 +6,43 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 
 use super::counters::Delta;
-use super::entries::{Entry, CACHED, NIL, USER};
+use super::entries::{Entry, NIL, USER};
 use super::thread::ThreadCache;
 use super::Inner;
 use crate::driver::DevicePtr;
 use crate::error::Result;
 
+/// Where a block given back to the pool was, for the figures: a bin's blocks are counted by
+/// the bin's length (gone with the list taken), a remote list's by counters.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Was {
+    /// Held by the user (just claimed from a release).
+    Held,
+    /// In a bin, whose list was taken whole.
+    InBin,
+    /// In a remote list.
+    InRemote,
+}
+
 impl Inner {
-    /// Forget entry `index` (its block at `ptr` is claimed by the caller, and was held by the
-    /// user or cached as `state` says) and give the block to the pool.
-    pub(super) fn evict(&self, index: u32, ptr: DevicePtr, state: u64) {
+    /// Forget entry `index` (its block at `ptr` is claimed by the caller, and was where `was`
+    /// says) and give the block to the pool.
+    pub(super) fn evict(&self, index: u32, ptr: DevicePtr, was: Was) {
         let e = self.entries.get(index);
         let device = e.device.load(Relaxed);
         let (size, pool_requested) = (e.size.load(Relaxed), e.pool_requested.load(Relaxed));
-        let d = if state == USER {
-            Delta {
-                requested: pool_requested as i64 - e.requested.load(Relaxed) as i64,
-                ..Delta::default()
-            }
-        } else {
-            Delta {
-                cached_bytes: -(size as i64),
-                cached_blocks: -1,
-                requested: pool_requested as i64,
-                hits: 0,
-            }
+        let mut d = Delta {
+            requested: pool_requested as i64,
+            ..Delta::default()
         };
+        match was {
+            Was::Held => d.requested -= e.requested.load(Relaxed) as i64,
+            Was::InBin => {}
+            Was::InRemote => {
+                d.cached_bytes = -(size as i64);
+                d.cached_blocks = -1;
+            }
+        }
         self.forget(index, ptr);
         self.shared[device as usize].add_shared(d);
         // The pool holds the block live: its release cannot be refused.
@@ -98,23 +109,24 @@ impl Inner {
     /// Give the blocks of one cache back to the pool: each list taken with one exchange.
     pub(super) fn drain_cache(&self, cache: &ThreadCache) {
         for bin in cache.bins.iter() {
-            self.evict_list(bin.take());
+            self.evict_list(bin.take(), Was::InBin);
         }
-        self.evict_list(cache.remote.swap(NIL, Acquire));
+        self.evict_list(cache.remote.swap(NIL, Acquire), Was::InRemote);
     }
 
-    /// Give every block of a list taken whole back to the pool.
-    pub(super) fn evict_list(&self, mut index: u32) {
+    /// Give every block of a list taken whole (from where `was` says) back to the pool.
+    pub(super) fn evict_list(&self, mut index: u32, was: Was) {
         while index != NIL {
             let e = self.entries.get(index);
             let next = e.next.load(Relaxed);
-            self.evict(index, e.ptr(), CACHED);
+            self.evict(index, e.ptr(), was);
             index = next;
         }
     }
 
     /// The exit of the thread using cache `index`: its blocks go back to the pool, its figures
-    /// to the shared set, and the cache to the next thread that needs one.
+    /// (its counters and its bins' counts) to the shared set, and the cache to the next thread
+    /// that needs one.
     pub(super) fn hand_back(&self, index: u32) {
         let Some(cache) = self.threads.get(index) else {
             return;
@@ -122,6 +134,14 @@ impl Inner {
         self.drain_cache(cache);
         for (own, shared) in cache.counters.iter().zip(self.shared.iter()) {
             shared.add_shared(own.take());
+        }
+        for bin in cache.bins.iter() {
+            if let Some(shared) = usize::try_from(bin.device())
+                .ok()
+                .and_then(|d| self.shared.get(d))
+            {
+                shared.add_shared(bin.take_counts());
+            }
         }
         cache.retire();
     }

@@ -7,8 +7,9 @@
 //! 8 GiB, and 17..9 the slot in a 2 KiB leaf covering 256 KiB, so memory follows the blocks'
 //! spread: a sparse 4 MiB block costs one leaf.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::OnceLock;
+use std::alloc::{self, Layout};
+use std::ptr;
+use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 
 use crate::driver::DevicePtr;
 
@@ -18,32 +19,78 @@ pub const LIMIT: DevicePtr = 1 << 48;
 const WIDE: usize = 1 << 15;
 const LEAF: usize = 512;
 
-type Leaf = Box<[AtomicU32; LEAF]>;
-/// Fixed-size levels, so that a lookup indexes them with no bounds check.
-type Level<T> = Box<[OnceLock<T>; WIDE]>;
+type Leaf = [AtomicU32; LEAF];
+/// A level: pointers to the next levels, null until made. Fixed sizes, so that a lookup
+/// indexes them with no bounds check.
+type Level<T> = [AtomicPtr<T>; WIDE];
 
-fn level<T>() -> Level<T> {
-    let slots: Box<[OnceLock<T>]> = (0..WIDE).map(|_| OnceLock::new()).collect();
-    slots
-        .try_into()
-        .unwrap_or_else(|_| unreachable!("WIDE slots"))
+/// A new zeroed `T` on the heap (`T`: arrays of atomics, for which zero is a valid value).
+fn zeroed<T>() -> Box<T> {
+    let layout = Layout::new::<T>();
+    // SAFETY: only used for `Level<_>` and `Leaf`, of non-zero sizes.
+    let at = unsafe { alloc::alloc_zeroed(layout) }.cast::<T>();
+    if at.is_null() {
+        alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: allocated above with `T`'s layout, and a `Level<_>` or `Leaf` (arrays of atomic
+    // integers and pointers) is valid with zero bytes.
+    unsafe { Box::from_raw(at) }
 }
 
-fn leaf() -> Leaf {
-    let slots: Box<[AtomicU32]> = (0..LEAF).map(|_| AtomicU32::new(0)).collect();
-    slots
-        .try_into()
-        .unwrap_or_else(|_| unreachable!("LEAF slots"))
+/// The level at `slot`, made if it is missing (a race to make it keeps the first one made).
+fn level_at<T>(slot: &AtomicPtr<T>) -> &T {
+    let mut at = slot.load(Ordering::Acquire);
+    if at.is_null() {
+        let made = Box::into_raw(zeroed::<T>());
+        at = match slot.compare_exchange(ptr::null_mut(), made, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => made,
+            Err(first) => {
+                // SAFETY: made just above and published nowhere.
+                drop(unsafe { Box::from_raw(made) });
+                first
+            }
+        };
+    }
+    // SAFETY: a non-null slot holds a level made by `level_at`, freed only when the map drops.
+    unsafe { &*at }
+}
+
+/// The level at `slot`, if made.
+#[inline(always)]
+fn level_if<T>(slot: &AtomicPtr<T>) -> Option<&T> {
+    // SAFETY: as in `level_at`.
+    unsafe { slot.load(Ordering::Acquire).as_ref() }
 }
 
 /// The map.
 pub struct AddressMap {
-    top: Level<Level<Leaf>>,
+    top: Box<Level<Level<Leaf>>>,
 }
 
 impl Default for AddressMap {
     fn default() -> Self {
-        AddressMap { top: level() }
+        AddressMap { top: zeroed() }
+    }
+}
+
+impl Drop for AddressMap {
+    fn drop(&mut self) {
+        for middle in self.top.iter() {
+            let middle = middle.load(Ordering::Acquire);
+            if middle.is_null() {
+                continue;
+            }
+            // SAFETY: made by `level_at` with `Box::into_raw`, reachable only from here now.
+            let middle = unsafe { Box::from_raw(middle) };
+            for leaf in middle.iter() {
+                let leaf = leaf.load(Ordering::Acquire);
+                if !leaf.is_null() {
+                    // SAFETY: as above.
+                    drop(unsafe { Box::from_raw(leaf) });
+                }
+            }
+        }
     }
 }
 
@@ -63,7 +110,7 @@ impl AddressMap {
             return None;
         }
         let [a, b, c] = parts(ptr);
-        let leaf = self.top[a].get()?[b].get()?;
+        let leaf = level_if(&level_if(&self.top[a])?[b])?;
         leaf[c].load(Ordering::Acquire).checked_sub(1)
     }
 
@@ -71,14 +118,14 @@ impl AddressMap {
     pub fn set(&self, ptr: DevicePtr, index: u32) {
         debug_assert!(ptr < LIMIT && ptr % 512 == 0);
         let [a, b, c] = parts(ptr);
-        let leaf = self.top[a].get_or_init(level)[b].get_or_init(leaf);
+        let leaf = level_at(&level_at(&self.top[a])[b]);
         leaf[c].store(index + 1, Ordering::Release);
     }
 
     /// Forget the block at `ptr`.
     pub fn clear(&self, ptr: DevicePtr) {
         let [a, b, c] = parts(ptr);
-        if let Some(leaf) = self.top[a].get().and_then(|l| l[b].get()) {
+        if let Some(leaf) = level_if(&self.top[a]).and_then(|l| level_if(&l[b])) {
             leaf[c].store(0, Ordering::Release);
         }
     }

@@ -33,9 +33,10 @@
 //!
 //! # Figures
 //!
-//! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable, from running
-//! counters each thread keeps for itself ([`counters`]), summed when read: they read without
-//! a side effect in O(threads), and are exact whenever no call is in flight. The peak of
+//! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable, from the
+//! bins' lengths and running counters each thread and each bin keeps for itself
+//! ([`counters`]), summed when read: they read without a side effect in O(live threads ×
+//! bins), and are exact whenever no call is in flight. The peak of
 //! allocated bytes counts cached blocks as allocated while they are cached (the pool's peak);
 //! `reset_peak_stats` drains first, so the peaks it sets are exact.
 
@@ -58,6 +59,7 @@ pub(crate) use bindings::forget_key;
 use bindings::{Binding, Bindings};
 use counters::{Counters, Delta};
 use entries::{Entries, Entry, CACHED, NIL, USER};
+use giveback::Was;
 use map::AddressMap;
 use thread::{Bin, Registry, ThreadCache};
 
@@ -121,7 +123,7 @@ impl Front {
         let hit = tls::with(|t| {
             inner.with_cache(t, |cache| {
                 let bin = inner.bin_with_blocks(cache, device, stream, block)?;
-                inner.pop(cache, bin, device, block, size)
+                inner.pop(bin, size)
             })
         });
         match hit.flatten() {
@@ -133,7 +135,7 @@ impl Front {
     /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
     /// from the calling thread's own bin of `(device, stream, size)`; `None`, with nothing
     /// changed, where that bin is empty (or the thread is not bound, or the size is not cached).
-    #[inline(never)]
+    #[inline(always)]
     pub(crate) fn reserve_hit(
         &self,
         t: &tls::Thread,
@@ -143,12 +145,15 @@ impl Front {
     ) -> Option<DevicePtr> {
         let inner = &*self.inner;
         let cache = inner.bound(t)?;
-        if size.wrapping_sub(1) >= MAX_BLOCK || device as u32 >= inner.devices {
+        // No device check: only the pool's devices are keyed, so no bin has another.
+        if size.wrapping_sub(1) >= MAX_BLOCK {
             return None;
         }
         let block = block_of(size);
-        let bin = cache.find(device, stream, block)?;
-        inner.pop(cache, bin, device, block, size)
+        match cache.home(device, stream, block) {
+            Some(bin) => inner.pop(bin, size),
+            None => inner.reserve_probed(cache, device, stream, block, size),
+        }
     }
 
     /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
@@ -169,14 +174,66 @@ impl Front {
     /// and a second release refused. `None`, with nothing changed, for a pointer the front does
     /// not hold for a caller: the pool knows what it is. (The error is boxed, so that the
     /// outcome fits a register on the hit path.)
+    ///
+    /// The common case is handled first, with nothing else kept at hand: the caller's own
+    /// block, used on its stream only, going back to the bin it was last cached in (named by
+    /// the tag in its entry). Anything else is [`Front::release_other`]'s.
     #[inline(never)]
     pub(crate) fn release_known(
         &self,
         t: &tls::Thread,
         ptr: DevicePtr,
     ) -> Option<std::result::Result<(), Box<Error>>> {
-        let inner = &self.inner;
+        let inner = &*self.inner;
         let index = inner.map.get(ptr)?;
+        let e = inner.entries.get(index);
+        let bin = inner
+            .bound(t)
+            .and_then(|cache| cache.tagged(e.bin.load(Relaxed)));
+        let Some(bin) = bin.filter(|_| !e.shared.load(Relaxed)) else {
+            return self.release_other(t, ptr, index);
+        };
+        // Read before the block is cached: from then on its entry may be reused.
+        let requested = e.requested.load(Relaxed);
+        let claimed = e.word.compare_exchange(
+            Entry::word_of(ptr, USER),
+            Entry::word_of(ptr, CACHED),
+            Acquire,
+            Relaxed,
+        );
+        if claimed.is_err() {
+            return self.release_other(t, ptr, index);
+        }
+        if !bin.push(index, e) {
+            return self.release_to_pool(index, ptr);
+        }
+        bin.count_release(requested);
+        Some(Ok(()))
+    }
+
+    /// [`Front::release_known`] of a block claimed from its caller that no bin takes: to the
+    /// pool.
+    #[cold]
+    #[inline(never)]
+    fn release_to_pool(
+        &self,
+        index: u32,
+        ptr: DevicePtr,
+    ) -> Option<std::result::Result<(), Box<Error>>> {
+        self.inner.evict(index, ptr, Was::Held);
+        Some(Ok(()))
+    }
+
+    /// [`Front::release_known`] of the block at `ptr`, of entry `index`, past its common case.
+    #[cold]
+    #[inline(never)]
+    fn release_other(
+        &self,
+        t: &tls::Thread,
+        ptr: DevicePtr,
+        index: u32,
+    ) -> Option<std::result::Result<(), Box<Error>>> {
+        let inner = &self.inner;
         let e = inner.entries.get(index);
         match e.word.compare_exchange(
             Entry::word_of(ptr, USER),
@@ -194,12 +251,10 @@ impl Front {
         }
         let cached = match inner.bound(t) {
             Some(cache) => inner.cache_released(cache, index, e),
-            None => {
-                inner.with_cache(t, |cache| inner.cache_released(cache, index, e)) == Some(true)
-            }
+            None => inner.cache_released_unbound(t, index, e),
         };
         if !cached {
-            inner.evict(index, ptr, USER);
+            inner.evict(index, ptr, Was::Held);
         }
         Some(Ok(()))
     }
@@ -229,14 +284,14 @@ impl Front {
     pub fn stats(&self, device: i32) -> Result<Stats> {
         let inner = &self.inner;
         let mut s = inner.pool.stats(device)?;
-        let d = inner.sum(device);
+        let (d, largest) = inner.cached(device);
         s.allocated_bytes = s.allocated_bytes.wrapping_sub(d.cached_bytes as u64);
         s.live_blocks = s.live_blocks.wrapping_sub(d.cached_blocks as u64);
         s.requested_bytes = s.requested_bytes.wrapping_add(d.requested as u64);
         s.reserve_calls = s.reserve_calls.wrapping_add(d.hits as u64);
         s.cache_hits = s.cache_hits.wrapping_add(d.hits as u64);
         s.reusable_bytes = s.reserved_bytes.saturating_sub(s.allocated_bytes);
-        s.largest_reusable_block = s.largest_reusable_block.max(inner.largest_cached(device));
+        s.largest_reusable_block = s.largest_reusable_block.max(largest);
         Ok(s)
     }
 
@@ -406,66 +461,98 @@ impl Inner {
         cache.find(device, stream, block)
     }
 
-    /// A block from `bin`, the caller's bin of `(device, _, block)`, for a request of `size`
-    /// bytes; `None` where it is empty.
-    #[inline(always)]
-    fn pop(
+    /// [`Front::reserve_hit`] of a key not in its home bin: the probe for it.
+    #[cold]
+    #[inline(never)]
+    fn reserve_probed(
         &self,
         cache: &ThreadCache,
-        bin: &Bin,
         device: i32,
+        stream: StreamHandle,
         block: u64,
         size: u64,
     ) -> Option<DevicePtr> {
+        let bin = cache.find(device, stream, block)?;
+        self.pop(bin, size)
+    }
+
+    /// A block from `bin`, one of the caller's bins, for a request of `size` bytes; `None`
+    /// where it is empty.
+    #[inline(always)]
+    fn pop(&self, bin: &Bin, size: u64) -> Option<DevicePtr> {
         let e = bin.pop(|first| self.entries.get(first))?;
         let ptr = e.ptr();
         e.requested.store(size, Relaxed);
         e.word.store(Entry::word_of(ptr, USER), Release);
-        cache.counters[device as usize].add_owned(Delta {
-            cached_bytes: -(block as i64),
-            cached_blocks: -1,
-            requested: size as i64,
-            hits: 1,
-        });
+        bin.count_hit(size);
         Some(ptr)
     }
 
     /// Put the block of entry `e` (at `index`), just claimed from its caller, in a cache: the
     /// caller's own if it reserved the block, else the reserving thread's remote list. `false`
     /// where it does not fit (the caller then gives it to the pool).
+    ///
+    /// The common case, the caller's own block going back to the bin it was last cached in,
+    /// finds that bin from the tag noted in the entry; anything else is [`Inner::rebin`]'s.
     #[inline(always)]
     fn cache_released(&self, cache: &ThreadCache, index: u32, e: &Entry) -> bool {
-        let (owner, device, size) = (
+        let requested = e.requested.load(Relaxed);
+        let Some(bin) = cache.tagged(e.bin.load(Relaxed)) else {
+            return self.rebin(cache, index, e, requested);
+        };
+        if !bin.push(index, e) {
+            return false;
+        }
+        bin.count_release(requested);
+        true
+    }
+
+    /// [`Inner::cache_released`] of a block whose bin is not the one its entry names: the
+    /// caller's bin of its key (keyed now if needed, its tag noted in the entry) if the caller
+    /// reserved it, else the reserving thread's remote list.
+    #[inline(never)]
+    fn rebin(&self, cache: &ThreadCache, index: u32, e: &Entry, requested: u64) -> bool {
+        let (owner, device, stream, size) = (
             e.owner.load(Relaxed),
             e.device.load(Relaxed),
+            e.stream.load(Relaxed),
             e.size.load(Relaxed),
         );
-        let requested = e.requested.load(Relaxed);
-        if owner == cache.index {
-            let stream = e.stream.load(Relaxed);
-            let Some(bin) = cache
-                .find_or_key(device, stream, size)
-                .or_else(|| self.make_room(cache, device, stream, size))
-            else {
-                return false;
-            };
-            if !bin.push(index, e, size) {
-                return false;
-            }
-        } else {
+        if owner != cache.index {
             let Some(owner) = self.threads.get(owner) else {
                 return false;
             };
             ThreadCache::push_remote(&owner.remote, index, e);
+            // Counted here while it waits in the remote list (the owner may take it at once:
+            // only values read above count).
+            cache.counters[device as usize].add_owned(Delta {
+                cached_bytes: size as i64,
+                cached_blocks: 1,
+                requested: -(requested as i64),
+                hits: 0,
+            });
+            return true;
         }
-        // The entry may be in use by its owner again already: only values read above count.
-        cache.counters[device as usize].add_owned(Delta {
-            cached_bytes: size as i64,
-            cached_blocks: 1,
-            requested: -(requested as i64),
-            hits: 0,
-        });
+        let Some(bin) = cache
+            .find_or_key(device, stream, size)
+            .or_else(|| self.make_room(cache, device, stream, size))
+        else {
+            return false;
+        };
+        e.bin.store(bin.tag(), Relaxed);
+        if !bin.push(index, e) {
+            return false;
+        }
+        bin.count_release(requested);
         true
+    }
+
+    /// [`Inner::cache_released`] by a thread whose last call was not into this front: its
+    /// cache bound first.
+    #[cold]
+    #[inline(never)]
+    fn cache_released_unbound(self: &Arc<Self>, t: &tls::Thread, index: u32, e: &Entry) -> bool {
+        self.with_cache(t, |cache| self.cache_released(cache, index, e)) == Some(true)
     }
 
     /// A bin for a key none of `cache`'s bins holds when every bin it may use holds blocks of
@@ -479,7 +566,7 @@ impl Inner {
         stream: StreamHandle,
         size: u64,
     ) -> Option<&'a Bin> {
-        self.evict_list(cache.emptiest(device, stream, size).take());
+        self.evict_list(cache.emptiest(device, stream, size).take(), Was::InBin);
         cache.find_or_key(device, stream, size)
     }
 
@@ -494,8 +581,18 @@ impl Inner {
             let bin = cache
                 .find_or_key(device, stream, size)
                 .or_else(|| self.make_room(cache, device, stream, size));
-            if !bin.is_some_and(|bin| bin.push(index, e, size)) {
-                self.evict(index, e.ptr(), CACHED);
+            if let Some(bin) = bin {
+                e.bin.store(bin.tag(), Relaxed);
+            }
+            if bin.is_some_and(|bin| bin.push(index, e)) {
+                // Counted by its bin from now on, no longer as waiting in a remote list.
+                cache.counters[device as usize].add_owned(Delta {
+                    cached_bytes: -(size as i64),
+                    cached_blocks: -1,
+                    ..Delta::default()
+                });
+            } else {
+                self.evict(index, e.ptr(), Was::InRemote);
             }
             index = next;
         }
@@ -563,26 +660,29 @@ impl Inner {
 
     /// What the front caches change in `device`'s figures, summed over every cache.
     fn sum(&self, device: i32) -> Delta {
+        self.cached(device).0
+    }
+
+    /// What the front caches change in `device`'s figures, summed over every cache (the
+    /// shared counters, each live cache's own, and each of its bins on `device`; a retired
+    /// cache holds none), and the largest block size a bin on `device` holds (remote lists not
+    /// counted): one pass over the live caches' bins.
+    fn cached(&self, device: i32) -> (Delta, u64) {
         let Some(shared) = usize::try_from(device)
             .ok()
             .and_then(|d| self.shared.get(d))
         else {
-            return Delta::default();
+            return (Delta::default(), 0);
         };
-        self.threads.iter().fold(shared.read(), |sum, cache| {
-            sum.plus(cache.counters[device as usize].read())
-        })
-    }
-
-    /// The largest block size a front cache holds on `device` (remote lists not counted).
-    fn largest_cached(&self, device: i32) -> u64 {
-        self.threads
-            .iter()
-            .flat_map(|cache| cache.bins.iter())
-            .filter(|bin| bin.on(device))
-            .map(|bin| bin.holds())
-            .max()
-            .unwrap_or(0)
+        let (mut sum, mut largest) = (shared.read(), 0);
+        for cache in self.threads.iter().filter(|cache| cache.is_alive()) {
+            sum = sum.plus(cache.counters[device as usize].read());
+            for bin in cache.bins.iter().filter(|bin| bin.on(device)) {
+                sum = sum.plus(bin.figures());
+                largest = largest.max(bin.holds());
+            }
+        }
+        (sum, largest)
     }
 }
 

@@ -372,3 +372,44 @@ fn a_thread_using_more_sizes_than_it_has_bins_keeps_the_newest_cached() {
     assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
     assert_eq!(sim.used_bytes(0), 0);
 }
+
+#[test]
+fn a_block_whose_bin_was_rekeyed_while_it_was_held_goes_back_to_a_bin_of_its_own_key() {
+    let (front, sim) = front();
+    let s1 = sim.stream_create(0).unwrap();
+    // A stream whose key (device 0, 512 bytes) has the same home bin as s1's.
+    let home = thread::slot_of(0, s1, 512);
+    let s2 = (0..10_000)
+        .map(|_| sim.stream_create(0).unwrap())
+        .find(|&s| thread::slot_of(0, s, 512) == home)
+        .expect("one stream in 64 shares a home bin");
+    let a = front.reserve(0, 512, s1).unwrap();
+    front.release(a).unwrap();
+    // A hit: the home bin is empty again, still keyed for s1, and a's entry names it.
+    assert_eq!(front.reserve(0, 500, s1).unwrap(), a);
+    // b's release re-keys the empty home bin for s2; a's entry names a bin no longer of its
+    // key, so a goes to a new bin of s1's.
+    let b = front.reserve(0, 512, s2).unwrap();
+    assert_ne!(b, a);
+    front.release(b).unwrap();
+    front.release(a).unwrap();
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 3, 1));
+    assert_eq!(
+        front.release(a).unwrap_err().status,
+        rm_status::RM_ERROR_INVALID_POINTER
+    );
+    // Each is a hit on its own stream only.
+    let pool_calls = front.pool().stats(0).unwrap().reserve_calls;
+    assert_eq!(front.reserve(0, 512, s2).unwrap(), b);
+    assert_eq!(front.reserve(0, 512, s1).unwrap(), a);
+    assert_eq!(front.pool().stats(0).unwrap().reserve_calls, pool_calls);
+    assert_eq!(figures(&front, sim, 0), (1024, 1024, 2, 5, 3));
+    // Back in the bins their entries now name, and the books exact once drained.
+    front.release(a).unwrap();
+    front.release(b).unwrap();
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 5, 3));
+    front.free_reusable(None).unwrap();
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 5, 3));
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
+    assert_eq!(sim.used_bytes(0), 0);
+}

@@ -3,7 +3,10 @@
 //! A thread cache has [`BINS`] bins, each a LIFO list of entries of one device, stream and
 //! block size, and a *remote* list that other threads push the blocks they release to (the
 //! owner sorts them into its bins when a bin runs dry). A bin's list is one word, its head and
-//! its length, so that its bound costs no other write. Only the owner pushes to and pops from
+//! its length, so that its bound costs no other write. Each keying of a bin gets a *tag*
+//! naming the cache, the bin's slot and the keying; an entry notes the tag of the bin it was
+//! last cached in, so that its next release by the same thread finds the bin from the tag
+//! alone (no key compared) while the bin still holds that key. Only the owner pushes to and pops from
 //! its bins, so each is one compare-and-swap that can fail only when a drain has just taken the
 //! list (an exchange of the word): no ABA, no lock. Other threads push to the remote list with
 //! a compare-and-swap and the owner takes it whole with an exchange.
@@ -13,12 +16,12 @@
 //! list for the adopter or the next drain.
 
 use std::sync::atomic::{
-    AtomicBool, AtomicI32, AtomicU32, AtomicU64,
+    AtomicBool, AtomicI64, AtomicU32, AtomicU64,
     Ordering::{Acquire, Relaxed, Release},
 };
 use std::sync::OnceLock;
 
-use super::counters::Counters;
+use super::counters::{Counters, Delta};
 use super::entries::{Entry, NIL};
 use crate::driver::StreamHandle;
 
@@ -34,16 +37,45 @@ pub const MAX_BIN_BYTES: u64 = 256 << 20;
 pub const MAX_BIN_BLOCKS: u32 = 1024;
 /// Thread caches a front keeps; threads beyond them use the pool directly.
 pub const MAX_THREADS: usize = 1024;
+// A bin's tag holds its slot in 6 bits and its cache's index in 10 (see `ThreadCache::tagged`).
+const _: () = assert!(BINS == 1 << 6 && MAX_THREADS <= 1 << 10);
 
-/// One LIFO list of blocks of one key. `size` 0: the bin has no key. A cache line each, so
-/// that no two threads' bins share one.
+/// One LIFO list of blocks of one key. A cache line each, so that no two threads' bins share
+/// one.
 #[repr(align(64))]
 pub struct Bin {
-    device: AtomicI32,
+    /// Its device and block size, as [`key_of`] packs them; 0 (size 0): the bin has no key.
+    key: AtomicU64,
     stream: AtomicU64,
-    size: AtomicU64,
+    /// The most blocks it holds, from [`MAX_BIN_BLOCKS`] and [`MAX_BIN_BYTES`] (set with the key).
+    cap: AtomicU32,
+    /// This keying's tag (see [`ThreadCache::tagged`]); [`UNKEYED`] before the first.
+    tag: AtomicU64,
     /// The list: its length in the high half, its first entry (or [`NIL`]) in the low half.
     list: AtomicU64,
+    /// Reserves it served since keyed (owner only; folded into the cache's counters when
+    /// re-keyed).
+    hits: AtomicU64,
+    /// What its pops and pushes since keyed change in the requested bytes (owner only; folded
+    /// likewise): the callers' requests of the blocks it handed out less those it took back.
+    requested: AtomicI64,
+}
+
+/// A bin's device and block size (a multiple of 512, below 2 TiB) in one word, so that a key
+/// is compared in two: the device in the high half, the size in 512-byte units in the low.
+#[inline(always)]
+fn key_of(device: i32, size: u64) -> u64 {
+    debug_assert!(size % 512 == 0 && size >> 41 == 0);
+    (device as u32 as u64) << 32 | size >> 9
+}
+
+/// The tag of a bin never keyed, which no entry holds.
+const UNKEYED: u64 = u64::MAX;
+
+/// The most blocks of `size` bytes a bin holds: as many as [`MAX_BIN_BYTES`] takes, at most
+/// [`MAX_BIN_BLOCKS`], at least one.
+fn cap_of(size: u64) -> u32 {
+    (MAX_BIN_BYTES / size.max(1)).clamp(1, MAX_BIN_BLOCKS as u64) as u32
 }
 
 /// The word of an empty list.
@@ -60,24 +92,36 @@ fn length(list: u64) -> u32 {
 impl Default for Bin {
     fn default() -> Self {
         Bin {
-            device: AtomicI32::new(0),
+            key: AtomicU64::new(0),
             stream: AtomicU64::new(0),
-            size: AtomicU64::new(0),
+            cap: AtomicU32::new(0),
+            tag: AtomicU64::new(UNKEYED),
             list: AtomicU64::new(EMPTY),
+            hits: AtomicU64::new(0),
+            requested: AtomicI64::new(0),
         }
     }
 }
 
 impl Bin {
+    #[inline(always)]
     fn is(&self, device: i32, stream: StreamHandle, size: u64) -> bool {
-        self.size.load(Relaxed) == size
-            && self.stream.load(Relaxed) == stream
-            && self.device.load(Relaxed) == device
+        self.key.load(Relaxed) == key_of(device, size) && self.stream.load(Relaxed) == stream
+    }
+
+    /// The device of its key.
+    pub fn device(&self) -> i32 {
+        (self.key.load(Relaxed) >> 32) as i32
+    }
+
+    /// The block size of its key.
+    fn size(&self) -> u64 {
+        (self.key.load(Relaxed) as u32 as u64) << 9
     }
 
     /// Whether its key is on `device`.
     pub fn on(&self, device: i32) -> bool {
-        self.device.load(Relaxed) == device
+        self.device() == device
     }
 
     /// The block size of the blocks it holds now; 0 when it holds none.
@@ -85,8 +129,51 @@ impl Bin {
         if self.is_empty() {
             0
         } else {
-            self.size.load(Relaxed)
+            self.size()
         }
+    }
+
+    /// Count a reserve it served, of `requested` bytes (owner only: a plain load and store).
+    #[inline(always)]
+    pub fn count_hit(&self, requested: u64) {
+        self.hits
+            .store(self.hits.load(Relaxed).wrapping_add(1), Relaxed);
+        self.count_requested(requested as i64);
+    }
+
+    /// Count a release into it of a block last reserved for `requested` bytes (owner only).
+    #[inline(always)]
+    pub fn count_release(&self, requested: u64) {
+        self.count_requested((requested as i64).wrapping_neg());
+    }
+
+    #[inline(always)]
+    fn count_requested(&self, change: i64) {
+        let now = self.requested.load(Relaxed).wrapping_add(change);
+        self.requested.store(now, Relaxed);
+    }
+
+    /// What it changes in its device's figures now: its blocks, cached, and its counts.
+    pub fn figures(&self) -> Delta {
+        let blocks = length(self.list.load(Relaxed)) as i64;
+        Delta {
+            cached_bytes: blocks.wrapping_mul(self.size() as i64),
+            cached_blocks: blocks,
+            requested: self.requested.load(Relaxed),
+            hits: self.hits.load(Relaxed) as i64,
+        }
+    }
+
+    /// Its counts, leaving zeros (owner only).
+    pub fn take_counts(&self) -> Delta {
+        let d = Delta {
+            requested: self.requested.load(Relaxed),
+            hits: self.hits.load(Relaxed) as i64,
+            ..Delta::default()
+        };
+        self.requested.store(0, Relaxed);
+        self.hits.store(0, Relaxed);
+        d
     }
 
     /// Whether it holds no block.
@@ -113,14 +200,21 @@ impl Bin {
             .map(|_| e)
     }
 
-    /// Put entry `e`, at `index`, of a block of `size` bytes (the bin's size) first (owner
-    /// only); `false`, with nothing changed, when the bin is full.
+    /// Its tag: which keying of which bin it is (see [`ThreadCache::tagged`]).
     #[inline(always)]
-    pub fn push(&self, index: u32, e: &Entry, size: u64) -> bool {
+    pub fn tag(&self) -> u64 {
+        self.tag.load(Relaxed)
+    }
+
+    /// Put entry `e`, at `index`, of a block of the bin's size first (owner only); `false`,
+    /// with nothing changed, when the bin is full.
+    #[inline(always)]
+    pub fn push(&self, index: u32, e: &Entry) -> bool {
+        let cap = self.cap.load(Relaxed);
         let mut list = self.list.load(Relaxed);
         loop {
             let n = length(list);
-            if n != 0 && (n >= MAX_BIN_BLOCKS || (n as u64 + 1) * size > MAX_BIN_BYTES) {
+            if n >= cap {
                 return false;
             }
             e.next.store(head(list), Relaxed);
@@ -146,16 +240,20 @@ impl Bin {
 pub struct ThreadCache {
     pub index: u32,
     alive: AtomicBool,
+    /// Keyings of its bins so far (owner only), for their tags.
+    keyings: AtomicU64,
     /// A fixed number, so that a bin's slot indexes them with no bounds check.
     pub bins: Box<[Bin; BINS]>,
     pub remote: AtomicU32,
-    /// The figures this thread changed, per device.
+    /// The figures this thread changed that its bins do not hold, per device: the blocks it
+    /// pushed onto remote lists (see [`super::counters`]) and the counts of re-keyed bins.
     pub counters: Box<[Counters]>,
 }
 
-fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
-    let h = (stream ^ (size >> 9).rotate_left(29) ^ (device as u64).rotate_left(53))
-        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
+/// The home slot of a key: the top bits of its words mixed by a multiplication.
+#[inline(always)]
+pub(super) fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
+    let h = (key_of(device, size) ^ stream).wrapping_mul(0x9e37_79b9_7f4a_7c15);
     (h >> 58) as usize
 }
 
@@ -171,6 +269,7 @@ impl ThreadCache {
         ThreadCache {
             index,
             alive: AtomicBool::new(true),
+            keyings: AtomicU64::new(0),
             bins: bins(),
             remote: AtomicU32::new(NIL),
             counters: (0..devices).map(|_| Counters::default()).collect(),
@@ -180,13 +279,17 @@ impl ThreadCache {
     /// The bin holding `(device, stream, size)`, if any (owner only).
     #[inline(always)]
     pub fn find(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
-        let start = slot_of(device, stream, size);
         // The key's own bin, where it almost always is, before the probe.
-        let home = &self.bins[start];
-        if home.is(device, stream, size) {
-            return Some(home);
-        }
-        self.probe(start, device, stream, size)
+        self.home(device, stream, size)
+            .or_else(|| self.probe(slot_of(device, stream, size), device, stream, size))
+    }
+
+    /// The bin holding `(device, stream, size)` if it is the key's home bin, the first that
+    /// [`ThreadCache::find`] looks at (owner only).
+    #[inline(always)]
+    pub fn home(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
+        let home = &self.bins[slot_of(device, stream, size)];
+        home.is(device, stream, size).then_some(home)
     }
 
     /// The rest of [`ThreadCache::find`]: the bins after the key's own.
@@ -207,18 +310,41 @@ impl ThreadCache {
         self.key(device, stream, size)
     }
 
-    /// The rest of [`ThreadCache::find_or_key`]: key an empty bin.
+    /// The rest of [`ThreadCache::find_or_key`]: key an empty bin, with a new tag.
     #[cold]
     fn key(&self, device: i32, stream: StreamHandle, size: u64) -> Option<&Bin> {
         let start = slot_of(device, stream, size);
-        let bin = (0..PROBE)
-            .map(|i| &self.bins[(start + i) % BINS])
-            .find(|bin| bin.is_empty())?;
-        // Only the owner pushes, so an empty bin stays empty while it is re-keyed.
-        bin.device.store(device, Relaxed);
+        let slot = (0..PROBE)
+            .map(|i| (start + i) % BINS)
+            .find(|&slot| self.bins[slot].is_empty())?;
+        let bin = &self.bins[slot];
+        // Only the owner pushes, so an empty bin stays empty while it is re-keyed. Its counts
+        // were of its old key's device: they go to the cache's counters of that device.
+        if bin.tag() != UNKEYED {
+            let old = bin.device() as usize;
+            self.counters[old].add_owned(bin.take_counts());
+        }
+        bin.key.store(key_of(device, size), Relaxed);
         bin.stream.store(stream, Relaxed);
-        bin.size.store(size, Relaxed);
+        bin.cap.store(cap_of(size), Relaxed);
+        let keyings = self.keyings.load(Relaxed) + 1;
+        self.keyings.store(keyings, Relaxed);
+        bin.tag.store(
+            keyings << 16 | (self.index as u64) << 6 | slot as u64,
+            Relaxed,
+        );
         Some(bin)
+    }
+
+    /// The bin whose tag is `tag`, if it still is (owner only). A tag is the bin's keying
+    /// (counted from 1 in its cache) over the cache's index (10 bits, [`MAX_THREADS`]) over
+    /// its slot (6 bits, [`BINS`]): unique to one key of one bin of one cache for the life of
+    /// the front, so a bin re-keyed since, or a bin of another cache, does not match; and
+    /// never 0, the tag of no bin.
+    #[inline(always)]
+    pub fn tagged(&self, tag: u64) -> Option<&Bin> {
+        let bin = &self.bins[(tag % BINS as u64) as usize];
+        (bin.tag() == tag).then_some(bin)
     }
 
     /// The bin with the fewest blocks among those `(device, stream, size)` may use (owner
@@ -245,9 +371,15 @@ impl ThreadCache {
         }
     }
 
-    /// Mark the cache free for another thread (its owner has exited).
+    /// Mark the cache free for another thread (its owner has exited, having given back its
+    /// blocks and folded its figures into the shared set: a retired cache changes no figure).
     pub fn retire(&self) {
         self.alive.store(false, Release);
+    }
+
+    /// Whether a thread uses it (else it is retired, and changes no figure).
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Acquire)
     }
 }
 
@@ -311,7 +443,7 @@ mod tests {
         assert!(cache.find(0, 7, 512).is_none());
         let bin = cache.find_or_key(0, 7, 512).unwrap() as *const Bin;
         let i = entries.take().unwrap();
-        assert!(cache.find(0, 7, 512).unwrap().push(i, entries.get(i), 512));
+        assert!(cache.find(0, 7, 512).unwrap().push(i, entries.get(i)));
         assert_eq!(cache.find(0, 7, 512).unwrap() as *const Bin, bin);
         assert_eq!(cache.find(0, 7, 512).unwrap().holds(), 512);
         assert!(cache.find(0, 8, 512).is_none());
@@ -333,7 +465,7 @@ mod tests {
         let mut pushed = Vec::new();
         loop {
             let i = entries.take().unwrap();
-            if !bin.push(i, entries.get(i), 512) {
+            if !bin.push(i, entries.get(i)) {
                 break;
             }
             pushed.push(i);
@@ -352,14 +484,56 @@ mod tests {
         // Bytes: one block over the bound always fits; a second only within it.
         let big = cache.find_or_key(0, 7, MAX_BIN_BYTES * 2).unwrap();
         let (a, b) = (entries.take().unwrap(), entries.take().unwrap());
-        assert!(big.push(a, entries.get(a), MAX_BIN_BYTES * 2));
-        assert!(!big.push(b, entries.get(b), MAX_BIN_BYTES * 2));
+        assert!(big.push(a, entries.get(a)));
+        assert!(!big.push(b, entries.get(b)));
         let half = cache.find_or_key(0, 7, MAX_BIN_BYTES / 2).unwrap();
-        assert!(half.push(b, entries.get(b), MAX_BIN_BYTES / 2));
+        assert!(half.push(b, entries.get(b)));
         let c = entries.take().unwrap();
-        assert!(half.push(c, entries.get(c), MAX_BIN_BYTES / 2));
+        assert!(half.push(c, entries.get(c)));
         let d = entries.take().unwrap();
-        assert!(!half.push(d, entries.get(d), MAX_BIN_BYTES / 2));
+        assert!(!half.push(d, entries.get(d)));
+    }
+
+    #[test]
+    fn a_tag_names_one_keying_of_one_bin_of_one_cache() {
+        let (a, b) = (ThreadCache::new(0, 1), ThreadCache::new(1, 1));
+        let entries = Entries::default();
+        let first = a.find_or_key(0, 7, 512).unwrap();
+        let tag = first.tag();
+        assert!(std::ptr::eq(a.tagged(tag).unwrap(), first));
+        // No entry's "none", and not the same bin of another cache.
+        assert!(a.tagged(0).is_none());
+        let other = b.find_or_key(0, 7, 512).unwrap();
+        assert_ne!(other.tag(), tag);
+        assert!(b.tagged(tag).is_none());
+        // Counted in the bin: its blocks and hits and requested bytes.
+        let i = entries.take().unwrap();
+        assert!(first.push(i, entries.get(i)));
+        first.count_release(300);
+        let d = first.figures();
+        assert_eq!(
+            (d.cached_bytes, d.cached_blocks, d.requested, d.hits),
+            (512, 1, -300, 0)
+        );
+        assert!(first.pop(|i| entries.get(i)).is_some());
+        first.count_hit(200);
+        let d = first.figures();
+        assert_eq!(
+            (d.cached_bytes, d.cached_blocks, d.requested, d.hits),
+            (0, 0, -100, 1)
+        );
+        // Re-keyed (empty) for another key sharing its home slot: a new tag, the old one
+        // names nothing, and the counts went to the cache's counters of the old device.
+        let home = slot_of(0, 7, 512);
+        let stream = (8..).find(|&s| slot_of(0, s, 512) == home).unwrap();
+        let second = a.find_or_key(0, stream, 512).unwrap();
+        assert!(std::ptr::eq(second, first));
+        assert_ne!(second.tag(), tag);
+        assert!(a.tagged(tag).is_none());
+        assert!(std::ptr::eq(a.tagged(second.tag()).unwrap(), second));
+        assert_eq!(second.figures(), Delta::default());
+        let folded = a.counters[0].read();
+        assert_eq!((folded.requested, folded.hits), (-100, 1));
     }
 
     #[test]

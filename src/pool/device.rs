@@ -133,8 +133,9 @@ pub struct DevicePool {
     stuck: Vec<Stuck>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<u32>,
-    /// Bytes created since a stitched range was last made wholly from the cache: how fast the
-    /// pool is growing, which sizes the headroom of the next creation (`stitch::headroom`).
+    /// Bytes created since a stitched range was last made wholly from the cache or
+    /// `free_reusable` last ran: how fast the pool is growing, which sizes the headroom of the
+    /// next creation (`stitch::headroom`).
     streak: u64,
 }
 

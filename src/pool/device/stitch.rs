@@ -153,7 +153,8 @@ pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
 }
 
 /// The headroom of a creation: how much memory a growing pool creates at least, given the
-/// bytes it created since a range was last made wholly from its cache (`streak`), what it
+/// bytes it created since a range was last made wholly from its cache or its memory last went
+/// back (`streak`), what it
 /// reserves, and the memory it may still take (`room`: the driver's free memory, and under a
 /// cap no more than the cap leaves). Creating only each request's shortfall keeps the
 /// peak low but makes a pool that grows step by step call the driver at every step (on the
