@@ -8,7 +8,8 @@
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
 //! - `stitch.rs` and `phys.rs`: page-granular reuse with the virtual-memory API, and its
-//!   physical-memory books;
+//!   physical-memory books; `headroom.rs`: how much more than a request lacks a stitched
+//!   creation takes;
 //! - `check.rs`: the invariant check.
 //!
 //! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
@@ -38,10 +39,12 @@ use super::hash::IntMap;
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
+use headroom::Headroom;
 use phys::Phys;
 use stitch::{Run, Stuck, VmmMode};
 
 mod check;
+mod headroom;
 mod parking;
 mod phys;
 mod segments;
@@ -133,10 +136,8 @@ pub struct DevicePool {
     stuck: Vec<Stuck>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<u32>,
-    /// Bytes created since a stitched range was last made wholly from the cache or
-    /// `free_reusable` last ran: how fast the pool is growing, which sizes the headroom of the
-    /// next creation (`stitch::headroom`).
-    streak: u64,
+    /// What sizes the headroom of the next stitched creation (`headroom.rs`).
+    headroom: Headroom,
 }
 
 impl DevicePool {
@@ -163,7 +164,7 @@ impl DevicePool {
             phys: Phys::default(),
             stuck: Vec::new(),
             lending: Vec::new(),
-            streak: 0,
+            headroom: Headroom::default(),
         }
     }
 

@@ -22,8 +22,8 @@
 //! cached, the driver lacks a segment of the request's size, or all but a sliver is cached;
 //! otherwise a segment is created whole, as PyTorch would, and the cache stays for the requests
 //! that reuse it. The shortfall is created as one handle sized like PyTorch's segment for it,
-//! and while the pool keeps growing with some headroom ([`headroom`]), so that a pool growing
-//! step by step does not call the driver at every step (one `cuMemCreate` per growth, through
+//! with headroom for the requests after it (`headroom.rs`), so that a pool growing step by step
+//! does not call the driver at every step (one `cuMemCreate` per growth, through
 //! the growth policy shared with classic segments: a cap, release before growing, and release
 //! everything and retry once on out-of-memory).
 //!
@@ -152,28 +152,6 @@ pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
         && (have.saturating_mul(2) >= size || driver_free < segment_size(size))
 }
 
-/// The headroom of a creation: how much memory a growing pool creates at least, given the
-/// bytes it created since a range was last made wholly from its cache or its memory last went
-/// back (`streak`), what it
-/// reserves, and the memory it may still take (`room`: the driver's free memory, and under a
-/// cap no more than the cap leaves). Creating only each request's shortfall keeps the
-/// peak low but makes a pool that grows step by step call the driver at every step (on the
-/// replayed snapshots, up to 7 memory-creating calls more than PyTorch); so while it keeps
-/// growing, a creation is at least an eighth of what the streak created, and at most a
-/// thirty-second of what the pool reserves: the most it may leave idle at its peak, above what
-/// it needed (a pool that only grows by requests of a segment's size each, which PyTorch's
-/// policy fits exactly, may reserve that much more than PyTorch, in fewer calls). None while
-/// room is short: never more than half of what is left, so headroom never takes memory a later
-/// request needs, nor makes the pool return cache to stay under its cap.
-pub(super) fn headroom(streak: u64, reserved: u64, room: u64) -> u64 {
-    let headroom = (streak / 8).min(reserved / 32);
-    if headroom > room / 2 {
-        0
-    } else {
-        headroom
-    }
-}
-
 impl DevicePool {
     /// Whether this pool stitches; asks the driver once.
     pub(super) fn stitching(&mut self, cx: &Context<'_>) -> bool {
@@ -222,8 +200,9 @@ impl DevicePool {
         };
         let have: u64 = pieces.iter().map(|p| p.pages.size).sum();
         if have >= size {
-            // Met from the cache alone: the pool holds what it needs, growth (if any) is over.
-            self.streak = 0;
+            self.headroom.met_from_cache();
+        } else if have > 0 {
+            self.headroom.took_cache(have, size - have);
         }
         let mut all: Vec<Piece> = pieces.clone();
         // The lenders of pieces in flight are not taken apart to make room meanwhile.
@@ -277,7 +256,7 @@ impl DevicePool {
         let have: u64 = all.iter().map(|p| p.pages.size).sum();
         if have < size {
             // The shortfall is created as PyTorch would size a segment for it (a 20 MiB handle
-            // for under 10 MiB), and at least the growing pool's headroom, so that growth keeps
+            // for under 10 MiB), and at least the pool's headroom, so that growth keeps
             // pace with PyTorch's in driver calls; the excess stays free at the end of the new
             // range. Where that much is not to be had, the bare shortfall.
             let need = size - have;
@@ -294,8 +273,7 @@ impl DevicePool {
             let sized = segment_size(lacking)
                 .min(segment)
                 .max(need)
-                .max(headroom(
-                    self.streak,
+                .max(self.headroom.bytes(
                     self.stats.reserved_bytes,
                     self.limit.map_or(driver_free, |limit| {
                         driver_free.min(limit.saturating_sub(self.stats.reserved_bytes))
@@ -318,7 +296,7 @@ impl DevicePool {
                 });
             }
             let handle = created?;
-            self.streak += made;
+            self.headroom.created(made, need);
             self.phys.add(handle, made);
             self.stats.add_reserved(made, 1);
             all.push(Piece {
@@ -1010,20 +988,6 @@ mod tests {
         assert!(!partial_pays(32 * MIB, 14 * MIB, gib));
         // The snapshot's 477 MiB request beside 340 MiB of free blocks.
         assert!(partial_pays(478 * MIB, 340 * MIB, 70 * gib));
-    }
-
-    #[test]
-    fn a_growing_pool_creates_with_headroom_bounded_by_what_it_reserves() {
-        let gib = 1 << 30;
-        // Nothing created since the cache last sufficed: no headroom.
-        assert_eq!(headroom(0, 4 * gib, 60 * gib), 0);
-        // An eighth of what the streak created...
-        assert_eq!(headroom(160 * MIB, 4 * gib, 60 * gib), 20 * MIB);
-        // ... at most a thirty-second of what the pool reserves...
-        assert_eq!(headroom(4 * gib, gib, 60 * gib), 32 * MIB);
-        // ... and none where it would take half of what the driver has left.
-        assert_eq!(headroom(4 * gib, 4 * gib, 250 * MIB), 0);
-        assert_eq!(headroom(4 * gib, 4 * gib, 256 * MIB), 128 * MIB);
     }
 
     #[test]

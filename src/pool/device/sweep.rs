@@ -65,7 +65,7 @@ impl DevicePool {
     ) -> Result<(u64, bool)> {
         let segments = segments.max(1);
         // Memory going back to the driver: growth after it starts afresh, with no headroom.
-        self.streak = 0;
+        self.headroom.reset();
         if sweep.step == Step::Parked {
             if !self.flush_parked_upto(PARKED_PER_SEGMENT * segments) {
                 return Ok((0, true));
