@@ -36,6 +36,7 @@ pub(crate) mod bins;
 pub(crate) mod blocks;
 pub(crate) mod device;
 pub(crate) mod hash;
+pub(crate) mod ids;
 #[cfg(feature = "hold-probe")]
 mod probe;
 pub(crate) mod size;

@@ -20,8 +20,8 @@ impl DevicePool {
         let mut parked = 0usize;
         let mut free_blocks = 0usize;
         let mut segments = 0;
-        let mut slot_segments: IntMap<u32, u32> = IntMap::default();
-        for (index, seg) in self.segments.iter().enumerate() {
+        let mut slot_segments: IntMap<SlotId, u32> = IntMap::default();
+        for (seg_id, seg) in self.segments.enumerate() {
             if !seg.in_use {
                 continue;
             }
@@ -29,14 +29,14 @@ impl DevicePool {
             reserved += seg.size;
             let mut id = seg.first;
             let mut expect = seg.base;
-            let mut prev = NIL;
+            let mut prev = BlockId::NIL;
             // Free or parked: two such neighbours should have been merged.
             let mut prev_unused = false;
             let mut holes = 0;
-            while id != NIL {
+            while id != BlockId::NIL {
                 let b = &self.blocks[id];
                 let here = format!("block {:#x} of segment {:#x}", b.ptr, seg.base);
-                if b.ptr != expect || b.prev != prev || b.segment as usize != index {
+                if b.ptr != expect || b.prev != prev || b.segment != seg_id {
                     return Err(format!("{here}: broken neighbour links"));
                 }
                 if b.size == 0 || b.size % MIN_BLOCK != 0 || b.ptr % MIN_BLOCK != 0 {
@@ -55,7 +55,7 @@ impl DevicePool {
                     State::Parked => {
                         parked += 1;
                         if self.by_ptr.get(&b.ptr) != Some(&id)
-                            || !self.slots[seg.slot as usize].parked.contains(&id)
+                            || !self.slots[seg.slot].parked.contains(&id)
                         {
                             return Err(format!("{here}: parked but not listed"));
                         }
@@ -92,28 +92,25 @@ impl DevicePool {
             }
             reserved -= holes;
             let first = &self.blocks[seg.first];
-            let is_idle = first.next == NIL && first.state == State::Free;
-            let listed =
-                seg.idle_at != NIL && self.idle.get(seg.idle_at as usize) == Some(&(index as u32));
+            let is_idle = first.next == BlockId::NIL && first.state == State::Free;
+            let listed = seg
+                .idle_at
+                .is_some_and(|at| self.idle.get(at) == Some(&seg_id));
             if is_idle != listed {
                 return Err(format!("segment {:#x}: idle list is wrong", seg.base));
             }
             *slot_segments.entry(seg.slot).or_insert(0u32) += 1;
         }
-        if self
-            .idle
-            .iter()
-            .any(|&seg| !self.segments[seg as usize].in_use)
-        {
+        if self.idle.iter().any(|&seg| !self.segments[seg].in_use) {
             return Err("a vacant segment is listed as idle".to_string());
         }
         for (&handle, &slot) in &self.slot_of {
-            let s = &self.slots[slot as usize];
+            let s = &self.slots[slot];
             if s.handle != handle
                 || slot_segments.get(&slot).copied().unwrap_or(0) != s.segments
                 || s.segments == 0
             {
-                return Err(format!("stream {handle:#x}: slot {slot} has wrong books"));
+                return Err(format!("stream {handle:#x}: slot {slot:?} has wrong books"));
             }
         }
         if slot_segments.len() != self.slot_of.len() {
@@ -122,7 +119,7 @@ impl DevicePool {
         let binned: usize = self
             .slot_of
             .values()
-            .flat_map(|&slot| self.slots[slot as usize].bins.iter())
+            .flat_map(|&slot| self.slots[slot].bins.iter())
             .map(Bins::len)
             .sum();
         if binned != free_blocks {

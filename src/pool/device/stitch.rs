@@ -50,7 +50,7 @@
 //! mapped in it, which are not released meanwhile) and retried by `free_reusable`.
 
 use super::phys::Pages;
-use super::{Context, DevicePool, Grow, State, NIL};
+use super::{BlockId, Context, DevicePool, Grow, SegId, State};
 use crate::driver::{DevicePtr, PhysHandle};
 use crate::error::rm_status;
 use crate::error::{Error, Result};
@@ -62,7 +62,7 @@ pub(super) struct Run {
     pub(super) offset: u64,
     pub(super) pages: Pages,
     /// The segment and address where the same pages are mapped as a hole, if they were lent.
-    pub(super) lender: Option<(u32, DevicePtr)>,
+    pub(super) lender: Option<(SegId, DevicePtr)>,
 }
 
 /// Whether a device pool stitches.
@@ -84,7 +84,7 @@ const MAX_PIECES: usize = 32;
 pub(super) struct Piece {
     pages: Pages,
     /// Lent by this segment, where the pages are mapped at this address; `None`: spare pages.
-    lender: Option<(u32, DevicePtr)>,
+    lender: Option<(SegId, DevicePtr)>,
 }
 
 /// An address range whose unmapping or freeing failed: kept, retried by `free_reusable`.
@@ -374,14 +374,14 @@ impl DevicePool {
     /// Every granularity-aligned interior of a free block, split along its segment's runs.
     fn lendable(&self, granularity: u64) -> Vec<Piece> {
         let mut pieces = Vec::new();
-        for (seg, s) in self.segments.iter().enumerate() {
+        for (seg, s) in self.segments.enumerate() {
             // Small segments' pages stay for small requests, as PyTorch keeps its small pool:
             // lent to larger ranges, they left small requests to create new ones.
             if !s.in_use || !s.stitched || s.class == Class::Small {
                 continue;
             }
             let mut id = s.first;
-            while id != NIL {
+            while id != BlockId::NIL {
                 let b = &self.blocks[id];
                 id = b.next;
                 if b.state != State::Free {
@@ -408,7 +408,7 @@ impl DevicePool {
                             offset: r.pages.offset + (from - run_start),
                             size: to - from,
                         },
-                        lender: Some((seg as u32, from)),
+                        lender: Some((seg, from)),
                     });
                 }
             }
@@ -503,14 +503,14 @@ impl DevicePool {
     }
 
     /// Mark `[ptr, ptr + size)` of `seg`, inside one free block, a hole: its pages are lent.
-    fn carve_hole(&mut self, seg: u32, ptr: DevicePtr, size: u64) {
+    fn carve_hole(&mut self, seg: SegId, ptr: DevicePtr, size: u64) {
         let (slot, class) = {
-            let s = &self.segments[seg as usize];
+            let s = &self.segments[seg];
             (s.slot, s.class)
         };
         let id = self.block_at(seg, ptr);
         debug_assert_eq!(self.blocks[id].state, State::Free);
-        if self.segments[seg as usize].idle_at != NIL {
+        if self.segments[seg].idle_at.is_some() {
             // With a hole it is no longer one free block: not idle any more.
             self.unmark_idle(seg);
         }
@@ -536,7 +536,7 @@ impl DevicePool {
 
     /// Lent pages `[ptr, ptr + size)` of `seg`, inside one hole, came back: free memory again,
     /// merged with its free neighbours.
-    fn fill_hole(&mut self, seg: u32, ptr: DevicePtr, size: u64) {
+    fn fill_hole(&mut self, seg: SegId, ptr: DevicePtr, size: u64) {
         let id = self.block_at(seg, ptr);
         let (bptr, bsize) = (self.blocks[id].ptr, self.blocks[id].size);
         debug_assert_eq!(self.blocks[id].state, State::Hole);
@@ -555,8 +555,8 @@ impl DevicePool {
     }
 
     /// The block of `seg` that contains `ptr`.
-    fn block_at(&self, seg: u32, ptr: DevicePtr) -> u32 {
-        let mut id = self.segments[seg as usize].first;
+    fn block_at(&self, seg: SegId, ptr: DevicePtr) -> BlockId {
+        let mut id = self.segments[seg].first;
         while self.blocks[id].ptr + self.blocks[id].size <= ptr {
             id = self.blocks[id].next;
         }
@@ -564,7 +564,13 @@ impl DevicePool {
     }
 
     /// Insert a block of `size` bytes at `ptr` right after block `after`; returns it.
-    fn new_block_after(&mut self, after: u32, ptr: DevicePtr, size: u64, state: State) -> u32 {
+    fn new_block_after(
+        &mut self,
+        after: BlockId,
+        ptr: DevicePtr,
+        size: u64,
+        state: State,
+    ) -> BlockId {
         let (segment, next) = (self.blocks[after].segment, self.blocks[after].next);
         let id = self.blocks.insert(crate::pool::blocks::Block {
             ptr,
@@ -577,7 +583,7 @@ impl DevicePool {
             shared: false,
         });
         self.blocks[after].next = id;
-        if next != NIL {
+        if next != BlockId::NIL {
             self.blocks[next].prev = id;
         }
         id
@@ -587,18 +593,15 @@ impl DevicePool {
     /// with one call, give its pages back where they came from, and free its address range.
     /// Its lists of runs and borrowers stay allocated with the vacant segment (see
     /// `forget_segment`): taking it apart frees no heap memory of its own.
-    pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
-        let (base, size) = (
-            self.segments[seg as usize].base,
-            self.segments[seg as usize].size,
-        );
+    pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: SegId) -> Result<()> {
+        let (base, size) = (self.segments[seg].base, self.segments[seg].size);
         cx.driver
             .vmm_unmap(self.device, base, size)
             .map_err(|e| Error::driver(&format!("unmapping cached segment {base:#x}"), &e))?;
         // Out of the segment while its lenders and borrowers change (none of which is `seg`),
         // put back before it is forgotten.
-        let runs = std::mem::take(&mut self.segments[seg as usize].runs);
-        let mut borrowers = std::mem::take(&mut self.segments[seg as usize].borrowers);
+        let runs = std::mem::take(&mut self.segments[seg].runs);
+        let mut borrowers = std::mem::take(&mut self.segments[seg].borrowers);
         // Pages this segment lent on now belong to their borrower, lent by this run's lender.
         let lender_of = |ptr: DevicePtr| {
             let r = runs
@@ -608,11 +611,11 @@ impl DevicePool {
             r.lender.map(|(l, at)| (l, at + (ptr - base - r.offset)))
         };
         for &borrower in &borrowers {
-            for i in 0..self.segments[borrower as usize].runs.len() {
-                if let Some((l, ptr)) = self.segments[borrower as usize].runs[i].lender {
+            for i in 0..self.segments[borrower].runs.len() {
+                if let Some((l, ptr)) = self.segments[borrower].runs[i].lender {
                     if l == seg {
                         let lender = lender_of(ptr);
-                        self.segments[borrower as usize].runs[i].lender = lender;
+                        self.segments[borrower].runs[i].lender = lender;
                         if let Some((l, _)) = lender {
                             self.add_borrower(l, borrower);
                         }
@@ -623,13 +626,13 @@ impl DevicePool {
         // Its own lenders lend it nothing any more.
         for r in &runs {
             if let Some((l, _)) = r.lender {
-                self.segments[l as usize].borrowers.retain(|&b| b != seg);
+                self.segments[l].borrowers.retain(|&b| b != seg);
             }
         }
         // Pages it owned go back to their lender, or become spare (changing only the lenders'
         // blocks, so the walk of its own goes on).
-        let mut id = self.segments[seg as usize].first;
-        while id != NIL {
+        let mut id = self.segments[seg].first;
+        while id != BlockId::NIL {
             let b = &self.blocks[id];
             let (ptr, len, free) = (b.ptr, b.size, b.state == State::Free);
             id = b.next;
@@ -653,7 +656,7 @@ impl DevicePool {
             }
         }
         borrowers.clear();
-        let s = &mut self.segments[seg as usize];
+        let s = &mut self.segments[seg];
         s.runs = runs;
         s.borrowers = borrowers;
         self.forget_segment(seg);
@@ -675,8 +678,8 @@ impl DevicePool {
     }
 
     /// Note that `borrower` has a run lent by `lender`.
-    pub(super) fn add_borrower(&mut self, lender: u32, borrower: u32) {
-        let borrowers = &mut self.segments[lender as usize].borrowers;
+    pub(super) fn add_borrower(&mut self, lender: SegId, borrower: SegId) {
+        let borrowers = &mut self.segments[lender].borrowers;
         if !borrowers.contains(&borrower) {
             borrowers.push(borrower);
         }
@@ -694,9 +697,11 @@ impl DevicePool {
         // Taking a segment apart fills holes in its lenders and changes no other segment's
         // blocks from free to used or back, so one scan finds every candidate; each is checked
         // again before it goes.
-        let mut found: Vec<(u64, u32)> = (0..self.segments.len() as u32)
+        let mut found: Vec<(u64, SegId)> = self
+            .segments
+            .ids()
             .filter(|&seg| self.is_unused(seg))
-            .map(|seg| (self.segments[seg as usize].size, seg))
+            .map(|seg| (self.segments[seg].size, seg))
             .collect();
         found.sort_unstable_by(|a, b| b.cmp(a));
         let mut waited = false;
@@ -719,12 +724,12 @@ impl DevicePool {
         if !matches!(self.vmm, VmmMode::On(_)) {
             return false;
         }
-        let borrowers: Vec<u32> = self
+        let borrowers: Vec<SegId> = self
             .idle
             .iter()
             .copied()
             .filter(|&seg| {
-                let s = &self.segments[seg as usize];
+                let s = &self.segments[seg];
                 s.stitched && s.runs.iter().any(|r| r.lender.is_some())
             })
             .collect();
@@ -748,7 +753,7 @@ impl DevicePool {
                 Err(e) => {
                     self.log(format_args!("{}; the request goes on", e.message));
                     // Taken apart but for its address range (kept to retry): its pages are back.
-                    returned |= !self.segments[seg as usize].in_use;
+                    returned |= !self.segments[seg].in_use;
                 }
             }
         }
@@ -761,7 +766,7 @@ impl DevicePool {
     pub(super) fn dismantle_if_unused(
         &mut self,
         cx: &Context<'_>,
-        seg: u32,
+        seg: SegId,
         waited: &mut bool,
     ) -> Result<bool> {
         if !self.is_unused(seg) {
@@ -784,13 +789,13 @@ impl DevicePool {
 
     /// Whether `seg` is a stitched segment in use whose blocks are all free or holes, lending
     /// nothing in flight.
-    pub(super) fn is_unused(&self, seg: u32) -> bool {
-        let s = &self.segments[seg as usize];
+    pub(super) fn is_unused(&self, seg: SegId) -> bool {
+        let s = &self.segments[seg];
         if !(s.in_use && s.stitched && !self.lending.contains(&seg)) {
             return false;
         }
         let mut id = s.first;
-        while id != NIL {
+        while id != BlockId::NIL {
             if !matches!(self.blocks[id].state, State::Free | State::Hole) {
                 return false;
             }
@@ -844,15 +849,15 @@ impl DevicePool {
     /// each once.
     fn check_borrowers(&self) -> std::result::Result<(), String> {
         use std::collections::{BTreeMap, BTreeSet};
-        let mut expected: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        for (index, s) in self.segments.iter().enumerate().filter(|(_, s)| s.in_use) {
+        let mut expected: BTreeMap<SegId, BTreeSet<SegId>> = BTreeMap::new();
+        for (seg_id, s) in self.segments.enumerate().filter(|(_, s)| s.in_use) {
             for (l, _) in s.runs.iter().filter_map(|r| r.lender) {
-                expected.entry(l).or_default().insert(index as u32);
+                expected.entry(l).or_default().insert(seg_id);
             }
         }
-        for (index, s) in self.segments.iter().enumerate() {
-            let listed: BTreeSet<u32> = s.borrowers.iter().copied().collect();
-            let lent = expected.remove(&(index as u32)).unwrap_or_default();
+        for (seg_id, s) in self.segments.enumerate() {
+            let listed: BTreeSet<SegId> = s.borrowers.iter().copied().collect();
+            let lent = expected.remove(&seg_id).unwrap_or_default();
             if listed.len() != s.borrowers.len()
                 || listed != lent
                 || (!s.in_use && !lent.is_empty())
@@ -883,7 +888,7 @@ impl DevicePool {
                 at += r.pages.size;
                 if let Some((l, ptr)) = r.lender {
                     lent += r.pages.size;
-                    let lender = self.segments.get(l as usize).filter(|x| x.in_use);
+                    let lender = self.segments.get(l).filter(|x| x.in_use);
                     let inside = lender.is_some_and(|x| {
                         let b = &self.blocks[self.block_at(l, ptr)];
                         x.base <= ptr
@@ -902,7 +907,7 @@ impl DevicePool {
                 return Err(format!("segment {:#x}: runs do not cover it", s.base));
             }
             let mut id = s.first;
-            while id != NIL {
+            while id != BlockId::NIL {
                 let b = &self.blocks[id];
                 if b.state == State::Hole {
                     holes += b.size;
@@ -930,6 +935,7 @@ impl DevicePool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::ids::Id;
 
     const MIB: u64 = 1 << 20;
 
@@ -944,14 +950,14 @@ mod tests {
         }
     }
 
-    fn lent(seg: u32, ptr: DevicePtr, size: u64) -> Piece {
+    fn lent(seg: u16, ptr: DevicePtr, size: u64) -> Piece {
         Piece {
             pages: Pages {
                 handle: 100 + u64::from(seg),
                 offset: 0,
                 size,
             },
-            lender: Some((seg, ptr)),
+            lender: Some((SegId::at(usize::from(seg)), ptr)),
         }
     }
 
@@ -977,7 +983,7 @@ mod tests {
         // Spare pages go first, whatever their size; the rest from the best lent piece.
         let chosen = choose(&[spare(7, 4 * MIB, 4 * MIB)], &lendable, 10 * MIB);
         assert_eq!(chosen[0], spare(7, 4 * MIB, 4 * MIB));
-        assert_eq!(chosen[1].lender, Some((2, 0x2000_0000)));
+        assert_eq!(chosen[1].lender, Some((SegId::at(2), 0x2000_0000)));
         assert_eq!(chosen[1].pages.size, 6 * MIB);
         assert_eq!(chosen.len(), 2);
         // Nothing covers 100 MiB alone: the largest first, all of it (88 MiB).
