@@ -7,8 +7,10 @@
 //! - `streams.rs`: stream slots, events, blocks pending on other streams;
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
-//! - `stitch.rs` and `phys.rs`: page-granular reuse with the virtual-memory API, and its
-//!   physical-memory books;
+//! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
+//!   cached pages and new memory;
+//! - `unstitch.rs`: taking such segments apart and returning their memory;
+//! - `phys.rs`: their physical-memory books;
 //! - `check.rs`: the invariant check.
 //!
 //! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
@@ -40,7 +42,8 @@ use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
 use phys::Phys;
-use stitch::{Run, Stuck, VmmMode};
+use stitch::{Run, VmmMode};
+use unstitch::Stuck;
 
 mod check;
 mod parking;
@@ -49,6 +52,7 @@ mod segments;
 mod stitch;
 mod streams;
 mod sweep;
+mod unstitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
 pub use sweep::Sweep;

@@ -1,4 +1,5 @@
-//! The invariant check: every book of a device pool, recomputed from the blocks.
+//! The invariant check: every book of a device pool recomputed from the blocks, the books of
+//! stitched segments (runs, holes, borrowers) with them.
 
 use super::*;
 
@@ -171,6 +172,92 @@ impl DevicePool {
         }
         if s.peak_allocated_bytes < s.allocated_bytes || s.peak_reserved_bytes < s.reserved_bytes {
             return Err("a peak is below its current value".to_string());
+        }
+        Ok(())
+    }
+
+    /// Check that each segment lists as borrowers exactly the segments with a run it lent,
+    /// each once.
+    fn check_borrowers(&self) -> std::result::Result<(), String> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let mut expected: BTreeMap<SegId, BTreeSet<SegId>> = BTreeMap::new();
+        for (seg_id, s) in self.segments.enumerate().filter(|(_, s)| s.in_use) {
+            for (l, _) in s.runs.iter().filter_map(|r| r.lender) {
+                expected.entry(l).or_default().insert(seg_id);
+            }
+        }
+        for (seg_id, s) in self.segments.enumerate() {
+            let listed: BTreeSet<SegId> = s.borrowers.iter().copied().collect();
+            let lent = expected.remove(&seg_id).unwrap_or_default();
+            if listed.len() != s.borrowers.len()
+                || listed != lent
+                || (!s.in_use && !lent.is_empty())
+            {
+                return Err(format!(
+                    "segment {:#x} lists borrowers {:?} but lent runs to {:?}",
+                    s.base, s.borrowers, lent
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
+    /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
+    fn check_stitched(&self) -> std::result::Result<(), String> {
+        self.phys.check()?;
+        let (mut lent, mut holes, mut owned) = (0u64, 0u64, 0u64);
+        for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
+            let mut at = 0;
+            for r in &s.runs {
+                if r.offset != at || !self.phys.holds(r.pages.handle) {
+                    return Err(format!(
+                        "segment {:#x}: runs do not tile it with held handles",
+                        s.base
+                    ));
+                }
+                at += r.pages.size;
+                if let Some((l, ptr)) = r.lender {
+                    lent += r.pages.size;
+                    let lender = self.segments.get(l).filter(|x| x.in_use);
+                    let inside = lender.is_some_and(|x| {
+                        let b = &self.blocks[self.block_at(l, ptr)];
+                        x.base <= ptr
+                            && b.state == State::Hole
+                            && ptr + r.pages.size <= b.ptr + b.size
+                    });
+                    if !inside {
+                        return Err(format!(
+                            "segment {:#x}: a run lent by {ptr:#x} is not a hole there",
+                            s.base
+                        ));
+                    }
+                }
+            }
+            if at != s.size {
+                return Err(format!("segment {:#x}: runs do not cover it", s.base));
+            }
+            let mut id = s.first;
+            while id != BlockId::NIL {
+                let b = &self.blocks[id];
+                if b.state == State::Hole {
+                    holes += b.size;
+                } else {
+                    owned += b.size;
+                }
+                id = b.next;
+            }
+        }
+        if lent != holes {
+            return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
+        }
+        self.check_borrowers()?;
+        if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
+            return Err(format!(
+                "segments own {owned} bytes and {} are spare, but handles hold {}",
+                self.phys.spare_bytes(),
+                self.phys.held_bytes()
+            ));
         }
         Ok(())
     }
