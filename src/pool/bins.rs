@@ -12,41 +12,45 @@
 use std::collections::BTreeSet;
 
 use super::blocks::{Blocks, State};
+use super::ids::{BlockId, Id};
 
 /// The free blocks of one stream and one size class, by (size, address, block).
 #[derive(Default)]
 pub struct Bins {
-    set: BTreeSet<(u64, u64, u32)>,
+    set: BTreeSet<(u64, u64, BlockId)>,
 }
 
 impl Bins {
     /// Add free block `id`.
-    pub fn insert(&mut self, blocks: &Blocks, id: u32) {
+    pub fn insert(&mut self, blocks: &Blocks, id: BlockId) {
         let block = &blocks[id];
         debug_assert_eq!(block.state, State::Free);
         let fresh = self.set.insert((block.size, block.ptr, id));
-        debug_assert!(fresh, "block {id} was already binned");
+        debug_assert!(fresh, "block {id:?} was already binned");
     }
 
     /// Remove free block `id`, which these bins hold.
-    pub fn remove(&mut self, blocks: &Blocks, id: u32) {
+    pub fn remove(&mut self, blocks: &Blocks, id: BlockId) {
         let block = &blocks[id];
         let held = self.set.remove(&(block.size, block.ptr, id));
-        debug_assert!(held, "block {id} was not binned");
+        debug_assert!(held, "block {id:?} was not binned");
     }
 
     /// Free block `id`, which these bins hold under `old_size` at `old_ptr`, changed size or
     /// address: file it under the new ones.
-    pub fn resized(&mut self, blocks: &Blocks, id: u32, old_size: u64, old_ptr: u64) {
+    pub fn resized(&mut self, blocks: &Blocks, id: BlockId, old_size: u64, old_ptr: u64) {
         let held = self.set.remove(&(old_size, old_ptr, id));
-        debug_assert!(held, "block {id} was not binned");
+        debug_assert!(held, "block {id:?} was not binned");
         self.insert(blocks, id);
     }
 
     /// The smallest free block of at least `size` bytes, lowest address first; it stays in the
     /// bins.
-    pub fn find(&self, size: u64) -> Option<u32> {
-        self.set.range((size, 0, 0)..).next().map(|&(_, _, id)| id)
+    pub fn find(&self, size: u64) -> Option<BlockId> {
+        self.set
+            .range((size, 0, BlockId::at(0))..)
+            .next()
+            .map(|&(_, _, id)| id)
     }
 
     /// The size of the largest free block held (0 if none).
@@ -67,18 +71,19 @@ impl Bins {
 
 #[cfg(test)]
 mod tests {
-    use super::super::blocks::{Block, NIL};
+    use super::super::blocks::Block;
+    use super::super::ids::SegId;
     use super::*;
     use crate::pool::size::MIN_BLOCK;
 
-    fn free_block(blocks: &mut Blocks, ptr: u64, size: u64) -> u32 {
+    fn free_block(blocks: &mut Blocks, ptr: u64, size: u64) -> BlockId {
         blocks.insert(Block {
             ptr,
             size,
             requested: 0,
-            segment: 0,
-            prev: NIL,
-            next: NIL,
+            segment: SegId::at(0),
+            prev: BlockId::NIL,
+            next: BlockId::NIL,
             state: State::Free,
             shared: false,
         })
@@ -89,7 +94,7 @@ mod tests {
         let mut blocks = Blocks::default();
         let mut bins = Bins::default();
         let sizes = [512u64, 4096, 9 << 20, 17 * 512, 1 << 30, 4096];
-        let ids: Vec<u32> = sizes
+        let ids: Vec<BlockId> = sizes
             .iter()
             .enumerate()
             .map(|(i, &s)| free_block(&mut blocks, (10 - i as u64) << 32, s))
@@ -132,7 +137,7 @@ mod tests {
         // A deterministic pseudo-random workload compared with a linear scan.
         let mut blocks = Blocks::default();
         let mut bins = Bins::default();
-        let mut held: Vec<u32> = Vec::new();
+        let mut held: Vec<BlockId> = Vec::new();
         let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
         let mut next = || {
             x ^= x << 13;

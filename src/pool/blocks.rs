@@ -1,13 +1,11 @@
 //! The block arena: every block of every segment of a device, with links to its address
 //! neighbours (for splitting and coalescing).
 //!
-//! Blocks are addressed by `u32` index; vacated slots are reused, so the arena never grows past
+//! Blocks are addressed by [`BlockId`]; vacated slots are reused, so the arena never grows past
 //! the largest number of blocks that existed at once.
 
+use super::ids::{BlockId, Id, SegId};
 use crate::driver::DevicePtr;
-
-/// The "no block" index.
-pub const NIL: u32 = u32::MAX;
 
 /// Where a block stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -37,12 +35,12 @@ pub struct Block {
     pub size: u64,
     /// For live blocks, the bytes the caller asked for.
     pub requested: u64,
-    /// Index of the segment that holds it (and whose stream's bins hold it while free).
-    pub segment: u32,
-    /// Address neighbours in the same segment.
-    pub prev: u32,
+    /// The segment that holds it (and whose stream's bins hold it while free).
+    pub segment: SegId,
+    /// Address neighbours in the same segment ([`BlockId::NIL`]: none).
+    pub prev: BlockId,
     /// See `prev`.
-    pub next: u32,
+    pub next: BlockId,
     /// Where it stands.
     pub state: State,
     /// Live and also used on streams other than its own (`record_stream`).
@@ -53,17 +51,17 @@ pub struct Block {
 #[derive(Default)]
 pub struct Blocks {
     slots: Vec<Block>,
-    vacant: Vec<u32>,
+    vacant: Vec<BlockId>,
 }
 
 impl Blocks {
-    /// Store a new block and return its index.
-    pub fn insert(&mut self, block: Block) -> u32 {
+    /// Store a new block and return its id.
+    pub fn insert(&mut self, block: Block) -> BlockId {
         if let Some(id) = self.vacant.pop() {
-            self.slots[id as usize] = block;
+            self.slots[id.index()] = block;
             id
         } else {
-            let id = u32::try_from(self.slots.len()).expect("more than 4 billion blocks");
+            let id = BlockId::at(self.slots.len());
             self.slots.push(block);
             // Room for every block to be dropped, reserved while blocks are made: dropping them
             // (returning memory, under the device's lock) then never copies the list.
@@ -74,8 +72,8 @@ impl Blocks {
     }
 
     /// Drop a block; its index may be reused.
-    pub fn remove(&mut self, id: u32) {
-        let block = &mut self.slots[id as usize];
+    pub fn remove(&mut self, id: BlockId) {
+        let block = &mut self.slots[id.index()];
         debug_assert_ne!(block.state, State::Vacant);
         block.state = State::Vacant;
         self.vacant.push(id);
@@ -88,16 +86,18 @@ impl Blocks {
     }
 }
 
-impl std::ops::Index<u32> for Blocks {
+impl std::ops::Index<BlockId> for Blocks {
     type Output = Block;
-    fn index(&self, id: u32) -> &Block {
-        &self.slots[id as usize]
+    #[inline]
+    fn index(&self, id: BlockId) -> &Block {
+        &self.slots[id.index()]
     }
 }
 
-impl std::ops::IndexMut<u32> for Blocks {
-    fn index_mut(&mut self, id: u32) -> &mut Block {
-        &mut self.slots[id as usize]
+impl std::ops::IndexMut<BlockId> for Blocks {
+    #[inline]
+    fn index_mut(&mut self, id: BlockId) -> &mut Block {
+        &mut self.slots[id.index()]
     }
 }
 
@@ -110,9 +110,9 @@ mod tests {
             ptr,
             size: 512,
             requested: 0,
-            segment: 0,
-            prev: NIL,
-            next: NIL,
+            segment: SegId::at(0),
+            prev: BlockId::NIL,
+            next: BlockId::NIL,
             state: State::Free,
             shared: false,
         }
@@ -123,7 +123,7 @@ mod tests {
         let mut blocks = Blocks::default();
         let a = blocks.insert(block(0));
         let b = blocks.insert(block(512));
-        assert_eq!((a, b, blocks.len()), (0, 1, 2));
+        assert_eq!((a, b, blocks.len()), (BlockId::at(0), BlockId::at(1), 2));
         blocks.remove(a);
         assert_eq!(blocks.len(), 1);
         let c = blocks.insert(block(1024));

@@ -7,9 +7,11 @@
 //! - `streams.rs`: stream slots, events, blocks pending on other streams;
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
-//! - `stitch.rs` and `phys.rs`: page-granular reuse with the virtual-memory API, and its
-//!   physical-memory books; `headroom.rs`: how much more than a request lacks a stitched
+//! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
+//!   cached pages and new memory; `headroom.rs`: how much more than a request lacks such a
 //!   creation takes;
+//! - `unstitch.rs`: taking such segments apart and returning their memory;
+//! - `phys.rs`: their physical-memory books;
 //! - `check.rs`: the invariant check.
 //!
 //! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
@@ -34,14 +36,16 @@
 //! memory.
 
 use super::bins::Bins;
-use super::blocks::{Block, Blocks, State, NIL};
+use super::blocks::{Block, Blocks, State};
 use super::hash::IntMap;
+use super::ids::{BlockId, Id, IdleAt, SegId, SlotId, Table};
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
 use headroom::Headroom;
 use phys::Phys;
-use stitch::{Run, Stuck, VmmMode};
+use stitch::{Run, VmmMode};
+use unstitch::Stuck;
 
 mod check;
 mod headroom;
@@ -51,6 +55,7 @@ mod segments;
 mod stitch;
 mod streams;
 mod sweep;
+mod unstitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
 pub use sweep::Sweep;
@@ -61,19 +66,19 @@ struct Segment {
     base: DevicePtr,
     size: u64,
     /// The stream slot whose bins hold its free blocks.
-    slot: u32,
+    slot: SlotId,
     class: Class,
     /// The block at `base`.
-    first: u32,
+    first: BlockId,
     in_use: bool,
-    /// Its index in `DevicePool::idle` while entirely free, else `NIL`.
-    idle_at: u32,
+    /// Its place in `DevicePool::idle` while entirely free.
+    idle_at: Option<IdleAt>,
     /// For a stitched segment (virtual-memory mode), its mappings in address order, tiling it.
     /// Empty for a segment from `cuMemAlloc`.
     runs: Vec<Run>,
     /// The segments with a run lent by this one (each once): those to update when it is taken
     /// apart, without a look at every other segment.
-    borrowers: Vec<u32>,
+    borrowers: Vec<SegId>,
     /// Built from physical memory mapped into a reserved address range.
     stitched: bool,
 }
@@ -85,7 +90,7 @@ struct StreamSlot {
     /// Segments that belong to this stream.
     segments: u32,
     /// Parked blocks, most recently released last.
-    parked: Vec<u32>,
+    parked: Vec<BlockId>,
 }
 
 /// How many released blocks a stream keeps parked, out of the bins.
@@ -93,7 +98,7 @@ const PARKED_MAX: usize = 16;
 
 /// A released block waiting for other streams' work.
 struct Pending {
-    block: u32,
+    block: BlockId,
     events: Vec<EventHandle>,
 }
 
@@ -109,21 +114,21 @@ pub struct DevicePool {
     device: i32,
     config: PoolConfig,
     blocks: Blocks,
-    segments: Vec<Segment>,
-    vacant_segments: Vec<u32>,
+    segments: Table<SegId, Segment>,
+    vacant_segments: Vec<SegId>,
     /// Per-stream free blocks; `slot_of` maps a stream to its slot.
-    slots: Vec<StreamSlot>,
-    vacant_slots: Vec<u32>,
-    slot_of: IntMap<StreamHandle, u32>,
+    slots: Table<SlotId, StreamSlot>,
+    vacant_slots: Vec<SlotId>,
+    slot_of: IntMap<StreamHandle, SlotId>,
     /// Live and parked blocks by address.
-    by_ptr: IntMap<DevicePtr, u32>,
+    by_ptr: IntMap<DevicePtr, BlockId>,
     /// Parked blocks in all slots.
     parked: usize,
-    /// Entirely free segments, unordered (each knows its index).
-    idle: Vec<u32>,
+    /// Entirely free segments, unordered (each knows its place).
+    idle: Table<IdleAt, SegId>,
     pending: Vec<Pending>,
     /// Streams other than its own that a live block was used on (blocks marked `shared`).
-    shared: IntMap<u32, Vec<StreamHandle>>,
+    shared: IntMap<BlockId, Vec<StreamHandle>>,
     spare_events: Vec<EventHandle>,
     stats: Stats,
     /// The most this pool may reserve, if capped.
@@ -135,7 +140,7 @@ pub struct DevicePool {
     /// Address ranges whose unmapping or freeing failed, to retry.
     stuck: Vec<Stuck>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
-    lending: Vec<u32>,
+    lending: Vec<SegId>,
     /// What sizes the headroom of the next stitched creation (`headroom.rs`).
     headroom: Headroom,
 }
@@ -147,14 +152,14 @@ impl DevicePool {
             device,
             config,
             blocks: Blocks::default(),
-            segments: Vec::new(),
+            segments: Table::default(),
             vacant_segments: Vec::new(),
-            slots: Vec::new(),
+            slots: Table::default(),
             vacant_slots: Vec::new(),
             slot_of: IntMap::default(),
             by_ptr: IntMap::default(),
             parked: 0,
-            idle: Vec::new(),
+            idle: Table::default(),
             pending: Vec::new(),
             shared: IntMap::default(),
             spare_events: Vec::new(),
@@ -229,8 +234,8 @@ impl DevicePool {
         let class = size::class_of(block_size);
         // 1. Best fit among this stream's free blocks: the bins and the parked ones.
         if let Some(&slot) = self.slot_of.get(&stream) {
-            let binned = self.slots[slot as usize].bins[class as usize].find(block_size);
-            let key = |id: u32| (self.blocks[id].size, self.blocks[id].ptr);
+            let binned = self.slots[slot].bins[class as usize].find(block_size);
+            let key = |id: BlockId| (self.blocks[id].size, self.blocks[id].ptr);
             match self.best_parked(slot, class, block_size) {
                 Some(at) if binned.is_none_or(|b| key(self.parked_at(slot, at)) < key(b)) => {
                     self.stats.cache_hits += 1;
@@ -293,8 +298,9 @@ impl DevicePool {
         self.stats.remove_live(allocated(b.requested), b.requested);
         // Park a block with no free or parked neighbour: it would merge with nothing, so it is
         // the very free block PyTorch's policy would have, only not filed in the bins.
-        let unused =
-            |n: u32| n != NIL && matches!(self.blocks[n].state, State::Free | State::Parked);
+        let unused = |n: BlockId| {
+            n != BlockId::NIL && matches!(self.blocks[n].state, State::Free | State::Parked)
+        };
         let parkable = !unused(b.prev) && !unused(b.next);
         if events.is_empty() && parkable {
             self.park(id);
@@ -403,7 +409,7 @@ impl DevicePool {
             large = large.max(slot.bins[Class::Large as usize].largest());
             for &id in &slot.parked {
                 let size = self.blocks[id].size;
-                match self.segments[self.blocks[id].segment as usize].class {
+                match self.segments[self.blocks[id].segment].class {
                     Class::Small => small = small.max(size),
                     Class::Large => large = large.max(size),
                 }
@@ -430,28 +436,25 @@ impl DevicePool {
         class: Class,
         block_size: u64,
         stream: StreamHandle,
-    ) -> Result<Option<u32>> {
+    ) -> Result<Option<BlockId>> {
         let best = self
             .idle
             .iter()
-            .map(|&seg| (&self.segments[seg as usize], seg))
+            .map(|&seg| (&self.segments[seg], seg))
             .filter(|(s, _)| s.class == class && s.size >= block_size)
             .min_by_key(|(s, seg)| (s.size, *seg))
             .map(|(_, seg)| seg);
         let Some(seg) = best else {
             return Ok(None);
         };
-        let (old_slot, id) = (
-            self.segments[seg as usize].slot,
-            self.segments[seg as usize].first,
-        );
-        let old = self.slots[old_slot as usize].handle;
+        let (old_slot, id) = (self.segments[seg].slot, self.segments[seg].first);
+        let old = self.slots[old_slot].handle;
         if old != stream {
             self.order_after(cx, old, stream)?;
             self.bin_remove(old_slot, class, id);
             self.leave_slot(old_slot);
             let slot = self.join_slot(stream);
-            self.segments[seg as usize].slot = slot;
+            self.segments[seg].slot = slot;
             self.bin_insert(slot, class, id);
         }
         Ok(Some(id))
@@ -466,7 +469,7 @@ impl DevicePool {
         stream: StreamHandle,
         requested: u64,
         mode: Grow,
-    ) -> Result<u32> {
+    ) -> Result<BlockId> {
         let (free, total) = cx
             .driver
             .mem_get_info(self.device)
@@ -620,17 +623,17 @@ impl DevicePool {
     /// free rest, moving between bins only if its size crosses a bin boundary: the usual cache
     /// hit touches no bin list at all. Otherwise the whole block is handed out, the rest with it
     /// (see [`allocated`]).
-    fn take(&mut self, id: u32, block_size: u64, requested: u64) -> DevicePtr {
+    fn take(&mut self, id: BlockId, block_size: u64, requested: u64) -> DevicePtr {
         let seg = self.blocks[id].segment;
         let (slot, class) = {
-            let s = &self.segments[seg as usize];
+            let s = &self.segments[seg];
             (s.slot, s.class)
         };
         let (ptr, size, prev, next) = {
             let b = &self.blocks[id];
             (b.ptr, b.size, b.prev, b.next)
         };
-        if prev == NIL && next == NIL {
+        if prev == BlockId::NIL && next == BlockId::NIL {
             self.unmark_idle(seg);
         }
         // What the block takes: the request's bytes, or all of `id` if the rest is not kept.
@@ -653,10 +656,10 @@ impl DevicePool {
                 state: State::Live,
                 shared: false,
             });
-            if prev != NIL {
+            if prev != BlockId::NIL {
                 self.blocks[prev].next = live_id;
             } else {
-                self.segments[seg as usize].first = live_id;
+                self.segments[seg].first = live_id;
             }
             let rest = &mut self.blocks[id];
             rest.prev = live_id;
@@ -676,14 +679,14 @@ impl DevicePool {
 
     /// Make block `id` free, merged with its free (and parked) neighbours. A free neighbour
     /// grows over it in place (changing bins only if its size crosses a bin boundary).
-    fn free_block(&mut self, id: u32) {
+    fn free_block(&mut self, id: BlockId) {
         let seg = self.blocks[id].segment;
         let (slot, class) = {
-            let s = &self.segments[seg as usize];
+            let s = &self.segments[seg];
             (s.slot, s.class)
         };
         for n in [self.blocks[id].prev, self.blocks[id].next] {
-            if n != NIL && self.blocks[n].state == State::Parked {
+            if n != BlockId::NIL && self.blocks[n].state == State::Parked {
                 self.unpark_neighbour(n);
             }
         }
@@ -693,8 +696,8 @@ impl DevicePool {
             b.requested = 0;
             (b.ptr, b.size, b.prev, b.next)
         };
-        let prev_free = prev != NIL && self.blocks[prev].state == State::Free;
-        let next_free = next != NIL && self.blocks[next].state == State::Free;
+        let prev_free = prev != BlockId::NIL && self.blocks[prev].state == State::Free;
+        let next_free = next != BlockId::NIL && self.blocks[next].state == State::Free;
         let merged = match (prev_free, next_free) {
             (false, false) => {
                 self.bin_insert(slot, class, id);
@@ -727,39 +730,46 @@ impl DevicePool {
             }
         };
         let b = &self.blocks[merged];
-        if b.prev == NIL && b.next == NIL {
+        if b.prev == BlockId::NIL && b.next == BlockId::NIL {
             self.mark_idle(seg);
         }
     }
 
     /// Take block `id` out of its segment's chain and the arena (its neighbours now cover it).
-    fn unlink(&mut self, id: u32) {
+    fn unlink(&mut self, id: BlockId) {
         let (seg, prev, next) = {
             let b = &self.blocks[id];
             (b.segment, b.prev, b.next)
         };
-        if prev != NIL {
+        if prev != BlockId::NIL {
             self.blocks[prev].next = next;
         } else {
-            self.segments[seg as usize].first = next;
+            self.segments[seg].first = next;
         }
-        if next != NIL {
+        if next != BlockId::NIL {
             self.blocks[next].prev = prev;
         }
         self.blocks.remove(id);
     }
 
     /// Free block `id`, held in the bins under `old_size` at `old_ptr`, changed: refile it.
-    fn bin_resized(&mut self, slot: u32, class: Class, id: u32, old_size: u64, old_ptr: u64) {
-        self.slots[slot as usize].bins[class as usize].resized(&self.blocks, id, old_size, old_ptr);
+    fn bin_resized(
+        &mut self,
+        slot: SlotId,
+        class: Class,
+        id: BlockId,
+        old_size: u64,
+        old_ptr: u64,
+    ) {
+        self.slots[slot].bins[class as usize].resized(&self.blocks, id, old_size, old_ptr);
     }
 
-    fn bin_insert(&mut self, slot: u32, class: Class, id: u32) {
-        self.slots[slot as usize].bins[class as usize].insert(&self.blocks, id);
+    fn bin_insert(&mut self, slot: SlotId, class: Class, id: BlockId) {
+        self.slots[slot].bins[class as usize].insert(&self.blocks, id);
     }
 
-    fn bin_remove(&mut self, slot: u32, class: Class, id: u32) {
-        self.slots[slot as usize].bins[class as usize].remove(&self.blocks, id);
+    fn bin_remove(&mut self, slot: SlotId, class: Class, id: BlockId) {
+        self.slots[slot].bins[class as usize].remove(&self.blocks, id);
     }
 
     // ----- pointers -----
@@ -800,7 +810,7 @@ impl DevicePool {
             ));
         };
         let mut id = seg.first;
-        while id != NIL {
+        while id != BlockId::NIL {
             let block = &self.blocks[id];
             if block.ptr <= ptr && ptr - block.ptr < block.size {
                 let what = match (block.ptr == ptr, block.state) {

@@ -3,9 +3,12 @@
 //!
 //! - [`size`]: rounding and the small/large classes;
 //! - [`blocks`]: the block arena with address-neighbour links;
+//! - [`ids`]: typed indexes of blocks, segments, stream slots and idle places, and the tables
+//!   they index;
 //! - [`bins`]: the best-fit free-block index, by (size, address);
 //! - [`device`]: one device's books and the reserved-reuse policy (`device/stitch.rs`: the
-//!   page-granular reuse of the virtual-memory mode; `device/phys.rs`: its physical handles);
+//!   page-granular reuse of the virtual-memory mode; `device/unstitch.rs`: taking its segments
+//!   apart; `device/phys.rs`: its physical handles);
 //! - [`stats`]: the figures `rm_get_stats` reports;
 //! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
 //!   touch it, which finds a pointer's device for `release`;
@@ -36,6 +39,7 @@ pub(crate) mod bins;
 pub(crate) mod blocks;
 pub(crate) mod device;
 pub(crate) mod hash;
+pub(crate) mod ids;
 #[cfg(feature = "hold-probe")]
 mod probe;
 pub(crate) mod size;

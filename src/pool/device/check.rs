@@ -1,4 +1,5 @@
-//! The invariant check: every book of a device pool, recomputed from the blocks.
+//! The invariant check: every book of a device pool recomputed from the blocks, the books of
+//! stitched segments (runs, holes, borrowers) with them.
 
 use super::*;
 
@@ -20,8 +21,8 @@ impl DevicePool {
         let mut parked = 0usize;
         let mut free_blocks = 0usize;
         let mut segments = 0;
-        let mut slot_segments: IntMap<u32, u32> = IntMap::default();
-        for (index, seg) in self.segments.iter().enumerate() {
+        let mut slot_segments: IntMap<SlotId, u32> = IntMap::default();
+        for (seg_id, seg) in self.segments.enumerate() {
             if !seg.in_use {
                 continue;
             }
@@ -29,14 +30,14 @@ impl DevicePool {
             reserved += seg.size;
             let mut id = seg.first;
             let mut expect = seg.base;
-            let mut prev = NIL;
+            let mut prev = BlockId::NIL;
             // Free or parked: two such neighbours should have been merged.
             let mut prev_unused = false;
             let mut holes = 0;
-            while id != NIL {
+            while id != BlockId::NIL {
                 let b = &self.blocks[id];
                 let here = format!("block {:#x} of segment {:#x}", b.ptr, seg.base);
-                if b.ptr != expect || b.prev != prev || b.segment as usize != index {
+                if b.ptr != expect || b.prev != prev || b.segment != seg_id {
                     return Err(format!("{here}: broken neighbour links"));
                 }
                 if b.size == 0 || b.size % MIN_BLOCK != 0 || b.ptr % MIN_BLOCK != 0 {
@@ -55,7 +56,7 @@ impl DevicePool {
                     State::Parked => {
                         parked += 1;
                         if self.by_ptr.get(&b.ptr) != Some(&id)
-                            || !self.slots[seg.slot as usize].parked.contains(&id)
+                            || !self.slots[seg.slot].parked.contains(&id)
                         {
                             return Err(format!("{here}: parked but not listed"));
                         }
@@ -92,28 +93,25 @@ impl DevicePool {
             }
             reserved -= holes;
             let first = &self.blocks[seg.first];
-            let is_idle = first.next == NIL && first.state == State::Free;
-            let listed =
-                seg.idle_at != NIL && self.idle.get(seg.idle_at as usize) == Some(&(index as u32));
+            let is_idle = first.next == BlockId::NIL && first.state == State::Free;
+            let listed = seg
+                .idle_at
+                .is_some_and(|at| self.idle.get(at) == Some(&seg_id));
             if is_idle != listed {
                 return Err(format!("segment {:#x}: idle list is wrong", seg.base));
             }
             *slot_segments.entry(seg.slot).or_insert(0u32) += 1;
         }
-        if self
-            .idle
-            .iter()
-            .any(|&seg| !self.segments[seg as usize].in_use)
-        {
+        if self.idle.iter().any(|&seg| !self.segments[seg].in_use) {
             return Err("a vacant segment is listed as idle".to_string());
         }
         for (&handle, &slot) in &self.slot_of {
-            let s = &self.slots[slot as usize];
+            let s = &self.slots[slot];
             if s.handle != handle
                 || slot_segments.get(&slot).copied().unwrap_or(0) != s.segments
                 || s.segments == 0
             {
-                return Err(format!("stream {handle:#x}: slot {slot} has wrong books"));
+                return Err(format!("stream {handle:#x}: slot {slot:?} has wrong books"));
             }
         }
         if slot_segments.len() != self.slot_of.len() {
@@ -122,7 +120,7 @@ impl DevicePool {
         let binned: usize = self
             .slot_of
             .values()
-            .flat_map(|&slot| self.slots[slot as usize].bins.iter())
+            .flat_map(|&slot| self.slots[slot].bins.iter())
             .map(Bins::len)
             .sum();
         if binned != free_blocks {
@@ -174,6 +172,92 @@ impl DevicePool {
         }
         if s.peak_allocated_bytes < s.allocated_bytes || s.peak_reserved_bytes < s.reserved_bytes {
             return Err("a peak is below its current value".to_string());
+        }
+        Ok(())
+    }
+
+    /// Check that each segment lists as borrowers exactly the segments with a run it lent,
+    /// each once.
+    fn check_borrowers(&self) -> std::result::Result<(), String> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let mut expected: BTreeMap<SegId, BTreeSet<SegId>> = BTreeMap::new();
+        for (seg_id, s) in self.segments.enumerate().filter(|(_, s)| s.in_use) {
+            for (l, _) in s.runs.iter().filter_map(|r| r.lender) {
+                expected.entry(l).or_default().insert(seg_id);
+            }
+        }
+        for (seg_id, s) in self.segments.enumerate() {
+            let listed: BTreeSet<SegId> = s.borrowers.iter().copied().collect();
+            let lent = expected.remove(&seg_id).unwrap_or_default();
+            if listed.len() != s.borrowers.len()
+                || listed != lent
+                || (!s.in_use && !lent.is_empty())
+            {
+                return Err(format!(
+                    "segment {:#x} lists borrowers {:?} but lent runs to {:?}",
+                    s.base, s.borrowers, lent
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
+    /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
+    fn check_stitched(&self) -> std::result::Result<(), String> {
+        self.phys.check()?;
+        let (mut lent, mut holes, mut owned) = (0u64, 0u64, 0u64);
+        for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
+            let mut at = 0;
+            for r in &s.runs {
+                if r.offset != at || !self.phys.holds(r.pages.handle) {
+                    return Err(format!(
+                        "segment {:#x}: runs do not tile it with held handles",
+                        s.base
+                    ));
+                }
+                at += r.pages.size;
+                if let Some((l, ptr)) = r.lender {
+                    lent += r.pages.size;
+                    let lender = self.segments.get(l).filter(|x| x.in_use);
+                    let inside = lender.is_some_and(|x| {
+                        let b = &self.blocks[self.block_at(l, ptr)];
+                        x.base <= ptr
+                            && b.state == State::Hole
+                            && ptr + r.pages.size <= b.ptr + b.size
+                    });
+                    if !inside {
+                        return Err(format!(
+                            "segment {:#x}: a run lent by {ptr:#x} is not a hole there",
+                            s.base
+                        ));
+                    }
+                }
+            }
+            if at != s.size {
+                return Err(format!("segment {:#x}: runs do not cover it", s.base));
+            }
+            let mut id = s.first;
+            while id != BlockId::NIL {
+                let b = &self.blocks[id];
+                if b.state == State::Hole {
+                    holes += b.size;
+                } else {
+                    owned += b.size;
+                }
+                id = b.next;
+            }
+        }
+        if lent != holes {
+            return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
+        }
+        self.check_borrowers()?;
+        if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
+            return Err(format!(
+                "segments own {owned} bytes and {} are spare, but handles hold {}",
+                self.phys.spare_bytes(),
+                self.phys.held_bytes()
+            ));
         }
         Ok(())
     }

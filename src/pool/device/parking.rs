@@ -9,8 +9,8 @@ use super::*;
 impl DevicePool {
     /// Park released block `id` on its stream; it has no free or parked neighbour. The oldest
     /// parked block goes to the bins if the list is full.
-    pub(super) fn park(&mut self, id: u32) {
-        let slot = self.segments[self.blocks[id].segment as usize].slot as usize;
+    pub(super) fn park(&mut self, id: BlockId) {
+        let slot = self.segments[self.blocks[id].segment].slot;
         self.blocks[id].state = State::Parked;
         self.blocks[id].requested = 0;
         if self.slots[slot].parked.len() == PARKED_MAX {
@@ -25,28 +25,28 @@ impl DevicePool {
 
     /// Where in `slot`'s list the best fit for `block_size` bytes of `class` is among the parked
     /// blocks: the smallest that holds it, the lowest address among equals.
-    pub(super) fn best_parked(&self, slot: u32, class: Class, block_size: u64) -> Option<usize> {
-        let parked = &self.slots[slot as usize].parked;
+    pub(super) fn best_parked(&self, slot: SlotId, class: Class, block_size: u64) -> Option<usize> {
+        let parked = &self.slots[slot].parked;
         parked
             .iter()
             .enumerate()
             .filter(|&(_, &id)| {
                 let b = &self.blocks[id];
-                b.size >= block_size && self.segments[b.segment as usize].class == class
+                b.size >= block_size && self.segments[b.segment].class == class
             })
             .min_by_key(|&(_, &id)| (self.blocks[id].size, self.blocks[id].ptr))
             .map(|(at, _)| at)
     }
 
     /// The parked block at `at` in `slot`'s list.
-    pub(super) fn parked_at(&self, slot: u32, at: usize) -> u32 {
-        self.slots[slot as usize].parked[at]
+    pub(super) fn parked_at(&self, slot: SlotId, at: usize) -> BlockId {
+        self.slots[slot].parked[at]
     }
 
     /// Take the parked block at `at` out of `slot`'s list (still parked, in the address map).
-    fn unpark_at(&mut self, slot: u32, at: usize) -> u32 {
+    fn unpark_at(&mut self, slot: SlotId, at: usize) -> BlockId {
         self.parked -= 1;
-        let parked = &mut self.slots[slot as usize].parked;
+        let parked = &mut self.slots[slot].parked;
         // Usually the last one: a pop, not a shift.
         if at + 1 == parked.len() {
             parked.pop().expect("a parked block")
@@ -57,12 +57,12 @@ impl DevicePool {
 
     /// Parked block `id`, next to a block about to be freed, becomes a free block in the bins,
     /// to be merged with it.
-    pub(super) fn unpark_neighbour(&mut self, id: u32) {
+    pub(super) fn unpark_neighbour(&mut self, id: BlockId) {
         let (slot, class) = {
-            let s = &self.segments[self.blocks[id].segment as usize];
+            let s = &self.segments[self.blocks[id].segment];
             (s.slot, s.class)
         };
-        let at = self.slots[slot as usize]
+        let at = self.slots[slot]
             .parked
             .iter()
             .position(|&p| p == id)
@@ -78,13 +78,13 @@ impl DevicePool {
     /// again, touching no bin), else split as any free block.
     pub(super) fn take_parked(
         &mut self,
-        slot: u32,
+        slot: SlotId,
         at: usize,
         block_size: u64,
         requested: u64,
     ) -> DevicePtr {
         let id = self.unpark_at(slot, at);
-        let class = self.segments[self.blocks[id].segment as usize].class;
+        let class = self.segments[self.blocks[id].segment].class;
         if !size::splits(class, self.blocks[id].size - block_size) {
             return self.revive(id, requested);
         }
@@ -94,7 +94,7 @@ impl DevicePool {
     }
 
     /// Hand a parked block out again, whole.
-    fn revive(&mut self, id: u32, requested: u64) -> DevicePtr {
+    fn revive(&mut self, id: BlockId, requested: u64) -> DevicePtr {
         let block = &mut self.blocks[id];
         block.state = State::Live;
         block.requested = requested;
@@ -109,7 +109,7 @@ impl DevicePool {
         if self.parked == 0 {
             return;
         }
-        for slot in 0..self.slots.len() {
+        for slot in self.slots.ids() {
             for id in std::mem::take(&mut self.slots[slot].parked) {
                 self.by_ptr.remove(&self.blocks[id].ptr);
                 self.free_block(id);
@@ -122,7 +122,7 @@ impl DevicePool {
     /// is left parked.
     pub(super) fn flush_parked_upto(&mut self, count: usize) -> bool {
         let mut left = count;
-        for slot in 0..self.slots.len() {
+        for slot in self.slots.ids() {
             while left > 0 {
                 let Some(id) = self.slots[slot].parked.pop() else {
                     break;

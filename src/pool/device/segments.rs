@@ -14,18 +14,18 @@ impl DevicePool {
         class: Class,
         stream: StreamHandle,
         runs: Vec<Run>,
-    ) -> u32 {
+    ) -> BlockId {
         let seg = match self.vacant_segments.pop() {
             Some(seg) => seg,
             None => {
-                self.segments.push(Segment {
+                let seg = self.segments.push(Segment {
                     base: 0,
                     size: 0,
-                    slot: NIL,
+                    slot: SlotId::NIL,
                     class,
-                    first: NIL,
+                    first: BlockId::NIL,
                     in_use: false,
-                    idle_at: NIL,
+                    idle_at: None,
                     runs: Vec::new(),
                     borrowers: Vec::new(),
                     stitched: false,
@@ -33,7 +33,7 @@ impl DevicePool {
                 // Room for every segment to be forgotten (see `Blocks::insert`).
                 self.vacant_segments
                     .reserve(self.segments.capacity() - self.vacant_segments.len());
-                u32::try_from(self.segments.len() - 1).expect("more than 4 billion segments")
+                seg
             }
         };
         let id = self.blocks.insert(Block {
@@ -41,8 +41,8 @@ impl DevicePool {
             size: segment,
             requested: 0,
             segment: seg,
-            prev: NIL,
-            next: NIL,
+            prev: BlockId::NIL,
+            next: BlockId::NIL,
             state: State::Free,
             shared: false,
         });
@@ -51,14 +51,14 @@ impl DevicePool {
         for lender in runs.iter().filter_map(|r| r.lender.map(|(l, _)| l)) {
             self.add_borrower(lender, seg);
         }
-        self.segments[seg as usize] = Segment {
+        self.segments[seg] = Segment {
             base: ptr,
             size: segment,
             slot,
             class,
             first: id,
             in_use: true,
-            idle_at: NIL,
+            idle_at: None,
             runs,
             borrowers: Vec::new(),
             stitched,
@@ -76,16 +76,16 @@ impl DevicePool {
         if matches!(self.vmm, VmmMode::On(_)) {
             return self.release_idle_stitched(cx, needed);
         }
-        let mut idle: Vec<(u64, u32)> = self
+        let mut idle: Vec<(u64, SegId)> = self
             .idle
             .iter()
-            .map(|&seg| (self.segments[seg as usize].size, seg))
+            .map(|&seg| (self.segments[seg].size, seg))
             .collect();
         if idle.is_empty() {
             return Ok(0);
         }
         idle.sort_unstable();
-        let chosen: Vec<(u64, u32)> = match idle.iter().find(|&&(size, _)| size >= needed) {
+        let chosen: Vec<(u64, SegId)> = match idle.iter().find(|&&(size, _)| size >= needed) {
             Some(&one) if needed != u64::MAX => vec![one],
             _ => {
                 let mut sum = 0u64;
@@ -113,12 +113,9 @@ impl DevicePool {
     }
 
     /// Give an idle segment back to the driver and forget it.
-    pub(super) fn free_segment(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
-        let (base, size) = (
-            self.segments[seg as usize].base,
-            self.segments[seg as usize].size,
-        );
-        if !self.segments[seg as usize].stitched {
+    pub(super) fn free_segment(&mut self, cx: &Context<'_>, seg: SegId) -> Result<()> {
+        let (base, size) = (self.segments[seg].base, self.segments[seg].size);
+        if !self.segments[seg].stitched {
             // Out of the span map before the driver can hand the addresses to another device.
             cx.spans.remove(base, size);
             if let Err(e) = cx.driver.mem_free(self.device, base) {
@@ -142,12 +139,12 @@ impl DevicePool {
     /// none of those small allocations. Freed, each would wait in glibc's fastbins until a later
     /// free or allocation merged them all at once (`malloc_consolidate`) inside one hold of the
     /// lock: up to 400 µs for the thousands a sweep of 100k segments gathered (BENCHMARKS.md).
-    pub(super) fn forget_segment(&mut self, seg: u32) {
+    pub(super) fn forget_segment(&mut self, seg: SegId) {
         let (slot, class, mut id, idle_at) = {
-            let s = &self.segments[seg as usize];
+            let s = &self.segments[seg];
             (s.slot, s.class, s.first, s.idle_at)
         };
-        while id != NIL {
+        while id != BlockId::NIL {
             let next = self.blocks[id].next;
             debug_assert!(matches!(self.blocks[id].state, State::Free | State::Hole));
             if self.blocks[id].state == State::Free {
@@ -156,30 +153,30 @@ impl DevicePool {
             self.blocks.remove(id);
             id = next;
         }
-        if idle_at != NIL {
+        if idle_at.is_some() {
             self.unmark_idle(seg);
         }
         self.leave_slot(slot);
-        self.segments[seg as usize].in_use = false;
+        self.segments[seg].in_use = false;
         self.vacant_segments.push(seg);
         self.stats.segments -= 1;
-        self.segments[seg as usize].runs.clear();
-        self.segments[seg as usize].borrowers.clear();
+        self.segments[seg].runs.clear();
+        self.segments[seg].borrowers.clear();
     }
 
-    pub(super) fn mark_idle(&mut self, seg: u32) {
-        debug_assert_eq!(self.segments[seg as usize].idle_at, NIL);
-        self.segments[seg as usize].idle_at = self.idle.len() as u32;
-        self.idle.push(seg);
+    pub(super) fn mark_idle(&mut self, seg: SegId) {
+        debug_assert_eq!(self.segments[seg].idle_at, None);
+        self.segments[seg].idle_at = Some(self.idle.push(seg));
     }
 
-    pub(super) fn unmark_idle(&mut self, seg: u32) {
-        let at = self.segments[seg as usize].idle_at;
-        debug_assert_ne!(at, NIL);
-        self.idle.swap_remove(at as usize);
-        if let Some(&moved) = self.idle.get(at as usize) {
-            self.segments[moved as usize].idle_at = at;
+    pub(super) fn unmark_idle(&mut self, seg: SegId) {
+        let at = self.segments[seg]
+            .idle_at
+            .take()
+            .expect("an idle segment knows its place");
+        self.idle.swap_remove(at);
+        if let Some(&moved) = self.idle.get(at) {
+            self.segments[moved].idle_at = Some(at);
         }
-        self.segments[seg as usize].idle_at = NIL;
     }
 }

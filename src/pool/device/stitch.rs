@@ -1,5 +1,6 @@
-//! Page-granular reuse of cached physical memory (the virtual-memory mode, the default where the
-//! driver and device have the API).
+//! Building a segment from cached physical memory and new memory (the virtual-memory mode, the
+//! default where the driver and device have the API); taking segments apart and returning their
+//! memory is `unstitch.rs`.
 //!
 //! A segment is a reserved address range tiled by *runs*: each run is one `cuMemMap` of a piece
 //! of a physical handle, at a granularity offset into it. On a miss, a new segment is built from
@@ -27,31 +28,16 @@
 //! the growth policy shared with classic segments: a cap, release before growing, and release
 //! everything and retry once on out-of-memory).
 //!
-//! Lent pages stay holes in their lender, which keep its free neighbours apart, until the range
-//! that borrowed them is taken apart. So at a miss (no free block of the stream holds the
-//! request), idle segments made partly of lent pages are taken apart first (`return_borrowed`):
-//! merged again in their lenders, the pages may hold the request in place, as PyTorch's policy
-//! would, before anything is stitched or created. On the replayed snapshots this changed no
-//! trace for the worse and saved up to 4 memory-creating calls.
-//!
-//! When a segment with no block in use is taken apart (returning memory, a miss as above, or an
-//! idle segment released), it is unmapped with one call and its pages go back where they came
-//! from: a lent piece becomes free memory again in its lender (the hole is filled, merged with
-//! its free neighbours, without a driver call); pages it owned outright become spare; pages it
-//! had lent on to a third range now belong to that range (lent by the original lender, if any).
-//! A handle goes back to the driver only when all its pages are spare, hence mapped nowhere.
-//!
-//! The bound this keeps, checked after every operation of the property tests: after
-//! `free_reusable` every segment left holds a live block, and the driver holds exactly the
-//! handles mapped in those segments.
+//! Lent pages stay holes in their lender until the range that borrowed them is taken apart
+//! (`unstitch.rs`), which fills the holes again.
 //!
 //! A failed driver call leaves the books exact: the cache's pieces go back, a created handle
 //! becomes spare, and a range that could not be unmapped or freed is kept (with the handles
 //! mapped in it, which are not released meanwhile) and retried by `free_reusable`.
 
 use super::phys::Pages;
-use super::{Context, DevicePool, Grow, State, NIL};
-use crate::driver::{DevicePtr, PhysHandle};
+use super::{BlockId, Context, DevicePool, Grow, SegId, State};
+use crate::driver::DevicePtr;
 use crate::error::rm_status;
 use crate::error::{Error, Result};
 use crate::pool::size::{human, segment_size, Class, SEGMENT_ROUND};
@@ -62,7 +48,7 @@ pub(super) struct Run {
     pub(super) offset: u64,
     pub(super) pages: Pages,
     /// The segment and address where the same pages are mapped as a hole, if they were lent.
-    pub(super) lender: Option<(u32, DevicePtr)>,
+    pub(super) lender: Option<(SegId, DevicePtr)>,
 }
 
 /// Whether a device pool stitches.
@@ -84,18 +70,7 @@ const MAX_PIECES: usize = 32;
 pub(super) struct Piece {
     pages: Pages,
     /// Lent by this segment, where the pages are mapped at this address; `None`: spare pages.
-    lender: Option<(u32, DevicePtr)>,
-}
-
-/// An address range whose unmapping or freeing failed: kept, retried by `free_reusable`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Stuck {
-    base: DevicePtr,
-    size: u64,
-    /// Bytes still mapped from `base` on.
-    mapped: u64,
-    /// The handles mapped in it, which must not be released meanwhile.
-    handles: Vec<PhysHandle>,
+    lender: Option<(SegId, DevicePtr)>,
 }
 
 /// Choose pieces for `need` bytes: spare ones first (largest first), then of the lendable ones
@@ -352,14 +327,14 @@ impl DevicePool {
     /// Every granularity-aligned interior of a free block, split along its segment's runs.
     fn lendable(&self, granularity: u64) -> Vec<Piece> {
         let mut pieces = Vec::new();
-        for (seg, s) in self.segments.iter().enumerate() {
+        for (seg, s) in self.segments.enumerate() {
             // Small segments' pages stay for small requests, as PyTorch keeps its small pool:
             // lent to larger ranges, they left small requests to create new ones.
             if !s.in_use || !s.stitched || s.class == Class::Small {
                 continue;
             }
             let mut id = s.first;
-            while id != NIL {
+            while id != BlockId::NIL {
                 let b = &self.blocks[id];
                 id = b.next;
                 if b.state != State::Free {
@@ -386,7 +361,7 @@ impl DevicePool {
                             offset: r.pages.offset + (from - run_start),
                             size: to - from,
                         },
-                        lender: Some((seg as u32, from)),
+                        lender: Some((seg, from)),
                     });
                 }
             }
@@ -437,58 +412,22 @@ impl DevicePool {
                 .map_err(|e| Error::driver("setting access to a new segment", &e));
         }
         if let Err(err) = result {
-            let mut stuck = Stuck {
-                base,
-                size,
-                mapped,
-                handles: pieces.iter().map(|p| p.pages.handle).collect(),
-            };
-            if let Err(later) = self.unstick(cx, &mut stuck) {
-                self.log(format_args!("{}; kept to retry", later.message));
-                self.stuck.push(stuck);
-            }
+            let handles = pieces.iter().map(|p| p.pages.handle).collect();
+            self.abandon_range(cx, base, size, mapped, handles);
             return Err(err);
         }
         Ok(base)
     }
 
-    /// Unmap and free a range that is in no segment, recording progress in `stuck`.
-    fn unstick(&mut self, cx: &Context<'_>, stuck: &mut Stuck) -> Result<()> {
-        if stuck.mapped > 0 {
-            cx.driver
-                .vmm_unmap(self.device, stuck.base, stuck.mapped)
-                .map_err(|e| Error::driver("unmapping an abandoned address range", &e))?;
-            stuck.mapped = 0;
-            stuck.handles.clear();
-        }
-        cx.driver
-            .vmm_free(self.device, stuck.base, stuck.size)
-            .map_err(|e| Error::driver("freeing an abandoned address range", &e))
-    }
-
-    /// Retry up to `count` of the ranges kept after a failure; whether none is left.
-    pub(super) fn retry_stuck(&mut self, cx: &Context<'_>, count: usize) -> Result<bool> {
-        for _ in 0..count {
-            let Some(mut stuck) = self.stuck.pop() else {
-                break;
-            };
-            if let Err(err) = self.unstick(cx, &mut stuck) {
-                self.stuck.push(stuck);
-                return Err(err);
-            }
-        }
-        Ok(self.stuck.is_empty())
-    }
-
     /// Mark `[ptr, ptr + size)` of `seg`, inside one free block, a hole: its pages are lent.
-    fn carve_hole(&mut self, seg: u32, ptr: DevicePtr, size: u64) {
+    fn carve_hole(&mut self, seg: SegId, ptr: DevicePtr, size: u64) {
         let (slot, class) = {
-            let s = &self.segments[seg as usize];
+            let s = &self.segments[seg];
             (s.slot, s.class)
         };
         let id = self.block_at(seg, ptr);
         debug_assert_eq!(self.blocks[id].state, State::Free);
-        if self.segments[seg as usize].idle_at != NIL {
+        if self.segments[seg].idle_at.is_some() {
             // With a hole it is no longer one free block: not idle any more.
             self.unmark_idle(seg);
         }
@@ -512,29 +451,9 @@ impl DevicePool {
         }
     }
 
-    /// Lent pages `[ptr, ptr + size)` of `seg`, inside one hole, came back: free memory again,
-    /// merged with its free neighbours.
-    fn fill_hole(&mut self, seg: u32, ptr: DevicePtr, size: u64) {
-        let id = self.block_at(seg, ptr);
-        let (bptr, bsize) = (self.blocks[id].ptr, self.blocks[id].size);
-        debug_assert_eq!(self.blocks[id].state, State::Hole);
-        debug_assert!(ptr + size <= bptr + bsize);
-        let middle = if bptr < ptr {
-            self.blocks[id].size = ptr - bptr;
-            self.new_block_after(id, ptr, size, State::Hole)
-        } else {
-            self.blocks[id].size = size;
-            id
-        };
-        if ptr + size < bptr + bsize {
-            self.new_block_after(middle, ptr + size, bptr + bsize - ptr - size, State::Hole);
-        }
-        self.free_block(middle);
-    }
-
     /// The block of `seg` that contains `ptr`.
-    fn block_at(&self, seg: u32, ptr: DevicePtr) -> u32 {
-        let mut id = self.segments[seg as usize].first;
+    pub(super) fn block_at(&self, seg: SegId, ptr: DevicePtr) -> BlockId {
+        let mut id = self.segments[seg].first;
         while self.blocks[id].ptr + self.blocks[id].size <= ptr {
             id = self.blocks[id].next;
         }
@@ -542,7 +461,13 @@ impl DevicePool {
     }
 
     /// Insert a block of `size` bytes at `ptr` right after block `after`; returns it.
-    fn new_block_after(&mut self, after: u32, ptr: DevicePtr, size: u64, state: State) -> u32 {
+    pub(super) fn new_block_after(
+        &mut self,
+        after: BlockId,
+        ptr: DevicePtr,
+        size: u64,
+        state: State,
+    ) -> BlockId {
         let (segment, next) = (self.blocks[after].segment, self.blocks[after].next);
         let id = self.blocks.insert(crate::pool::blocks::Block {
             ptr,
@@ -555,359 +480,18 @@ impl DevicePool {
             shared: false,
         });
         self.blocks[after].next = id;
-        if next != NIL {
+        if next != BlockId::NIL {
             self.blocks[next].prev = id;
         }
         id
-    }
-
-    /// Take apart a stitched segment with no block in use (all free blocks and holes): unmap it
-    /// with one call, give its pages back where they came from, and free its address range.
-    /// Its lists of runs and borrowers stay allocated with the vacant segment (see
-    /// `forget_segment`): taking it apart frees no heap memory of its own.
-    pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: u32) -> Result<()> {
-        let (base, size) = (
-            self.segments[seg as usize].base,
-            self.segments[seg as usize].size,
-        );
-        cx.driver
-            .vmm_unmap(self.device, base, size)
-            .map_err(|e| Error::driver(&format!("unmapping cached segment {base:#x}"), &e))?;
-        // Out of the segment while its lenders and borrowers change (none of which is `seg`),
-        // put back before it is forgotten.
-        let runs = std::mem::take(&mut self.segments[seg as usize].runs);
-        let mut borrowers = std::mem::take(&mut self.segments[seg as usize].borrowers);
-        // Pages this segment lent on now belong to their borrower, lent by this run's lender.
-        let lender_of = |ptr: DevicePtr| {
-            let r = runs
-                .iter()
-                .find(|r| base + r.offset <= ptr && ptr < base + r.offset + r.pages.size)
-                .expect("a lent piece lies in a run");
-            r.lender.map(|(l, at)| (l, at + (ptr - base - r.offset)))
-        };
-        for &borrower in &borrowers {
-            for i in 0..self.segments[borrower as usize].runs.len() {
-                if let Some((l, ptr)) = self.segments[borrower as usize].runs[i].lender {
-                    if l == seg {
-                        let lender = lender_of(ptr);
-                        self.segments[borrower as usize].runs[i].lender = lender;
-                        if let Some((l, _)) = lender {
-                            self.add_borrower(l, borrower);
-                        }
-                    }
-                }
-            }
-        }
-        // Its own lenders lend it nothing any more.
-        for r in &runs {
-            if let Some((l, _)) = r.lender {
-                self.segments[l as usize].borrowers.retain(|&b| b != seg);
-            }
-        }
-        // Pages it owned go back to their lender, or become spare (changing only the lenders'
-        // blocks, so the walk of its own goes on).
-        let mut id = self.segments[seg as usize].first;
-        while id != NIL {
-            let b = &self.blocks[id];
-            let (ptr, len, free) = (b.ptr, b.size, b.state == State::Free);
-            id = b.next;
-            if !free {
-                continue;
-            }
-            for r in &runs {
-                let (rs, re) = (base + r.offset, base + r.offset + r.pages.size);
-                let (from, to) = (ptr.max(rs), (ptr + len).min(re));
-                if from >= to {
-                    continue;
-                }
-                match r.lender {
-                    Some((l, at)) => self.fill_hole(l, at + (from - rs), to - from),
-                    None => self.phys.give(Pages {
-                        handle: r.pages.handle,
-                        offset: r.pages.offset + (from - rs),
-                        size: to - from,
-                    }),
-                }
-            }
-        }
-        borrowers.clear();
-        let s = &mut self.segments[seg as usize];
-        s.runs = runs;
-        s.borrowers = borrowers;
-        self.forget_segment(seg);
-        // Out of the span map before the driver can hand the addresses to another device.
-        cx.spans.remove(base, size);
-        if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
-            self.stuck.push(Stuck {
-                base,
-                size,
-                mapped: 0,
-                handles: Vec::new(),
-            });
-            return Err(Error::driver(
-                &format!("freeing the address range of segment {base:#x}"),
-                &e,
-            ));
-        }
-        Ok(())
-    }
-
-    /// Note that `borrower` has a run lent by `lender`.
-    pub(super) fn add_borrower(&mut self, lender: u32, borrower: u32) {
-        let borrowers = &mut self.segments[lender as usize].borrowers;
-        if !borrowers.contains(&borrower) {
-            borrowers.push(borrower);
-        }
-    }
-
-    /// Return cached memory until at least `needed` bytes went back to the driver (`u64::MAX`:
-    /// all): unused handles, then segments with no block in use (idle, or only free blocks and
-    /// holes) taken apart, largest first, and the handles that leaves unused. Returns the bytes
-    /// returned.
-    pub(super) fn release_idle_stitched(&mut self, cx: &Context<'_>, needed: u64) -> Result<u64> {
-        let mut released = self.release_unused(cx, needed, usize::MAX)?;
-        if released >= needed {
-            return Ok(released);
-        }
-        // Taking a segment apart fills holes in its lenders and changes no other segment's
-        // blocks from free to used or back, so one scan finds every candidate; each is checked
-        // again before it goes.
-        let mut found: Vec<(u64, u32)> = (0..self.segments.len() as u32)
-            .filter(|&seg| self.is_unused(seg))
-            .map(|seg| (self.segments[seg as usize].size, seg))
-            .collect();
-        found.sort_unstable_by(|a, b| b.cmp(a));
-        let mut waited = false;
-        for (_, seg) in found {
-            if released >= needed {
-                break;
-            }
-            if self.dismantle_if_unused(cx, seg, &mut waited)? {
-                released += self.release_unused(cx, needed - released, usize::MAX)?;
-            }
-        }
-        Ok(released)
-    }
-
-    /// Take apart every idle stitched segment made in part from lent pages, so that the pages
-    /// go back to their lenders (merged there). Returns whether any was. A failing driver call
-    /// fails no request: what could not be taken apart stays as it was (or, if only its address
-    /// range could not be freed, is retried by `free_reusable`), and the request goes on.
-    pub(super) fn return_borrowed(&mut self, cx: &Context<'_>) -> bool {
-        if !matches!(self.vmm, VmmMode::On(_)) {
-            return false;
-        }
-        let borrowers: Vec<u32> = self
-            .idle
-            .iter()
-            .copied()
-            .filter(|&seg| {
-                let s = &self.segments[seg as usize];
-                s.stitched && s.runs.iter().any(|r| r.lender.is_some())
-            })
-            .collect();
-        if borrowers.is_empty() {
-            return false;
-        }
-        // Work queued before the blocks were released may still use them.
-        if let Err(e) = cx.driver.synchronize(self.device) {
-            self.log(format_args!(
-                "waiting for the device failed ({e}): borrowed pages stay where they are"
-            ));
-            return false;
-        }
-        let mut returned = false;
-        for seg in borrowers {
-            if !self.is_unused(seg) {
-                continue;
-            }
-            match self.dismantle(cx, seg) {
-                Ok(()) => returned = true,
-                Err(e) => {
-                    self.log(format_args!("{}; the request goes on", e.message));
-                    // Taken apart but for its address range (kept to retry): its pages are back.
-                    returned |= !self.segments[seg as usize].in_use;
-                }
-            }
-        }
-        returned
-    }
-
-    /// Take `seg` apart if it is an unused stitched segment, the first time (`waited` false)
-    /// after waiting for the device's queued work, which may still use its blocks. Returns
-    /// whether it was taken apart.
-    pub(super) fn dismantle_if_unused(
-        &mut self,
-        cx: &Context<'_>,
-        seg: u32,
-        waited: &mut bool,
-    ) -> Result<bool> {
-        if !self.is_unused(seg) {
-            return Ok(false);
-        }
-        if !*waited {
-            self.wait_before_returning(cx)?;
-            *waited = true;
-        }
-        self.dismantle(cx, seg)?;
-        Ok(true)
-    }
-
-    /// Wait for the device's queued work, which may still use blocks released before it.
-    pub(super) fn wait_before_returning(&self, cx: &Context<'_>) -> Result<()> {
-        cx.driver
-            .synchronize(self.device)
-            .map_err(|e| Error::driver("waiting for the device before returning cached memory", &e))
-    }
-
-    /// Whether `seg` is a stitched segment in use whose blocks are all free or holes, lending
-    /// nothing in flight.
-    pub(super) fn is_unused(&self, seg: u32) -> bool {
-        let s = &self.segments[seg as usize];
-        if !(s.in_use && s.stitched && !self.lending.contains(&seg)) {
-            return false;
-        }
-        let mut id = s.first;
-        while id != NIL {
-            if !matches!(self.blocks[id].state, State::Free | State::Hole) {
-                return false;
-            }
-            id = self.blocks[id].next;
-        }
-        true
-    }
-
-    /// Whether a handle mapped nowhere is left that [`DevicePool::release_unused`] would return.
-    pub(super) fn has_unused_handles(&self) -> bool {
-        self.phys.unused().any(|(handle, _)| !self.is_stuck(handle))
-    }
-
-    fn is_stuck(&self, handle: PhysHandle) -> bool {
-        self.stuck.iter().any(|s| s.handles.contains(&handle))
-    }
-
-    /// Release handles mapped nowhere, largest first, until `needed` bytes or `count` handles
-    /// went back; those mapped in a range kept to retry stay. Returns the bytes returned. Each
-    /// handle is looked up when its turn comes, so that no list is allocated (under the
-    /// device's lock, an allocation can cost glibc's sorting of its free chunks).
-    pub(super) fn release_unused(
-        &mut self,
-        cx: &Context<'_>,
-        needed: u64,
-        count: usize,
-    ) -> Result<u64> {
-        let mut released = 0u64;
-        for _ in 0..count {
-            if released >= needed {
-                break;
-            }
-            let next = self
-                .phys
-                .unused()
-                .find(|&(handle, _)| !self.is_stuck(handle));
-            let Some((handle, size)) = next else {
-                break;
-            };
-            cx.driver
-                .vmm_release(self.device, handle)
-                .map_err(|e| Error::driver("returning cached memory to the driver", &e))?;
-            self.phys.remove(handle);
-            self.stats.remove_reserved(size, 1);
-            released = released.saturating_add(size);
-        }
-        Ok(released)
-    }
-
-    /// Check that each segment lists as borrowers exactly the segments with a run it lent,
-    /// each once.
-    fn check_borrowers(&self) -> std::result::Result<(), String> {
-        use std::collections::{BTreeMap, BTreeSet};
-        let mut expected: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
-        for (index, s) in self.segments.iter().enumerate().filter(|(_, s)| s.in_use) {
-            for (l, _) in s.runs.iter().filter_map(|r| r.lender) {
-                expected.entry(l).or_default().insert(index as u32);
-            }
-        }
-        for (index, s) in self.segments.iter().enumerate() {
-            let listed: BTreeSet<u32> = s.borrowers.iter().copied().collect();
-            let lent = expected.remove(&(index as u32)).unwrap_or_default();
-            if listed.len() != s.borrowers.len()
-                || listed != lent
-                || (!s.in_use && !lent.is_empty())
-            {
-                return Err(format!(
-                    "segment {:#x} lists borrowers {:?} but lent runs to {:?}",
-                    s.base, s.borrowers, lent
-                ));
-            }
-        }
-        Ok(())
-    }
-
-    /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
-    /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
-    pub(super) fn check_stitched(&self) -> std::result::Result<(), String> {
-        self.phys.check()?;
-        let (mut lent, mut holes, mut owned) = (0u64, 0u64, 0u64);
-        for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
-            let mut at = 0;
-            for r in &s.runs {
-                if r.offset != at || !self.phys.holds(r.pages.handle) {
-                    return Err(format!(
-                        "segment {:#x}: runs do not tile it with held handles",
-                        s.base
-                    ));
-                }
-                at += r.pages.size;
-                if let Some((l, ptr)) = r.lender {
-                    lent += r.pages.size;
-                    let lender = self.segments.get(l as usize).filter(|x| x.in_use);
-                    let inside = lender.is_some_and(|x| {
-                        let b = &self.blocks[self.block_at(l, ptr)];
-                        x.base <= ptr
-                            && b.state == State::Hole
-                            && ptr + r.pages.size <= b.ptr + b.size
-                    });
-                    if !inside {
-                        return Err(format!(
-                            "segment {:#x}: a run lent by {ptr:#x} is not a hole there",
-                            s.base
-                        ));
-                    }
-                }
-            }
-            if at != s.size {
-                return Err(format!("segment {:#x}: runs do not cover it", s.base));
-            }
-            let mut id = s.first;
-            while id != NIL {
-                let b = &self.blocks[id];
-                if b.state == State::Hole {
-                    holes += b.size;
-                } else {
-                    owned += b.size;
-                }
-                id = b.next;
-            }
-        }
-        if lent != holes {
-            return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
-        }
-        self.check_borrowers()?;
-        if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
-            return Err(format!(
-                "segments own {owned} bytes and {} are spare, but handles hold {}",
-                self.phys.spare_bytes(),
-                self.phys.held_bytes()
-            ));
-        }
-        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::driver::PhysHandle;
+    use crate::pool::ids::Id;
 
     const MIB: u64 = 1 << 20;
 
@@ -922,14 +506,14 @@ mod tests {
         }
     }
 
-    fn lent(seg: u32, ptr: DevicePtr, size: u64) -> Piece {
+    fn lent(seg: u16, ptr: DevicePtr, size: u64) -> Piece {
         Piece {
             pages: Pages {
                 handle: 100 + u64::from(seg),
                 offset: 0,
                 size,
             },
-            lender: Some((seg, ptr)),
+            lender: Some((SegId::at(usize::from(seg)), ptr)),
         }
     }
 
@@ -955,7 +539,7 @@ mod tests {
         // Spare pages go first, whatever their size; the rest from the best lent piece.
         let chosen = choose(&[spare(7, 4 * MIB, 4 * MIB)], &lendable, 10 * MIB);
         assert_eq!(chosen[0], spare(7, 4 * MIB, 4 * MIB));
-        assert_eq!(chosen[1].lender, Some((2, 0x2000_0000)));
+        assert_eq!(chosen[1].lender, Some((SegId::at(2), 0x2000_0000)));
         assert_eq!(chosen[1].pages.size, 6 * MIB);
         assert_eq!(chosen.len(), 2);
         // Nothing covers 100 MiB alone: the largest first, all of it (88 MiB).

@@ -77,13 +77,13 @@ impl DevicePool {
     }
 
     /// The stream of block `id` (its segment's).
-    pub(super) fn stream_of(&self, id: u32) -> StreamHandle {
-        let slot = self.segments[self.blocks[id].segment as usize].slot;
-        self.slots[slot as usize].handle
+    pub(super) fn stream_of(&self, id: BlockId) -> StreamHandle {
+        let slot = self.segments[self.blocks[id].segment].slot;
+        self.slots[slot].handle
     }
 
     /// The slot of `stream`, made if needed, counting one more segment of it.
-    pub(super) fn join_slot(&mut self, stream: StreamHandle) -> u32 {
+    pub(super) fn join_slot(&mut self, stream: StreamHandle) -> SlotId {
         let slot = match self.slot_of.get(&stream) {
             Some(&slot) => slot,
             None => {
@@ -95,25 +95,22 @@ impl DevicePool {
                 };
                 let slot = match self.vacant_slots.pop() {
                     Some(slot) => {
-                        self.slots[slot as usize] = fresh;
+                        self.slots[slot] = fresh;
                         slot
                     }
-                    None => {
-                        self.slots.push(fresh);
-                        (self.slots.len() - 1) as u32
-                    }
+                    None => self.slots.push(fresh),
                 };
                 self.slot_of.insert(stream, slot);
                 slot
             }
         };
-        self.slots[slot as usize].segments += 1;
+        self.slots[slot].segments += 1;
         slot
     }
 
     /// A segment left `slot`; the slot is freed with its last segment (its bins are empty then).
-    pub(super) fn leave_slot(&mut self, slot: u32) {
-        let s = &mut self.slots[slot as usize];
+    pub(super) fn leave_slot(&mut self, slot: SlotId) {
+        let s = &mut self.slots[slot];
         s.segments -= 1;
         if s.segments == 0 {
             debug_assert!(s.bins.iter().all(Bins::is_empty) && s.parked.is_empty());

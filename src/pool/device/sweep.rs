@@ -110,7 +110,7 @@ impl DevicePool {
             let Some(&seg) = self.idle.last() else {
                 break;
             };
-            let size = self.segments[seg as usize].size;
+            let size = self.segments[seg].size;
             self.free_segment(cx, seg)?;
             released += size;
             if over() {
@@ -137,7 +137,7 @@ impl DevicePool {
             && taken < count
             && looked < LOOKS_PER_SEGMENT * count
         {
-            let seg = sweep.next as u32;
+            let seg = SegId::at(sweep.next);
             sweep.next += 1;
             looked += 1;
             if !self.dismantle_if_unused(cx, seg, &mut waited)? {
@@ -179,7 +179,7 @@ impl DevicePool {
     pub(crate) fn vacant_with_runs_room(&self) -> usize {
         self.vacant_segments
             .iter()
-            .filter(|&&seg| self.segments[seg as usize].runs.capacity() > 0)
+            .filter(|&&seg| self.segments[seg].runs.capacity() > 0)
             .count()
     }
 }
