@@ -1219,6 +1219,39 @@ fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
 }
 
 #[test]
+fn a_large_request_lacking_under_1_mib_creates_a_large_segment_for_the_next() {
+    // A 20 MiB segment with an 8 MiB hole between two 6 MiB blocks. A 9 MiB request maps the
+    // hole's pages and lacks 1 MiB: created as a large request's segment (20 MiB, as PyTorch
+    // gives a 9 MiB request), not the small class's 2 MiB, so the next 9 MiB request fits in
+    // the new range with no driver call.
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    let x = pool.reserve(0, 20 * MIB, 0).unwrap();
+    pool.release(x).unwrap();
+    let a1 = pool.reserve(0, 6 * MIB, 0).unwrap();
+    let a2 = pool.reserve(0, 8 * MIB, 0).unwrap();
+    let a3 = pool.reserve(0, 6 * MIB, 0).unwrap();
+    assert_eq!((a2, a3), (a1 + 6 * MIB, a1 + 14 * MIB));
+    pool.release(a2).unwrap();
+    let before = pool.stats(0).unwrap();
+    let b = pool.reserve(0, 9 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.driver_allocs - before.driver_allocs, s.reserved_bytes),
+        (1, 40 * MIB)
+    );
+    let c = pool.reserve(0, 9 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.driver_allocs - before.driver_allocs, s.reserved_bytes),
+        (1, 40 * MIB)
+    );
+    for p in [a1, a3, b, c] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn a_request_just_under_10_mib_gets_a_shared_20_mib_segment_when_stitching_too() {
     // 9 MiB is 10 MiB of 2 MiB pages, but PyTorch sizes its segment by the request: 20 MiB,
     // which the next 9 MiB request shares. Stitching creates the same handle.
