@@ -251,12 +251,17 @@ impl DevicePool {
             let sized = segment_size(lacking.max(SMALL_MAX + 1))
                 .min(segment)
                 .max(need)
-                .max(self.headroom.bytes(
-                    self.stats.reserved_bytes,
-                    self.limit.map_or(driver_free, |limit| {
-                        driver_free.min(limit.saturating_sub(self.stats.reserved_bytes))
-                    }),
-                ))
+                .max(if mode == Grow::MayRelease {
+                    self.headroom.bytes(
+                        self.stats.reserved_bytes,
+                        self.limit.map_or(driver_free, |limit| {
+                            driver_free.min(limit.saturating_sub(self.stats.reserved_bytes))
+                        }),
+                    )
+                } else {
+                    // A warm-up asks for exactly its shortfall.
+                    0
+                })
                 .next_multiple_of(granularity);
             let device = self.device;
             let mut created = self.obtain(cx, sized, requested, mode, driver_free, |driver| {
