@@ -1,0 +1,334 @@
+//! Page-granular reuse (the virtual-memory API): remapping cached pages, stitching free ranges
+//! between live blocks, borrowers and lenders, covers from free ranges, headroom, and the
+//! fallback to classic segments.
+
+use super::*;
+
+#[test]
+fn vmm_serves_the_37436_request_by_remapping_the_cache() {
+    // 748 MiB cached, 784 MiB wanted, 736 MiB free on the driver.
+    let (pool, sim) = pool_with(&[(748 + 736) * MIB], vmm());
+    let cached = pool.reserve(0, 748 * MIB, 0).unwrap();
+    pool.release(cached).unwrap();
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 736 * MIB);
+    let before = pool.stats(0).unwrap();
+    let p = pool.reserve(0, 784 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        s.reserved_bytes,
+        796 * MIB,
+        "the 748 MiB were remapped, 48 MiB created: the 36 MiB lacking and headroom (the cache \
+         taken, at most a sixteenth of the 748 MiB reserved, in 2 MiB pages)"
+    );
+    assert_eq!(s.driver_frees, 0, "nothing went back to the driver");
+    assert_eq!(
+        s.driver_allocs - before.driver_allocs,
+        1,
+        "48 MiB as one handle"
+    );
+    assert_eq!(
+        sim.mappings(0).len(),
+        3,
+        "748 MiB mapped twice, 48 MiB once"
+    );
+    assert_eq!(sim.used_bytes(0), 796 * MIB);
+    assert_eq!(sim.is_accessible(p), Some(true));
+    assert_eq!(sim.is_accessible(p + 784 * MIB - 1), Some(true));
+    pool.release(p).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 796 * MIB);
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn classic_segments_cannot_use_free_memory_between_live_blocks() {
+    let (pool, sim, _) = fragmented(classic());
+    let err = pool.reserve(0, 60 * MIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("of which 48.00 MiB"),
+        "{}",
+        err.message
+    );
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_an_idle_borrower_gives_its_pages_back_on_a_miss_and_the_lender_merges() {
+    let (pool, sim, ptrs) = fragmented(vmm());
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // 32 MiB from two of the three free 16 MiB ranges, lent as holes; nothing created.
+    let borrower = pool.reserve(0, 32 * MIB, 0).unwrap();
+    assert_eq!(sim.mappings(0).len(), 3);
+    pool.release(borrower).unwrap();
+    // The live blocks at 16 MiB go: they merge with the free range at 32 MiB only, since the
+    // range at 0 is a hole.
+    pool.release(ptrs[2]).unwrap();
+    pool.release(ptrs[3]).unwrap();
+    pool.check().unwrap();
+    // 48 MiB fits no free block: the idle borrower is taken apart first, its pages fill the
+    // holes, and the lender's first 48 MiB are one free block that serves the request in place.
+    let p = pool.reserve(0, 48 * MIB, 0).unwrap();
+    assert_eq!(p, ptrs[0]);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.segments),
+        (80 * MIB, allocs, 1)
+    );
+    assert_eq!(
+        sim.mappings(0).len(),
+        1,
+        "only the warm-up's mapping is left"
+    );
+    pool.release(p).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_stitches_free_memory_between_live_blocks_into_a_new_segment() {
+    let (pool, sim, ptrs) = fragmented(vmm());
+    let big = pool.reserve(0, 60 * MIB, 0).unwrap();
+    pool.check().unwrap();
+    let s = pool.stats(0).unwrap();
+    // The three free 16 MiB ranges were mapped again, lent as holes; 12 MiB was created.
+    assert_eq!(s.reserved_bytes, 92 * MIB);
+    assert_eq!(s.allocated_bytes, 32 * MIB + 60 * MIB);
+    assert_eq!(sim.used_bytes(0), 92 * MIB);
+    assert_eq!(sim.is_accessible(big + 59 * MIB), Some(true));
+    assert_eq!(
+        sim.mappings(0).len(),
+        5,
+        "the warm-up's handle, its 3 pieces, the new one"
+    );
+    assert_eq!(
+        sim.is_accessible(ptrs[2]),
+        Some(true),
+        "live blocks keep their memory"
+    );
+    assert_eq!(sim.is_accessible(ptrs[7]), Some(true));
+    // The holes are never handed out, and releasing around them works.
+    let err = pool.release(ptrs[0]).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    for i in [2, 3, 6, 7] {
+        pool.release(ptrs[i]).unwrap();
+        pool.check().unwrap();
+    }
+    pool.release(big).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 92 * MIB);
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_free_reusable_keeps_the_handles_of_segments_with_live_blocks() {
+    let (pool, sim, ptrs) = fragmented(vmm());
+    // The warm-up's one handle is mapped in a segment with live blocks: it stays, whole.
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 0);
+    assert_eq!(sim.used_bytes(0), 80 * MIB);
+    assert_eq!(pool.mem_get_info(0).unwrap().0, 68 * MIB);
+    for i in [2, 3, 6, 7] {
+        pool.release(ptrs[i]).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 80 * MIB);
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_falls_back_to_classic_segments_without_the_api() {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
+    sim.disable_vmm();
+    let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), vmm());
+    let p = pool.reserve(0, 8 * MIB, 0).unwrap();
+    let q = pool.reserve(0, 4096, 0).unwrap();
+    assert_eq!(sim.physical_allocations(0), 0);
+    assert_eq!(sim.live_allocations(0), 2);
+    pool.release(p).unwrap();
+    pool.release(q).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_small_requests_share_stitched_segments() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    let a = pool.reserve(0, 512, 0).unwrap();
+    let b = pool.reserve(0, 4096, 0).unwrap();
+    assert_eq!(b, a + 512);
+    assert_eq!(sim.physical_allocations(0), 1);
+    assert_eq!(sim.is_accessible(a), Some(true));
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    // A large request does not take the idle small segment's pages: they stay for small
+    // requests, as PyTorch keeps its small pool. It gets a 20 MiB handle of its own.
+    let c = pool.reserve(0, 2 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (22 * MIB, 2));
+    assert_eq!(
+        pool.reserve(0, 4096, 0).unwrap(),
+        a,
+        "the small segment serves again"
+    );
+    assert_eq!(pool.stats(0).unwrap().driver_allocs, 2);
+    pool.release(c).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_covers_a_request_from_free_ranges_without_creating_memory() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    // A 512 MiB warm-up (one handle) split into x, y and z.
+    pool.warmup(0, 512 * MIB).unwrap();
+    let x = pool.reserve(0, 128 * MIB, 0).unwrap();
+    let y = pool.reserve(0, 256 * MIB, 0).unwrap();
+    let z = pool.reserve(0, 128 * MIB, 0).unwrap();
+    pool.release(x).unwrap();
+    pool.release(z).unwrap();
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // 150 MiB: z's 128 MiB and 22 MiB of x's, both mapped again; nothing created.
+    let big = pool.reserve(0, 150 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.driver_allocs, allocs);
+    assert_eq!(s.reserved_bytes, 512 * MIB);
+    assert_eq!(sim.used_bytes(0), 512 * MIB);
+    assert_eq!(sim.mappings(0).len(), 3);
+    // The rest of x still serves in place.
+    assert_eq!(s.largest_reusable_block, 106 * MIB);
+    assert_eq!(pool.reserve(0, 106 * MIB, 0).unwrap(), x + 22 * MIB);
+    for p in [big, y] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_covers_a_large_request_from_two_idle_segments() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    // Two idle segments: 512 MiB and 256 MiB.
+    let a = pool.reserve(0, 512 * MIB, 0).unwrap();
+    let b = pool.reserve(0, 256 * MIB, 0).unwrap();
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // 600 MiB: all of the first and 88 MiB of the second, mapped again; nothing created.
+    let c = pool.reserve(0, 600 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.driver_allocs, allocs, "nothing created");
+    assert_eq!((s.reserved_bytes, s.segments), (768 * MIB, 3));
+    assert_eq!(
+        s.largest_reusable_block,
+        168 * MIB,
+        "the rest of b, in place"
+    );
+    assert_eq!(s.reusable_bytes, 168 * MIB);
+    assert_eq!(pool.mem_get_info(0).unwrap().0, GIB - 600 * MIB);
+    pool.release(c).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 768 * MIB);
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    // An idle 20 MiB segment.
+    let a = pool.reserve(0, 8 * MIB, 0).unwrap();
+    pool.release(a).unwrap();
+    let allocs = pool.stats(0).unwrap().driver_allocs;
+    // A small request needs a 2 MiB small segment: 2 MiB of the idle segment are mapped again
+    // (their place becomes a hole, and the segment is no longer idle).
+    let small = pool.reserve(0, 4096, 0).unwrap();
+    pool.check().unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().driver_allocs,
+        allocs,
+        "nothing created"
+    );
+    assert_eq!(sim.mappings(0).len(), 2, "its first 2 MiB are mapped twice");
+    // The other 18 MiB still serve a large request in place.
+    let b = pool.reserve(0, 18 * MIB, 0).unwrap();
+    assert_eq!(b, a + 2 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (20 * MIB, allocs));
+    pool.release(b).unwrap();
+    pool.release(small).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 20 * MIB);
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_device() {
+    let (pool, sim) = pool_with(&[2 * GIB], PoolConfig::default());
+    // A 1.5 GiB warm-up split into 24 blocks of 64 MiB, every other one released.
+    assert_eq!(pool.warmup(0, 1536 * MIB).unwrap(), 1536 * MIB);
+    let blocks: Vec<u64> = (0..24)
+        .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
+        .collect();
+    for &p in blocks.iter().step_by(2) {
+        pool.release(p).unwrap();
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reusable_bytes, s.largest_reusable_block),
+        (768 * MIB, 64 * MIB)
+    );
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 512 * MIB);
+    // 1 GiB: the twelve 64 MiB ranges mapped again (no memory created for them) and 256 MiB new.
+    let big = pool.reserve(0, GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reserved_bytes, 1792 * MIB);
+    assert_eq!((s.driver_allocs, s.driver_frees, s.ooms), (2, 0, 0));
+    assert_eq!(sim.used_bytes(0), 1792 * MIB);
+    assert_eq!(sim.vmm_calls(), (2, 0), "two cuMemCreate in all");
+    assert_eq!(sim.mappings(0).len(), 1 + 12 + 1);
+    assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
+    assert_books(&pool, sim);
+    // Taken apart, the new range's pieces become free again where they came from.
+    pool.release(big).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 256 * MIB);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.largest_reusable_block),
+        (1536 * MIB, 64 * MIB)
+    );
+    assert_eq!(sim.mappings(0).len(), 1);
+    assert_books(&pool, sim);
+    for &p in blocks.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1536 * MIB);
+    assert_nothing_held(sim);
+}
+
+#[test]
+fn a_large_request_lacking_under_1_mib_creates_a_large_segment_for_the_next() {
+    // A 20 MiB segment with an 8 MiB hole between two 6 MiB blocks. A 9 MiB request maps the
+    // hole's pages and lacks 1 MiB: created as a large request's segment (20 MiB, as PyTorch
+    // gives a 9 MiB request), not the small class's 2 MiB, so the next 9 MiB request fits in
+    // the new range with no driver call.
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    let x = pool.reserve(0, 20 * MIB, 0).unwrap();
+    pool.release(x).unwrap();
+    let a1 = pool.reserve(0, 6 * MIB, 0).unwrap();
+    let a2 = pool.reserve(0, 8 * MIB, 0).unwrap();
+    let a3 = pool.reserve(0, 6 * MIB, 0).unwrap();
+    assert_eq!((a2, a3), (a1 + 6 * MIB, a1 + 14 * MIB));
+    pool.release(a2).unwrap();
+    let before = pool.stats(0).unwrap();
+    let b = pool.reserve(0, 9 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.driver_allocs - before.driver_allocs, s.reserved_bytes),
+        (1, 40 * MIB)
+    );
+    let c = pool.reserve(0, 9 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.driver_allocs - before.driver_allocs, s.reserved_bytes),
+        (1, 40 * MIB)
+    );
+    for p in [a1, a3, b, c] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}
