@@ -1,6 +1,6 @@
 //! Memory caps and out-of-memory: idle cache returned before growing, the retry after the
-//! driver refuses, the error's figures, and what headroom may not do: pass a memory limit, or add to a
-//! warm-up.
+//! driver refuses, the error's figures, and what headroom may not do: pass a memory limit, or
+//! add to a warm-up.
 
 use super::*;
 
