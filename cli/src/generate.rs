@@ -11,13 +11,14 @@ const BF16: u64 = 2;
 const F32: u64 = 4;
 
 /// The kinds of trace, by file name (without `.jsonl`).
-pub const KINDS: [&str; 6] = [
+pub const KINDS: [&str; 7] = [
     "qwen3-4b-seed",
     "qwen3-4b-loads",
     "llama-3-8b-decode",
     "qwen3-0.6b-training",
     "transformers-37436",
     "interleaved-lifetimes",
+    "random-sizes",
 ];
 
 /// The trace called `kind`.
@@ -29,6 +30,7 @@ pub fn by_name(kind: &str) -> Result<Trace, String> {
         "qwen3-0.6b-training" => Ok(training()),
         "transformers-37436" => Ok(transformers_37436()),
         "interleaved-lifetimes" => Ok(interleaved_lifetimes()),
+        "random-sizes" => Ok(random_sizes()),
         _ => Err(format!(
             "unknown trace `{kind}`; the kinds are {}",
             KINDS.join(", ")
@@ -338,14 +340,7 @@ pub fn interleaved_lifetimes() -> Trace {
          short-lived activations of 4 to 64 MiB (two freed in the round, one in the next), every \
          third long-lived block freed later; then eight 256 MiB buffers for a long prompt",
     );
-    // A fixed linear congruential sequence: the same trace every time.
-    let mut state: u64 = 0x2545_F491_4F6C_DD1D;
-    let mut next = move |below: u64| {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (state >> 33) % below
-    };
+    let mut next = sequence(0x2545_F491_4F6C_DD1D);
     g.mark("rounds".into());
     let mut long_lived = Vec::new();
     let mut carried: Option<u64> = None;
@@ -372,6 +367,48 @@ pub fn interleaved_lifetimes() -> Trace {
     g.mark("long prompt".into());
     let buffers: Vec<u64> = (0..8).map(|_| g.alloc(256 * MIB)).collect();
     for id in buffers {
+        g.free(id);
+    }
+    g.trace
+}
+
+/// A fixed linear congruential sequence from `seed`: numbers below the bound asked, the same
+/// every time.
+fn sequence(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut state = seed;
+    move |below: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % below
+    }
+}
+
+/// No structure a policy could be fitted to: allocations of sizes spread evenly over the
+/// powers of two from 512 B to 256 MiB, and frees of live blocks picked at random, the working
+/// set drifting upward as a serving process's does while its batches grow.
+pub fn random_sizes() -> Trace {
+    let mut g = Gen::new(
+        "random-sizes",
+        24 * GIB,
+        "6,000 operations on a 24 GiB device: allocations of sizes spread evenly over the powers \
+         of two from 512 B to 256 MiB, and (48% of the operations) frees of a live block picked \
+         at random; the rest freed at the end",
+    );
+    let mut next = sequence(0x9E37_79B9_7F4A_7C15);
+    let mut live: Vec<u64> = Vec::new();
+    for _ in 0..6000 {
+        if !live.is_empty() && next(100) < 48 {
+            let i = next(live.len() as u64) as usize;
+            let id = live.swap_remove(i);
+            g.free(id);
+        } else {
+            // 2^(9..28) times 1 to 2 in 1,024 steps.
+            let size = ((1024 + next(1024)) << (9 + next(19))) >> 10;
+            live.push(g.alloc(size));
+        }
+    }
+    for id in live {
         g.free(id);
     }
     g.trace

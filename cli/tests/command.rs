@@ -183,7 +183,8 @@ fn bad_arguments_get_one_line_and_exit_code_2() {
         (
             &["gen-trace", "mystery"],
             "resmem: invalid value 'mystery' for '[KIND]' [possible values: qwen3-4b-seed, \
-             qwen3-4b-loads, llama-3-8b-decode, qwen3-0.6b-training, transformers-37436, interleaved-lifetimes] \
+             qwen3-4b-loads, llama-3-8b-decode, qwen3-0.6b-training, transformers-37436, interleaved-lifetimes, \
+             random-sizes] \
              (see resmem --help)\n",
         ),
     ] {
@@ -215,6 +216,7 @@ fn gen_trace_all_creates_its_folder() {
             "qwen3-0.6b-training.jsonl",
             "qwen3-4b-loads.jsonl",
             "qwen3-4b-seed.jsonl",
+            "random-sizes.jsonl",
             "transformers-37436.jsonl"
         ]
     );
