@@ -156,8 +156,10 @@ def test_seed_scenario_in_pytorch():
     if reason:
         pytest.skip(reason)
     rows = scenario()["resmem"]
-    # With resmem, reserved memory does not grow from one load to the next, and nothing offloads.
-    assert all(r["reserved"] <= rows[0]["reserved"] for r in rows), rows
+    # With resmem, reserved memory stays within 2% of the first load's (one warm-up: the next
+    # warm-ups are mapped from its pages, with what outlived generation and some headroom
+    # created beside them), and nothing offloads.
+    assert all(r["reserved"] <= 1.02 * rows[0]["reserved"] for r in rows), rows
     assert not any(r["offloaded"] for r in rows), rows
 
 
