@@ -1,6 +1,6 @@
 //! The C API: the exported `rm_*` functions of the core API (PyTorch's entry points are in
 //! [`crate::torch`]), and nothing else exported. Each one checks its arguments, runs its body
-//! behind [`boundary`] (a caught panic becomes `RM_ERROR_INTERNAL`), returns an [`rm_status`],
+//! behind `boundary` (a caught panic becomes `RM_ERROR_INTERNAL`), returns an [`rm_status`],
 //! and leaves a message for `rm_last_error()` on failure. The logic lives in [`crate::front`] and
 //! [`crate::pool`]; this file only translates, and tells [`crate::record`] what was done.
 

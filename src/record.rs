@@ -3,8 +3,8 @@
 //! (`traces/README.md`), so that the policies can be compared on exactly this workload.
 //!
 //! - On the calling thread a recorded call takes the next number of the process's order of
-//!   calls (one atomic add) and goes, binary, into its thread's ring ([`ring`]): no lock, no
-//!   formatting (`BENCHMARKS.md` has what it costs). A writer thread ([`writer`]) empties the rings when one is half full, every
+//!   calls (one atomic add) and goes, binary, into its thread's ring (`ring.rs`): no lock, no
+//!   formatting (`BENCHMARKS.md` has what it costs). A writer thread (`writer.rs`) empties the rings when one is half full, every
 //!   quarter second, and when asked to flush; it puts the calls back in order, formats them
 //!   ([`line`]) and writes each round with one `write(2)` to the file, opened with `O_APPEND`:
 //!   lines of several threads or processes never interleave. `%p` in PATH becomes the process

@@ -2,7 +2,7 @@
 //!
 //! - [`allocator`]: the [`allocator::Allocator`] trait every policy compared here implements;
 //! - [`baseline`]: PyTorch's caching-allocator policy, the reference resmem is measured against;
-//! - [`env`]: the environment, validated the same way for every subcommand, and the device;
+//! - [`env`](mod@env): the environment, validated the same way for every subcommand, and the device;
 //! - [`info`]: `resmem info`'s table;
 //! - [`model`]: parameter shapes of real models (the presets of `resmem demo`);
 //! - [`seed`]: the seed scenario as the calls PyTorch's allocator gets;

@@ -13,7 +13,7 @@
 //! unmodified program gets the reserved-reuse policy. The pool comes with this object (its
 //! `rm_*` functions are exported too, and being preloaded they are the ones a program calls).
 //!
-//! The real functions are reached through handles of their own libraries ([`real`]), so a call
+//! The real functions are reached through handles of their own libraries (`real.rs`), so a call
 //! never comes back here. Nothing is opened until a hooked function is called: a program that
 //! never touches CUDA runs as if this object were absent.
 //!

@@ -8,8 +8,8 @@
 //! as in the pool: a block released on one stream reaches another only through the pool, after
 //! that stream's work. A block released on another thread than the one that reserved it goes
 //! to the reserving thread's remote list (as mimalloc does). Blocks up to [`MAX_BLOCK`] are
-//! cached, up to a bound of bytes and blocks per bin (see [`thread`]); others go straight
-//! to the pool; so do blocks beyond the [`entries::CAPACITY`] the front can know at once.
+//! cached, up to a bound of bytes and blocks per bin (see `thread.rs`); others go straight
+//! to the pool; so do blocks beyond the `entries::CAPACITY` the front can know at once.
 //!
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange, no
 //! lock per thread) on `free_reusable`, `warmup`, `set_memory_limit`, `reset_peak_stats` and
@@ -19,7 +19,7 @@
 //! when a thread exits (its cache is handed back).
 //!
 //! Pointer checks stay as strict as the pool's: every block the front knows is in an
-//! [`map::AddressMap`] read without a lock; a release of a block waiting in a cache is refused
+//! `map::AddressMap` read without a lock; a release of a block waiting in a cache is refused
 //! with `RM_ERROR_INVALID_POINTER` and changes nothing, and any pointer the front does not
 //! hold (unknown, interior) goes to the pool, which refuses it the same way.
 //!
@@ -28,13 +28,13 @@
 //! A hit, and a release into a cache, take no lock: a few atomic operations on lines only the
 //! calling thread writes, except for a release from another thread (one compare-and-swap on the
 //! owner's remote list). Everything else calls the [`Pool`], which takes its own locks as it
-//! always does, and takes the arena's free-list mutex ([`entries`]) for a block newly known or
+//! always does, and takes the arena's free-list mutex (`entries.rs`) for a block newly known or
 //! forgotten; the two are never held together, so no lock order is added.
 //!
 //! # Figures
 //!
 //! [`Front::stats`] and [`Front::mem_get_info`] count cached blocks as reusable; how, and when
-//! they are exact, is in [`figures`].
+//! they are exact, is in `figures.rs`.
 
 mod bindings;
 mod counters;

@@ -1,15 +1,15 @@
 //! The caching pool: pure logic over the [`Driver`] trait. It never calls CUDA directly and never
 //! reads the environment; everything it needs comes in through [`Pool::new`].
 //!
-//! - [`size`]: rounding and the small/large classes;
-//! - [`blocks`]: the block arena with address-neighbour links;
-//! - [`ids`]: typed indexes of blocks, segments, stream slots and idle places, and the tables
+//! - `size`: rounding and the small/large classes;
+//! - `blocks`: the block arena with address-neighbour links;
+//! - `ids`: typed indexes of blocks, segments, stream slots and idle places, and the tables
 //!   they index;
-//! - [`bins`]: the best-fit free-block index, by (size, address);
-//! - [`device`]: one device's books and the reserved-reuse policy (`device/stitch.rs`: the
+//! - `bins`: the best-fit free-block index, by (size, address);
+//! - `device`: one device's books and the reserved-reuse policy (`device/stitch.rs`: the
 //!   page-granular reuse of the virtual-memory mode; `device/unstitch.rs`: taking its segments
 //!   apart; `device/phys.rs`: its physical handles);
-//! - [`stats`]: the figures `rm_get_stats` reports;
+//! - `stats`: the figures `rm_get_stats` reports;
 //! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
 //!   touch it, which finds a pointer's device for `release`;
 //! - `probe` (only with the cargo feature `hold-probe`, for `scripts/bench-pauses.sh`): the
@@ -285,7 +285,7 @@ impl Pool {
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
     /// The work goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a
-    /// batch has run for [`BATCH_TIME`]), the device's lock released between them, so that
+    /// batch has run for `BATCH_TIME`), the device's lock released between them, so that
     /// reserves and releases on the device wait for one batch at most. Blocks released
     /// meanwhile may stay cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {

@@ -1,7 +1,7 @@
 //! Processes sharing a device give each other their idle cache (`RESMEM_CONF=share:true`).
 //!
 //! Each sharing process joins, per device, a [`registry`] that the resmem processes of one user
-//! share (keyed by the device's UUID), and runs one [`helper`] thread per device that answers the
+//! share (keyed by the device's UUID), and runs one `helper.rs` thread per device that answers the
 //! others' requests by returning idle cache to the driver. When the pool runs out of memory
 //! (after its own release-before-grow and retry), [`Sharing::after_out_of_memory`] posts the
 //! shortfall, waits (at most `share_wait_ms`) for the driver's free memory to rise, and retries
