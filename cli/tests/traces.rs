@@ -85,6 +85,49 @@ fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
     assert_eq!(default.first_oom, None);
 }
 
+/// Issue 9's criteria for the default against PyTorch's policy, on every shipped trace (the
+/// smallest device is `scripts/policy-check.py`'s, with the real snapshots): peak reserved at
+/// most PyTorch's + 0.5% (where PyTorch's run completes), no more out-of-memory events, no more
+/// memory-creating calls, and at most half of PyTorch's fragmentation where that exceeds 5%.
+/// interleaved-lifetimes misses the last two, by the figures its own test pins.
+#[test]
+fn the_default_meets_the_policy_criteria_on_every_shipped_trace() {
+    for kind in generate::KINDS {
+        let trace = generate::by_name(kind).unwrap();
+        let memory = trace.device_memory.unwrap();
+        let torch = replay(&trace, Policy::Torch, memory, |_| {}).unwrap();
+        let default = replay(&trace, Policy::Resmem, memory, |_| {}).unwrap();
+        let (t, d) = (&torch.stats, &default.stats);
+        assert!(default.ooms <= torch.ooms, "{kind}: out-of-memory events");
+        if torch.ooms == 0 {
+            assert!(
+                d.peak_reserved_bytes as f64 <= 1.005 * t.peak_reserved_bytes as f64,
+                "{kind}: peak {} against {}",
+                d.peak_reserved_bytes,
+                t.peak_reserved_bytes
+            );
+        }
+        if kind == "interleaved-lifetimes" {
+            assert_eq!((default.creating_calls(), torch.creating_calls()), (51, 50));
+            continue;
+        }
+        assert!(
+            default.creating_calls() <= torch.creating_calls(),
+            "{kind}: {} creating calls against {}",
+            default.creating_calls(),
+            torch.creating_calls()
+        );
+        if torch.fragmentation() > 0.05 {
+            assert!(
+                default.fragmentation() <= torch.fragmentation() / 2.0,
+                "{kind}: fragmentation {} against {}",
+                default.fragmentation(),
+                torch.fragmentation()
+            );
+        }
+    }
+}
+
 /// Classic segments are PyTorch's policy: on every shipped trace, the same reserved memory
 /// after every event, and the same driver allocations, frees and failures. (Allocated memory
 /// differs by the rests of at most 1 MiB that a large block takes with it: PyTorch counts them
