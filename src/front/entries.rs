@@ -110,7 +110,11 @@ impl Default for Entries {
                 ptr::null_mut(),
                 layout.size(),
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                // No swap reserved for pages never touched; Miri runs only private anonymous
+                // mappings, so its checks run without the flag.
+                libc::MAP_PRIVATE
+                    | libc::MAP_ANONYMOUS
+                    | if cfg!(miri) { 0 } else { libc::MAP_NORESERVE },
                 -1,
                 0,
             )
