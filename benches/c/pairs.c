@@ -254,6 +254,32 @@ static void summarize(int p, double out[4]) {
   for (size_t i = 0; i < n; i++) out[3] += waits[p][i] > 100e3;
 }
 
+/* Start a waiter thread running `fn`: 200 ms of phase 1 (the baseline), then phase 2, the
+ * time measured. */
+static pthread_t probe_begin(void *(*fn)(void *)) {
+  waits[1] = malloc(sizeof(float) * SAMPLES);
+  waits[2] = malloc(sizeof(float) * SAMPLES);
+  pthread_t t;
+  pthread_create(&t, NULL, fn, NULL);
+  struct timespec baseline = {0, 200 * 1000 * 1000};
+  atomic_store(&phase, 1);
+  nanosleep(&baseline, NULL);
+  atomic_store(&phase, 2);
+  return t;
+}
+
+/* End the waiter thread, then print `head` and the waits of the baseline and of the measured
+ * time: <calls> <median us> <p99.9 us> <max us> <calls over 100 us>, each. */
+static void probe_end(pthread_t t, const char *head) {
+  atomic_store(&phase, 3);
+  pthread_join(t, NULL);
+  double b[4], d[4];
+  summarize(1, b);
+  summarize(2, d);
+  printf("%s %zu %.2f %.1f %.1f %.0f %zu %.2f %.1f %.1f %.0f\n", head, counts[1], b[0], b[1],
+         b[2], b[3], counts[2], d[0], d[1], d[2], d[3]);
+}
+
 /* `segments` idle 2 MiB segments returned by rm_free_reusable while the probe runs. Prints:
  * free_reusable <segments> <ms> <bytes> then, for the baseline and for the time of the call:
  * <calls> <median us> <p99.9 us> <max us> <calls over 100 us> */
@@ -262,26 +288,14 @@ static void free_reusable_pauses(size_t segments) {
   for (size_t i = 0; i < segments; i++) blocks[i] = reserve((size_t)2 << 20, NULL);
   for (size_t i = 0; i < segments; i++) check(rm_release(blocks[i]), "rm_release");
   free(blocks);
-  waits[1] = malloc(sizeof(float) * SAMPLES);
-  waits[2] = malloc(sizeof(float) * SAMPLES);
-  pthread_t t;
-  pthread_create(&t, NULL, probe, NULL);
-  struct timespec baseline = {0, 200 * 1000 * 1000};
-  atomic_store(&phase, 1);
-  nanosleep(&baseline, NULL);
-  atomic_store(&phase, 2);
+  pthread_t t = probe_begin(probe);
   size_t released = 0;
   double start = now_ns();
   check(rm_free_reusable(0, &released), "rm_free_reusable");
   double took = now_ns() - start;
-  atomic_store(&phase, 3);
-  pthread_join(t, NULL);
-  double b[4], d[4];
-  summarize(1, b);
-  summarize(2, d);
-  printf("free_reusable %zu %.2f %zu %zu %.2f %.1f %.1f %.0f %zu %.2f %.1f %.1f %.0f\n", segments,
-         took / 1e6, released, counts[1], b[0], b[1], b[2], b[3], counts[2], d[0], d[1], d[2],
-         d[3]);
+  char head[96];
+  snprintf(head, sizeof head, "free_reusable %zu %.2f %zu", segments, took / 1e6, released);
+  probe_end(t, head);
 }
 
 /* ----- the same waits behind a plain mutex, for reference ----- */
@@ -321,14 +335,7 @@ static void spin_us(double us) {
  * length. Prints: handoff <batches> <hold us> then, as `pairs pauses` does, the baseline and
  * the time of the batches: <calls> <median us> <p99.9 us> <max us> <calls over 100 us> */
 static void handoff_reference(double hold_us, int batches) {
-  waits[1] = malloc(sizeof(float) * SAMPLES);
-  waits[2] = malloc(sizeof(float) * SAMPLES);
-  pthread_t t;
-  pthread_create(&t, NULL, ref_probe, NULL);
-  struct timespec baseline = {0, 200 * 1000 * 1000};
-  atomic_store(&phase, 1);
-  nanosleep(&baseline, NULL);
-  atomic_store(&phase, 2);
+  pthread_t t = probe_begin(ref_probe);
   for (int i = 0; i < batches; i++) {
     pthread_mutex_lock(&ref_lock);
     spin_us(hold_us);
@@ -336,13 +343,9 @@ static void handoff_reference(double hold_us, int batches) {
     double start = now_ns();
     while (atomic_load(&ref_waiting) > 0 && now_ns() - start < 200e3) sched_yield();
   }
-  atomic_store(&phase, 3);
-  pthread_join(t, NULL);
-  double b[4], d[4];
-  summarize(1, b);
-  summarize(2, d);
-  printf("handoff %d %.1f %zu %.2f %.1f %.1f %.0f %zu %.2f %.1f %.1f %.0f\n", batches, hold_us,
-         counts[1], b[0], b[1], b[2], b[3], counts[2], d[0], d[1], d[2], d[3]);
+  char head[64];
+  snprintf(head, sizeof head, "handoff %d %.1f", batches, hold_us);
+  probe_end(t, head);
 }
 
 /* ----- fixed work timed as the pool's lock holds are, for reference ----- */

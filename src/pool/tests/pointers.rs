@@ -16,13 +16,7 @@ fn bad_pointers_are_refused_with_a_reason_and_nothing_changes() {
         (b + 8192, "inside cached free memory"),
         (0x1234_5000, "not returned by rm_reserve"),
     ];
-    for (ptr, needle) in cases {
-        let err = pool.release(ptr).unwrap_err();
-        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
-        assert!(err.message.contains(needle), "{ptr:#x}: {}", err.message);
-        let err = pool.record_stream(ptr, 0).unwrap_err();
-        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
-    }
+    assert_refused(&pool, &cases);
     assert_eq!(pool.stats(0).unwrap(), before);
     pool.release(0).unwrap();
     pool.release(b).unwrap();
@@ -79,13 +73,7 @@ fn bad_pointers_are_refused_on_several_devices_without_a_lock_and_nothing_change
             (0x1234_5000, "in no memory the pool holds on any device"),
             (u64::MAX - 511, "in no memory the pool holds on any device"),
         ];
-        for (ptr, needle) in cases {
-            let err = pool.release(ptr).unwrap_err();
-            assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
-            assert!(err.message.contains(needle), "{ptr:#x}: {}", err.message);
-            let err = pool.record_stream(ptr, 0).unwrap_err();
-            assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
-        }
+        assert_refused(&pool, &cases);
         assert_eq!((pool.stats(0).unwrap(), pool.stats(1).unwrap()), before);
         pool.release(b).unwrap();
         pool.release(big).unwrap();
@@ -127,4 +115,16 @@ fn a_span_the_map_cannot_tell_is_resolved_by_asking_each_device() {
     pool.release(b).unwrap();
     pool.release(c).unwrap();
     assert_books(&pool, sim);
+}
+
+/// Each pointer refused by `release` and `record_stream` with `RM_ERROR_INVALID_POINTER`, the
+/// release's message naming what it is.
+fn assert_refused(pool: &Pool, cases: &[(u64, &str)]) {
+    for &(ptr, needle) in cases {
+        let err = pool.release(ptr).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+        assert!(err.message.contains(needle), "{ptr:#x}: {}", err.message);
+        let err = pool.record_stream(ptr, 0).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+    }
 }
