@@ -329,7 +329,7 @@ fn second_failure_sweep(stitched: bool) {
 }
 
 /// The scenarios of a segment build that breaks (a failed map, or a failed access) and whose
-/// undoing fails too (an unmap, or the address range's free), on a 2 GiB device. The first
+/// undoing fails too (an unmap), on a 2 GiB device. The first
 /// builds a 1 GiB segment from twelve 64 MiB holes of a 1.5 GiB warm-up (twelve maps and one
 /// new handle) and fails at its second map; the others fail a fresh 64 MiB segment. What the
 /// pool could not take back stays counted as reserved until `free_reusable` returns it; the
@@ -339,7 +339,6 @@ fn a_failed_unmap_while_undoing_a_segment_build_leaks_nothing() {
     for (spec, holes) in [
         ("cuMemMap@2=999,cuMemUnmap@1=999", true),
         ("cuMemSetAccess@1=999,cuMemUnmap@1=999", false),
-        ("cuMemSetAccess@1=999,cuMemAddressFree@1=999", false),
     ] {
         let mut run = Run::with_devices(true, &[2 * GIB]);
         let stream = run.streams[0][0];
@@ -377,6 +376,42 @@ fn a_failed_unmap_while_undoing_a_segment_build_leaks_nothing() {
         run.check_books();
         run.check_all_returned(spec);
     }
+}
+
+/// A segment build whose access fails is undone without freeing address space (its range goes
+/// back to its chunk); the chunk's own free, in `free_reusable`, failing keeps the chunk, and
+/// the next `free_reusable` frees it.
+#[test]
+fn a_failed_address_free_keeps_the_chunk_for_the_next_sweep() {
+    let run = Run::with_devices(true, &[2 * GIB]);
+    let stream = run.streams[0][0];
+    run.sim.inject_faults("cuMemSetAccess@1=999").unwrap();
+    let e = run.pool.reserve(0, 64 * MIB, stream).unwrap_err();
+    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "{e}");
+    assert_eq!(run.sim.call_count(Call::MemAddressFree), 0);
+    run.check_books();
+    run.sim.clear_faults();
+    let p = run.pool.reserve(0, 64 * MIB, stream).unwrap();
+    run.pool.release(p).unwrap();
+    assert_eq!(run.sim.reserved_ranges(), 1, "one chunk for both builds");
+    run.sim.inject_faults("cuMemAddressFree@1=999").unwrap();
+    let e = run.pool.free_reusable(None).unwrap_err();
+    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "{e}");
+    assert!(e.message.contains("unused address space"), "{}", e.message);
+    run.check_books();
+    assert_eq!(
+        (
+            run.pool.stats(0).unwrap().reserved_bytes,
+            run.sim.used_bytes(0)
+        ),
+        (0, 0),
+        "the memory went back; only the address space is kept"
+    );
+    assert_eq!(run.sim.reserved_ranges(), 1);
+    run.sim.clear_faults();
+    run.pool.free_reusable(None).unwrap();
+    run.check_books();
+    run.check_all_returned("cuMemAddressFree@1=999");
 }
 
 /// The workload without faults: every step succeeds. Returns the calls made per driver call.

@@ -42,11 +42,13 @@ use super::ids::{BlockId, Id, IdleAt, SegId, SlotId, Table};
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
 use super::{Context, PoolConfig};
+use addresses::Addresses;
 use headroom::Headroom;
 use phys::Phys;
 use stitch::{Run, VmmMode};
 use unstitch::Stuck;
 
+mod addresses;
 mod check;
 mod headroom;
 mod parking;
@@ -137,7 +139,9 @@ pub struct DevicePool {
     vmm: VmmMode,
     /// The physical handles held in virtual-memory mode, and their spare pages.
     phys: Phys,
-    /// Address ranges whose unmapping or freeing failed, to retry.
+    /// The address space stitched segments are carved from.
+    addresses: Addresses,
+    /// Address ranges whose unmapping failed, to retry.
     stuck: Vec<Stuck>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<SegId>,
@@ -167,6 +171,7 @@ impl DevicePool {
             limit: None,
             vmm: VmmMode::Undecided,
             phys: Phys::default(),
+            addresses: Addresses::default(),
             stuck: Vec::new(),
             lending: Vec::new(),
             headroom: Headroom::default(),

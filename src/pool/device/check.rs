@@ -202,6 +202,32 @@ impl DevicePool {
         Ok(())
     }
 
+    /// Check the address chunks: every stitched segment and every kept range lies in one, and
+    /// the chunks' bytes are exactly theirs and the free ranges'.
+    fn check_addresses(&self) -> std::result::Result<(), String> {
+        self.addresses.check()?;
+        let mut used = 0;
+        let ranges = self.segments.iter().filter(|s| s.in_use && s.stitched);
+        for (base, size) in ranges
+            .map(|s| (s.base, s.size))
+            .chain(self.stuck.iter().map(|k| k.range()))
+        {
+            if !self.addresses.within_chunk(base, size) {
+                return Err(format!(
+                    "range {base:#x}+{size:#x} lies in no address chunk"
+                ));
+            }
+            used += size;
+        }
+        let (reserved, free) = (self.addresses.reserved(), self.addresses.free_bytes());
+        if used + free != reserved {
+            return Err(format!(
+                "address chunks of {reserved} bytes hold {used} bytes of ranges and {free} free"
+            ));
+        }
+        Ok(())
+    }
+
     /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
     /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
     fn check_stitched(&self) -> std::result::Result<(), String> {
@@ -252,6 +278,7 @@ impl DevicePool {
             return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
         }
         self.check_borrowers()?;
+        self.check_addresses()?;
         if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
             return Err(format!(
                 "segments own {owned} bytes and {} are spare, but handles hold {}",

@@ -35,6 +35,7 @@
 //! becomes spare, and a range that could not be unmapped or freed is kept (with the handles
 //! mapped in it, which are not released meanwhile) and retried by `free_reusable`.
 
+use super::addresses;
 use super::phys::Pages;
 use super::{BlockId, Context, DevicePool, Grow, SegId, State};
 use crate::driver::DevicePtr;
@@ -387,13 +388,12 @@ impl DevicePool {
         }
     }
 
-    /// Reserve an address range of `size` bytes and map `pieces` back to back into it, with
-    /// read-write access. On failure what was done is undone, or kept to retry if undoing fails.
+    /// Take an address range of `size` bytes from the address chunks (reserving a new chunk
+    /// where none has room) and map `pieces` back to back into it, with read-write access. On
+    /// failure what was done is undone, or kept to retry if undoing fails.
     fn map_pieces(&mut self, cx: &Context<'_>, size: u64, pieces: &[Piece]) -> Result<DevicePtr> {
         let device = self.device;
-        let base = cx.driver.vmm_reserve(device, size).map_err(|e| {
-            Error::driver(&format!("reserving {} of address space", human(size)), &e)
-        })?;
+        let base = self.take_addresses(cx, size)?;
         let mut mapped = 0;
         let mut result = Ok(());
         for p in pieces {
@@ -425,6 +425,20 @@ impl DevicePool {
             return Err(err);
         }
         Ok(base)
+    }
+
+    /// An address range of `size` bytes from the chunks; a new chunk of at least
+    /// [`addresses::CHUNK`] bytes reserved where none has room.
+    fn take_addresses(&mut self, cx: &Context<'_>, size: u64) -> Result<DevicePtr> {
+        if let Some(ptr) = self.addresses.take(size) {
+            return Ok(ptr);
+        }
+        let chunk = size.max(addresses::CHUNK);
+        let base = cx.driver.vmm_reserve(self.device, chunk).map_err(|e| {
+            Error::driver(&format!("reserving {} of address space", human(chunk)), &e)
+        })?;
+        self.addresses.add_chunk(base, chunk);
+        Ok(self.addresses.take(size).expect("a new chunk has room"))
     }
 
     /// Mark `[ptr, ptr + size)` of `seg`, inside one free block, a hole: its pages are lent.

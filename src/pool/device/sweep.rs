@@ -150,6 +150,10 @@ impl DevicePool {
         }
         released += self.release_unused_upto(cx, count, over)?;
         let more = sweep.next < self.segments.len() || self.has_unused_handles();
+        if !more {
+            // Last, the address chunks left unused: a few calls at most.
+            self.release_unused_chunks(cx)?;
+        }
         Ok((released, more))
     }
 

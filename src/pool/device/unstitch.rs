@@ -11,26 +11,28 @@
 //! trace for the worse and saved up to 4 memory-creating calls.
 //!
 //! When a segment with no block in use is taken apart (returning memory, a miss as above, or an
-//! idle segment released), it is unmapped with one call and its pages go back where they came
-//! from: a lent piece becomes free memory again in its lender (the hole is filled, merged with
+//! idle segment released), it is unmapped with one call, its addresses go back to their chunk
+//! (`addresses.rs`; no driver call), and its pages go back where they came from: a lent piece becomes free memory again in its lender (the hole is filled, merged with
 //! its free neighbours, without a driver call); pages it owned outright become spare; pages it
 //! had lent on to a third range now belong to that range (lent by the original lender, if any).
 //! A handle goes back to the driver only when all its pages are spare, hence mapped nowhere.
 //!
 //! The bound this keeps, checked after every operation of the property tests: after
 //! `free_reusable` every segment left holds a live block, and the driver holds exactly the
-//! handles mapped in those segments.
+//! handles mapped in those segments, and no address chunk that no segment uses.
 //!
-//! A range that could not be unmapped or freed is kept with the handles mapped in it, which are
-//! not released meanwhile, and retried by `free_reusable`.
+//! A range that could not be unmapped is kept with the handles mapped in it, which are not
+//! released meanwhile, and retried by `free_reusable`; a chunk whose reservation could not be
+//! freed is kept and freed by a later `free_reusable`.
 
 use super::phys::Pages;
 use super::stitch::VmmMode;
 use super::{BlockId, Context, DevicePool, SegId, State};
 use crate::driver::{DevicePtr, PhysHandle};
 use crate::error::{Error, Result};
+use crate::pool::size::human;
 
-/// An address range whose unmapping or freeing failed: kept, retried by `free_reusable`.
+/// An address range whose unmapping failed: kept, retried by `free_reusable`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Stuck {
     base: DevicePtr,
@@ -39,6 +41,13 @@ pub(super) struct Stuck {
     mapped: u64,
     /// The handles mapped in it, which must not be released meanwhile.
     handles: Vec<PhysHandle>,
+}
+
+impl Stuck {
+    /// Its address range: `(base, size)`.
+    pub(super) fn range(&self) -> (DevicePtr, u64) {
+        (self.base, self.size)
+    }
 }
 
 impl DevicePool {
@@ -113,20 +122,8 @@ impl DevicePool {
         s.runs = runs;
         s.borrowers = borrowers;
         self.forget_segment(seg);
-        // Out of the span map before the driver can hand the addresses to another device.
         cx.spans.remove(base, size);
-        if let Err(e) = cx.driver.vmm_free(self.device, base, size) {
-            self.stuck.push(Stuck {
-                base,
-                size,
-                mapped: 0,
-                handles: Vec::new(),
-            });
-            return Err(Error::driver(
-                &format!("freeing the address range of segment {base:#x}"),
-                &e,
-            ));
-        }
+        self.addresses.give(base, size);
         Ok(())
     }
 
@@ -340,7 +337,8 @@ impl DevicePool {
         }
     }
 
-    /// Unmap and free a range that is in no segment, recording progress in `stuck`.
+    /// Unmap a range that is in no segment and give its addresses back to their chunk,
+    /// recording progress in `stuck`.
     fn unstick(&mut self, cx: &Context<'_>, stuck: &mut Stuck) -> Result<()> {
         if stuck.mapped > 0 {
             cx.driver
@@ -349,9 +347,26 @@ impl DevicePool {
             stuck.mapped = 0;
             stuck.handles.clear();
         }
-        cx.driver
-            .vmm_free(self.device, stuck.base, stuck.size)
-            .map_err(|e| Error::driver("freeing an abandoned address range", &e))
+        self.addresses.give(stuck.base, stuck.size);
+        Ok(())
+    }
+
+    /// Free the reservations of address chunks no segment uses, one driver call each; a chunk
+    /// whose freeing fails is kept (still unused) for the next `free_reusable`.
+    pub(super) fn release_unused_chunks(&mut self, cx: &Context<'_>) -> Result<()> {
+        while let Some((base, size)) = self.addresses.unused_chunk() {
+            cx.driver.vmm_free(self.device, base, size).map_err(|e| {
+                Error::driver(
+                    &format!(
+                        "freeing {} of unused address space at {base:#x}",
+                        human(size)
+                    ),
+                    &e,
+                )
+            })?;
+            self.addresses.remove_chunk(base);
+        }
+        Ok(())
     }
 
     /// Retry up to `count` of the ranges kept after a failure; whether none is left.
