@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The waits behind rm_free_reusable (benches/c/pairs.c `pauses`: 100k idle 2 MiB segments, the
-# default policy and classic segments), the same waits behind a plain pthread mutex held 20 us
+# The waits behind rm_free_reusable (benches/c/pairs.c `pauses`: 100k 2 MiB blocks released,
+# a segment each with classic segments, a few large ones with the default's headroom; and
+# `lent`, the default with 100k idle segments of two lent runs each), the same waits behind a plain pthread mutex held 20 us
 # at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
 # passes to the pool, from one thread and from two threads on two devices (`devices`), through
 # the shipped libresmem.so. With BASELINE_LIB=path/to/another/libresmem.so, every run does the
@@ -39,6 +40,8 @@ for i in $(seq 1 "$runs"); do
   for entry in "${libs[@]}"; do
     name=${entry%%:*}
     echo "$name $i default $(CUDA_SIM_DEVICES=240GiB "$out/$name/pairs" pauses)" >> "$out/results"
+    echo "$name $i lent $(CUDA_SIM_DEVICES=960GiB "$out/$name/pairs" pauses 100000 lent)" \
+      >> "$out/results"
     echo "$name $i classic $(CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses)" \
       >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
@@ -49,6 +52,8 @@ for i in $(seq 1 "$runs"); do
   for entry in "${probes[@]}"; do
     name=${entry%%:*}
     CUDA_SIM_DEVICES=240GiB "$out/$name/pairs" pauses > /dev/null 2> "$out/holds-${name#probe-}-$i-default"
+    CUDA_SIM_DEVICES=960GiB "$out/$name/pairs" pauses 100000 lent > /dev/null \
+      2> "$out/holds-${name#probe-}-$i-lent"
     CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses > /dev/null \
       2> "$out/holds-${name#probe-}-$i-classic"
   done
@@ -112,7 +117,7 @@ def holds(name):
     return [l.split()[1:] for l in open(name) if l.startswith("hold ")]
 for run in range(1, runs + 1):
     for lib in ("baseline", "this"):
-        for policy in ("default", "classic"):
+        for policy in ("default", "lent", "classic"):
             name = os.path.join(out, f"holds-{lib}-{run}-{policy}")
             if not os.path.exists(name):
                 continue

@@ -10,8 +10,8 @@
  *   stats <cached> <ns per rm_get_stats>
  *   free_reusable <segments> <ms> <bytes> <calls, median, p99.9, max us, calls over 100 us:
  *                 with nothing else running, then during the call>
- * `pairs pauses [SEGMENTS]` measures only the waits behind rm_free_reusable (100000 segments
- * unless given). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
+ * `pairs pauses [SEGMENTS [lent]]` measures only the waits behind rm_free_reusable (100000
+ * segments unless given; `lent`: segments made of lent pages, see free_reusable_pauses). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
  * the front cache passes to the pool, from one thread on device 0, then two threads on devices
  * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread; `pairs streams` the
  * same from one thread, then two threads on device 0, each on its own stream: `stream_pair`.
@@ -280,14 +280,46 @@ static void probe_end(pthread_t t, const char *head) {
          b[2], b[3], counts[2], d[0], d[1], d[2], d[3]);
 }
 
-/* `segments` idle 2 MiB segments returned by rm_free_reusable while the probe runs. Prints:
+/* `segments` idle segments returned by rm_free_reusable while the probe runs. Prints:
  * free_reusable <segments> <ms> <bytes> then, for the baseline and for the time of the call:
- * <calls> <median us> <p99.9 us> <max us> <calls over 100 us> */
-static void free_reusable_pauses(size_t segments) {
-  void **blocks = malloc(sizeof(void *) * segments);
-  for (size_t i = 0; i < segments; i++) blocks[i] = reserve((size_t)2 << 20, NULL);
-  for (size_t i = 0; i < segments; i++) check(rm_release(blocks[i]), "rm_release");
-  free(blocks);
+ * <calls> <median us> <p99.9 us> <max us> <calls over 100 us>
+ *
+ * Plain: `segments` blocks of 2 MiB reserved and released: with classic segments, a segment
+ * each. With `lent` (for the default's page-granular reuse, where growth takes headroom and the
+ * same requests would share a few large segments): a warm-up of 4 x `segments` 2 MiB pages
+ * carved into 2 MiB blocks; then, `segments` times, two of them released (not neighbours) and
+ * a block of 4 MiB reserved, which those two free pages make, mapped again into a range of its
+ * own (no memory created); then those blocks released: `segments` idle segments of two lent
+ * runs each, whose taking apart fills the holes in the warm-up's segment (the heavier way
+ * back). */
+static void free_reusable_pauses(size_t segments, int lent) {
+  size_t page = (size_t)2 << 20;
+  if (lent) {
+    void **pages = malloc(sizeof(void *) * 4 * segments);
+    void **ranges = malloc(sizeof(void *) * segments);
+    check(rm_warmup(0, 4 * segments * page), "rm_warmup");
+    for (size_t i = 0; i < 4 * segments; i++) pages[i] = reserve(page, NULL);
+    for (size_t i = 0; i < segments; i++) {
+      check(rm_release(pages[4 * i]), "rm_release");
+      check(rm_release(pages[4 * i + 2]), "rm_release");
+      ranges[i] = reserve(2 * page, NULL);
+    }
+    for (size_t i = 0; i < segments; i++) check(rm_release(ranges[i]), "rm_release");
+    rm_stats s;
+    check(rm_get_stats(0, &s), "rm_get_stats");
+    if (s.segments != segments + 1) {
+      fprintf(stderr, "lent: %llu segments, not %zu idle ones and the warm-up's\n",
+              (unsigned long long)s.segments, segments);
+      exit(1);
+    }
+    free(ranges);
+    free(pages);
+  } else {
+    void **blocks = malloc(sizeof(void *) * segments);
+    for (size_t i = 0; i < segments; i++) blocks[i] = reserve(page, NULL);
+    for (size_t i = 0; i < segments; i++) check(rm_release(blocks[i]), "rm_release");
+    free(blocks);
+  }
   pthread_t t = probe_begin(probe);
   size_t released = 0;
   double start = now_ns();
@@ -502,7 +534,8 @@ int main(int argc, char **argv) {
       }
     }
   } else {
-    free_reusable_pauses(argc > 2 ? (size_t)atol(argv[2]) : 100000);
+    free_reusable_pauses(argc > 2 ? (size_t)atol(argv[2]) : 100000,
+                         argc > 3 && strcmp(argv[3], "lent") == 0);
   }
   return 0;
 }

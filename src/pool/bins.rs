@@ -53,6 +53,13 @@ impl Bins {
             .map(|&(_, _, id)| id)
     }
 
+    /// The free blocks of at least `size` bytes, smallest first.
+    pub fn from(&self, size: u64) -> impl Iterator<Item = BlockId> + '_ {
+        self.set
+            .range((size, 0, BlockId::at(0))..)
+            .map(|&(_, _, id)| id)
+    }
+
     /// The size of the largest free block held (0 if none).
     pub fn largest(&self) -> u64 {
         self.set.last().map_or(0, |&(size, _, _)| size)

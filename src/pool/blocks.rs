@@ -79,6 +79,13 @@ impl Blocks {
         self.vacant.push(id);
     }
 
+    /// Whether `id` names a block that exists (not vacant).
+    pub fn is_held(&self, id: BlockId) -> bool {
+        self.slots
+            .get(id.index())
+            .is_some_and(|b| b.state != State::Vacant)
+    }
+
     /// Number of blocks that exist (not vacant).
     #[cfg(test)]
     pub fn len(&self) -> usize {

@@ -35,9 +35,11 @@
 //! before any step that needs the idle segments: idle-segment search, growth, and returning
 //! memory.
 
+use std::collections::BTreeMap;
+
 use super::bins::Bins;
 use super::blocks::{Block, Blocks, State};
-use super::hash::IntMap;
+use super::hash::{IntMap, IntSet};
 use super::ids::{BlockId, Id, IdleAt, SegId, SlotId, Table};
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
 use super::stats::Stats;
@@ -78,10 +80,11 @@ struct Segment {
     /// For a stitched segment (virtual-memory mode), its mappings in address order, tiling it.
     /// Empty for a segment from `cuMemAlloc`.
     runs: Vec<Run>,
-    /// The segments with a run lent by this one (each once): those to update when it is taken
-    /// apart, without a look at every other segment.
-    borrowers: Vec<SegId>,
-    /// Built from physical memory mapped into a reserved address range.
+    /// The segments with a run lent by this one: those to update when it is taken apart,
+    /// without a look at every other segment. A set, so that a lender of many ranges (a
+    /// warm-up lending to thousands) adds and drops one in constant time.
+    borrowers: IntSet<SegId>,
+    /// Built from physical memory mapped into an address range of its own.
     stitched: bool,
 }
 
@@ -139,6 +142,9 @@ pub struct DevicePool {
     vmm: VmmMode,
     /// The physical handles held in virtual-memory mode, and their spare pages.
     phys: Phys,
+    /// Every hole (lent pages, in a stitched segment) by its address: where lent pages come
+    /// back to without a walk along their lender's blocks.
+    holes: BTreeMap<DevicePtr, BlockId>,
     /// The address space stitched segments are carved from.
     addresses: Addresses,
     /// Address ranges whose unmapping failed, to retry.
@@ -172,6 +178,7 @@ impl DevicePool {
             vmm: VmmMode::Undecided,
             phys: Phys::default(),
             addresses: Addresses::default(),
+            holes: BTreeMap::new(),
             stuck: Vec::new(),
             lending: Vec::new(),
             headroom: Headroom::default(),

@@ -31,6 +31,9 @@ impl Hasher for IntHasher {
 /// A `HashMap` keyed by integers with [`IntHasher`].
 pub type IntMap<K, V> = std::collections::HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
+/// A `HashSet` of integers with [`IntHasher`].
+pub type IntSet<K> = std::collections::HashSet<K, BuildHasherDefault<IntHasher>>;
+
 #[cfg(test)]
 mod tests {
     use super::*;

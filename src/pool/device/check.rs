@@ -232,7 +232,7 @@ impl DevicePool {
     /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
     fn check_stitched(&self) -> std::result::Result<(), String> {
         self.phys.check()?;
-        let (mut lent, mut holes, mut owned) = (0u64, 0u64, 0u64);
+        let (mut lent, mut holes, mut owned, mut hole_blocks) = (0u64, 0u64, 0u64, 0usize);
         for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
             let mut at = 0;
             for r in &s.runs {
@@ -268,6 +268,10 @@ impl DevicePool {
                 let b = &self.blocks[id];
                 if b.state == State::Hole {
                     holes += b.size;
+                    hole_blocks += 1;
+                    if self.holes.get(&b.ptr) != Some(&id) {
+                        return Err(format!("hole {id:?} at {:#x} is not indexed", b.ptr));
+                    }
                 } else {
                     owned += b.size;
                 }
@@ -276,6 +280,12 @@ impl DevicePool {
         }
         if lent != holes {
             return Err(format!("{lent} bytes lent but {holes} bytes of holes"));
+        }
+        if hole_blocks != self.holes.len() {
+            return Err(format!(
+                "{hole_blocks} holes, but the index of holes holds {}",
+                self.holes.len()
+            ));
         }
         self.check_borrowers()?;
         self.check_addresses()?;

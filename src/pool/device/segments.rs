@@ -27,7 +27,7 @@ impl DevicePool {
                     in_use: false,
                     idle_at: None,
                     runs: Vec::new(),
-                    borrowers: Vec::new(),
+                    borrowers: IntSet::default(),
                     stitched: false,
                 });
                 // Room for every segment to be forgotten (see `Blocks::insert`).
@@ -60,7 +60,7 @@ impl DevicePool {
             in_use: true,
             idle_at: None,
             runs,
-            borrowers: Vec::new(),
+            borrowers: IntSet::default(),
             stitched,
         };
         self.bin_insert(slot, class, id);
@@ -149,6 +149,8 @@ impl DevicePool {
             debug_assert!(matches!(self.blocks[id].state, State::Free | State::Hole));
             if self.blocks[id].state == State::Free {
                 self.bin_remove(slot, class, id);
+            } else {
+                self.holes.remove(&self.blocks[id].ptr);
             }
             self.blocks.remove(id);
             id = next;

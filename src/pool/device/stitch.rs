@@ -72,6 +72,9 @@ pub(super) struct Piece {
     pages: Pages,
     /// Lent by this segment, where the pages are mapped at this address; `None`: spare pages.
     lender: Option<(SegId, DevicePtr)>,
+    /// For a lent piece, the free block it was found in, or one before it in its segment (a
+    /// block cut before it for another piece): where the search for it starts.
+    block: BlockId,
 }
 
 /// Choose pieces for `need` bytes: spare ones first (largest first), then of the lendable ones
@@ -87,7 +90,7 @@ pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piec
                 size,
                 ..piece.pages
             },
-            lender: piece.lender,
+            ..*piece
         });
         *left -= size;
     };
@@ -290,6 +293,7 @@ impl DevicePool {
                     size: made,
                 },
                 lender: None,
+                block: BlockId::NIL,
             });
         }
         let size = all.iter().map(|p| p.pages.size).sum();
@@ -313,6 +317,7 @@ impl DevicePool {
             .map(|pages| Piece {
                 pages,
                 lender: None,
+                block: BlockId::NIL,
             })
             .collect();
         let lendable = self.lendable(granularity);
@@ -327,52 +332,55 @@ impl DevicePool {
         for piece in &chosen {
             match piece.lender {
                 None => self.phys.take(piece.pages),
-                Some((seg, ptr)) => self.carve_hole(seg, ptr, piece.pages.size),
+                Some((seg, ptr)) => self.carve_hole(seg, piece.block, ptr, piece.pages.size),
             }
         }
         Ok(chosen)
     }
 
-    /// Every granularity-aligned interior of a free block, split along its segment's runs.
+    /// Every granularity-aligned interior of a free block of a large stitched segment, split
+    /// along its segment's runs. Found through the streams' bins of large blocks, from the
+    /// granularity up: the free blocks too small to hold an aligned page, and the blocks in
+    /// use, are never looked at.
     fn lendable(&self, granularity: u64) -> Vec<Piece> {
         let mut pieces = Vec::new();
-        for (seg, s) in self.segments.enumerate() {
-            // Small segments' pages stay for small requests, as PyTorch keeps its small pool:
-            // lent to larger ranges, they left small requests to create new ones.
-            if !s.in_use || !s.stitched || s.class == Class::Small {
+        let free = self
+            .slots
+            .iter()
+            .flat_map(|slot| slot.bins[Class::Large as usize].from(granularity));
+        for id in free {
+            let b = &self.blocks[id];
+            let seg = b.segment;
+            let s = &self.segments[seg];
+            // Small segments' pages stay for small requests, as PyTorch keeps its small pool
+            // (their blocks are in the small bins): lent to larger ranges, they left small
+            // requests to create new ones.
+            if !s.stitched {
                 continue;
             }
-            let mut id = s.first;
-            while id != BlockId::NIL {
-                let b = &self.blocks[id];
-                id = b.next;
-                if b.state != State::Free {
-                    continue;
+            let start = b.ptr.next_multiple_of(granularity);
+            let end = (b.ptr + b.size) / granularity * granularity;
+            if end <= start {
+                continue;
+            }
+            let first = s
+                .runs
+                .partition_point(|r| s.base + r.offset + r.pages.size <= start);
+            for r in &s.runs[first..] {
+                let (run_start, run_end) = (s.base + r.offset, s.base + r.offset + r.pages.size);
+                if run_start >= end {
+                    break;
                 }
-                let start = b.ptr.next_multiple_of(granularity);
-                let end = (b.ptr + b.size) / granularity * granularity;
-                if end <= start {
-                    continue;
-                }
-                let first = s
-                    .runs
-                    .partition_point(|r| s.base + r.offset + r.pages.size <= start);
-                for r in &s.runs[first..] {
-                    let (run_start, run_end) =
-                        (s.base + r.offset, s.base + r.offset + r.pages.size);
-                    if run_start >= end {
-                        break;
-                    }
-                    let (from, to) = (start.max(run_start), end.min(run_end));
-                    pieces.push(Piece {
-                        pages: Pages {
-                            handle: r.pages.handle,
-                            offset: r.pages.offset + (from - run_start),
-                            size: to - from,
-                        },
-                        lender: Some((seg, from)),
-                    });
-                }
+                let (from, to) = (start.max(run_start), end.min(run_end));
+                pieces.push(Piece {
+                    pages: Pages {
+                        handle: r.pages.handle,
+                        offset: r.pages.offset + (from - run_start),
+                        size: to - from,
+                    },
+                    lender: Some((seg, from)),
+                    block: id,
+                });
             }
         }
         pieces
@@ -442,12 +450,13 @@ impl DevicePool {
     }
 
     /// Mark `[ptr, ptr + size)` of `seg`, inside one free block, a hole: its pages are lent.
-    fn carve_hole(&mut self, seg: SegId, ptr: DevicePtr, size: u64) {
+    /// `hint` is that block or one before it in `seg` (the search starts there).
+    fn carve_hole(&mut self, seg: SegId, hint: BlockId, ptr: DevicePtr, size: u64) {
         let (slot, class) = {
             let s = &self.segments[seg];
             (s.slot, s.class)
         };
-        let id = self.block_at(seg, ptr);
+        let id = self.block_from(seg, hint, ptr);
         debug_assert_eq!(self.blocks[id].state, State::Free);
         if self.segments[seg].idle_at.is_some() {
             // With a hole it is no longer one free block: not idle any more.
@@ -467,15 +476,31 @@ impl DevicePool {
             self.blocks[id].state = State::Hole;
             self.blocks[id].size = size;
         }
+        self.holes.insert(start, hole);
         if end < bptr + bsize {
             let right = self.new_block_after(hole, end, bptr + bsize - end, State::Free);
             self.bin_insert(slot, class, right);
         }
     }
 
-    /// The block of `seg` that contains `ptr`.
+    /// The block of `seg` that contains `ptr`, found walking from its first block (the
+    /// invariant check's way: it trusts no index).
     pub(super) fn block_at(&self, seg: SegId, ptr: DevicePtr) -> BlockId {
-        let mut id = self.segments[seg].first;
+        self.block_from(seg, self.segments[seg].first, ptr)
+    }
+
+    /// The block of `seg` that contains `ptr`, found walking from `hint`, a block of `seg` at or
+    /// before `ptr`, or from the first block where `hint` is not one.
+    fn block_from(&self, seg: SegId, hint: BlockId, ptr: DevicePtr) -> BlockId {
+        let usable = hint != BlockId::NIL
+            && self.blocks.is_held(hint)
+            && self.blocks[hint].segment == seg
+            && self.blocks[hint].ptr <= ptr;
+        let mut id = if usable {
+            hint
+        } else {
+            self.segments[seg].first
+        };
         while self.blocks[id].ptr + self.blocks[id].size <= ptr {
             id = self.blocks[id].next;
         }
@@ -519,6 +544,7 @@ mod tests {
 
     fn spare(handle: PhysHandle, offset: u64, size: u64) -> Piece {
         Piece {
+            block: BlockId::NIL,
             pages: Pages {
                 handle,
                 offset,
@@ -530,6 +556,7 @@ mod tests {
 
     fn lent(seg: u16, ptr: DevicePtr, size: u64) -> Piece {
         Piece {
+            block: BlockId::NIL,
             pages: Pages {
                 handle: 100 + u64::from(seg),
                 offset: 0,

@@ -88,7 +88,7 @@ impl DevicePool {
         // Its own lenders lend it nothing any more.
         for r in &runs {
             if let Some((l, _)) = r.lender {
-                self.segments[l].borrowers.retain(|&b| b != seg);
+                self.segments[l].borrowers.remove(&seg);
             }
         }
         // Pages it owned go back to their lender, or become spare (changing only the lenders'
@@ -130,29 +130,34 @@ impl DevicePool {
     /// Lent pages `[ptr, ptr + size)` of `seg`, inside one hole, came back: free memory again,
     /// merged with its free neighbours.
     pub(super) fn fill_hole(&mut self, seg: SegId, ptr: DevicePtr, size: u64) {
-        let id = self.block_at(seg, ptr);
-        let (bptr, bsize) = (self.blocks[id].ptr, self.blocks[id].size);
+        let (&bptr, &id) = self
+            .holes
+            .range(..=ptr)
+            .next_back()
+            .expect("lent pages lie in a hole");
+        let bsize = self.blocks[id].size;
+        debug_assert_eq!(self.blocks[id].segment, seg);
         debug_assert_eq!(self.blocks[id].state, State::Hole);
         debug_assert!(ptr + size <= bptr + bsize);
         let middle = if bptr < ptr {
             self.blocks[id].size = ptr - bptr;
             self.new_block_after(id, ptr, size, State::Hole)
         } else {
+            self.holes.remove(&bptr);
             self.blocks[id].size = size;
             id
         };
         if ptr + size < bptr + bsize {
-            self.new_block_after(middle, ptr + size, bptr + bsize - ptr - size, State::Hole);
+            let rest = bptr + bsize - ptr - size;
+            let right = self.new_block_after(middle, ptr + size, rest, State::Hole);
+            self.holes.insert(ptr + size, right);
         }
         self.free_block(middle);
     }
 
     /// Note that `borrower` has a run lent by `lender`.
     pub(super) fn add_borrower(&mut self, lender: SegId, borrower: SegId) {
-        let borrowers = &mut self.segments[lender].borrowers;
-        if !borrowers.contains(&borrower) {
-            borrowers.push(borrower);
-        }
+        self.segments[lender].borrowers.insert(borrower);
     }
 
     /// Return cached memory until at least `needed` bytes went back to the driver (`u64::MAX`:
