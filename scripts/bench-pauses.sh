@@ -48,7 +48,7 @@ for i in $(seq 1 "$runs"); do
     CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
   echo "reference $i mutex $("$out/this/pairs" handoff)" >> "$out/results"
-  "$out/this/pairs" work > "$out/work-$i"
+  "$out/this/pairs" work 12000 > "$out/work-$i"
   for entry in "${probes[@]}"; do
     name=${entry%%:*}
     CUDA_SIM_DEVICES=240GiB "$out/$name/pairs" pauses > /dev/null 2> "$out/holds-${name#probe-}-$i-default"
@@ -66,7 +66,10 @@ print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {p
       f"{cpu} CPUs (`nproc`), Linux {platform.release()}; simulated devices through "
       "`libcuda_sim.so`. Waits in µs of `rm_mem_get_info` calls in a loop on another thread "
       "(they take the device's lock), with nothing else running (alone) and during "
-      "`rm_free_reusable` of 100k idle 2 MiB segments (240 GiB device); `mutex` is the same "
+      "`rm_free_reusable`: `default`, 100k 2 MiB blocks reserved and released (240 GiB device; "
+      "the default's growth headroom packs them into a few large segments); `lent`, the default "
+      "with 100k idle segments made of two lent 2 MiB pages each (`pairs pauses 100000 lent`, "
+      "960 GiB device); `classic`, classic segments, the 100k blocks a segment each; `mutex` is the same "
       "probe behind a pthread mutex held 20 µs at a time, 320 times, with the pool's hand-over "
       "between holds (the machine's share).\n")
 print("| library | run | policy | rm_free_reusable (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")
@@ -100,7 +103,8 @@ for lib, run, threads, ns in pairs:
 for (lib, run), v in rows.items():
     print(f"| {lib} | {run} | {v.get('d1', '-')} | {v.get('d2', '-')} | {v.get('s2', '-')} |")
 print()
-print("The holds of the device's lock by `rm_free_reusable` of 100k idle 2 MiB segments, timed "
+print("The holds of the device's lock by `rm_free_reusable` (as above: `default`, 100k 2 MiB "
+      "blocks released; `lent`, 100k idle segments of lent pages; `classic`, 100k segments), timed "
       "inside the library (a copy built with the `hold-probe` feature), in µs: wall-clock, and "
       "the sweeping thread's own CPU time. For the longest hold (wall): its sweep step; glibc's "
       "count of free chunks in its fastbins before and after it (`mallinfo2`, read outside the "
@@ -108,8 +112,8 @@ print("The holds of the device's lock by `rm_free_reusable` of 100k idle 2 MiB s
       "and the thread's involuntary context switches in it (`getrusage`: a preemption). The last "
       "column counts the holds in which more than 100 fastbin chunks were merged, and gives the "
       "longest of them in CPU time. "
-      "`fixed work` is the machine's own share, with no pool and no lock: 500 spans of a fixed "
-      "number of steps of a random walk through 64 MiB, as many as take 25 µs at the median "
+      "`fixed work` is the machine's own share, with no pool and no lock: 12,000 spans (about "
+      "as many as the `lent` sweep's holds) of a fixed number of steps of a random walk through 64 MiB, as many as take 25 µs at the median "
       "(`pairs work`), timed the same way in the same run.\n")
 print("| library | run | policy | holds | median | 99th pct | max wall | max CPU | holds over 100 µs, wall / CPU | longest: step, fastbin, switches | holds merging over 100 fastbin chunks: count, longest CPU |")
 print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
