@@ -62,15 +62,20 @@ static void *reserve_on(int device, size_t size, void *stream) {
 
 static void *reserve(size_t size, void *stream) { return reserve_on(0, size, stream); }
 
-/* A new simulated stream on `device` for the calling thread (its context made current first). */
-static void *new_stream(int device) {
-  void *ctx = NULL, *stream = NULL;
-  if (cu_retain(&ctx, device) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
+/* A new simulated stream on `device` for the calling thread (its context made current first);
+ * with `reuse`, the stream `*reuse` if made already. */
+static void *stream_on(int device, void **reuse) {
+  void *ctx = NULL, *stream = reuse ? *reuse : NULL;
+  if (cu_retain(&ctx, device) != 0 || cu_push(ctx) != 0 ||
+      (!stream && cu_stream_create(&stream, 0) != 0)) {
     fprintf(stderr, "creating a simulated stream on device %d failed\n", device);
     exit(1);
   }
+  if (reuse) *reuse = stream;
   return stream;
 }
+
+static void *new_stream(int device) { return stream_on(device, NULL); }
 
 /* ----- pairs from N threads ----- */
 
@@ -79,6 +84,10 @@ static size_t pair_size;
 static int use_glibc;
 /* Each thread on the device of its index (`devices` mode), else all on device 0. */
 static int device_each;
+/* `pairs sweep`: every worker on one stream, made by the first, so that the shifts of the
+ * stack are all that differs between its runs (a new stream would key another bin). */
+static int one_stream;
+static void *the_stream;
 static void *volatile sink;
 
 struct worker {
@@ -101,7 +110,7 @@ static long run_ns = 200 * 1000 * 1000;
 static void *work(void *arg) {
   struct worker *w = arg;
   int dev = device_each ? (int)(w - workers) : 0;
-  void *stream = use_glibc ? NULL : new_stream(dev);
+  void *stream = use_glibc ? NULL : stream_on(dev, one_stream ? &the_stream : NULL);
   if (!use_glibc) {
     check(rm_release(reserve_on(dev, pair_size, stream)), "rm_release"); /* now cached */
   }
@@ -446,6 +455,7 @@ static void shift_sweep(const size_t sizes[4], size_t cached, size_t step, long 
   add_cached(cached);
   run_ns = ms * 1000 * 1000;
   shift_stack = 1;
+  one_stream = 1;
   for (int s = 0; s < 4; s++) {
     if (only && sizes[s] != only) continue;
     for (size_t shift = 0; shift < 4096; shift += step) {
