@@ -95,8 +95,13 @@ fn the_pair_benchmark_runs_its_two_stream_and_fixed_work_modes() {
 fn the_pair_benchmark_runs_its_stack_shift_sweep() {
     let exe = compile("pairs");
     // 512-byte pairs with nothing else cached, the stack shifted 0 and 2048 bytes (steps of
-    // 2048), 1 ms each: resmem's line, then glibc's, at each shift.
-    let out = run(&exe, &["sweep", "0", "2048", "1", "512"], Driver::SimLibrary, &[]);
+    // 2048), 1 ms each, one pass: resmem's line, then glibc's, at each shift.
+    let out = run(
+        &exe,
+        &["sweep", "0", "2048", "1", "512", "1"],
+        Driver::SimLibrary,
+        &[],
+    );
     let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split(' ').collect()).collect();
     let heads: Vec<&[&str]> = lines.iter().map(|f| &f[..5]).collect();
     assert_eq!(

@@ -104,8 +104,9 @@ static double thread_cpu_ns(void) {
 
 static struct worker workers[64];
 
-/* How long each measurement runs after its warm-up, in ns (`pairs sweep` shortens it). */
-static long run_ns = 200 * 1000 * 1000;
+/* How long each measurement runs, and its warm-up before, in ns (`pairs sweep` shortens
+ * both). */
+static long run_ns = 200 * 1000 * 1000, warm_ns = 20 * 1000 * 1000;
 
 static void *work(void *arg) {
   struct worker *w = arg;
@@ -143,8 +144,8 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* Run `body` on `threads` threads (each given its `workers` slot) for `run_ns` after a 20 ms
- * warm-up; the median over threads of each thread's wall time per pair, and of its CPU time per
+/* Run `body` on `threads` threads (each given its `workers` slot) for `run_ns` after a warm-up
+ * of `warm_ns`; the median over threads of each thread's wall time per pair, and of its CPU time per
  * pair (`*cpu`: the time the thread ran, which leaves out the time it waited for a CPU). */
 static double time_workers(void *(*body)(void *), int threads, double *cpu) {
   double per[64], per_cpu[64];
@@ -154,7 +155,7 @@ static double time_workers(void *(*body)(void *), int threads, double *cpu) {
     memset(&workers[t], 0, sizeof workers[t]);
     pthread_create(&workers[t].thread, NULL, body, &workers[t]);
   }
-  struct timespec warm = {0, 20 * 1000 * 1000}, run = {run_ns / 1000000000, run_ns % 1000000000};
+  struct timespec warm = {0, warm_ns}, run = {run_ns / 1000000000, run_ns % 1000000000};
   nanosleep(&warm, NULL);
   atomic_store(&go, 1);
   nanosleep(&run, NULL);
@@ -449,23 +450,29 @@ static void stream_pairs(void) {
 }
 
 /* The one-thread pair of each size (or only of size `only`; resmem's, then glibc's) with
- * `cached` other blocks cached, the worker's stack shifted by each multiple of `step` below 4096, `ms` ms each.
- * Prints `shift <impl> <size> <cached> <shift> <wall ns> <CPU ns>` per pair. */
-static void shift_sweep(const size_t sizes[4], size_t cached, size_t step, long ms, size_t only) {
+ * `cached` other blocks cached, the worker's stack shifted by each multiple of `step` below 4096,
+ * `ms` ms each after a 5 ms warm-up; all of it `passes` times over, so that each shift is timed
+ * at several moments (a minimum over them leaves out the machine's other work). Prints
+ * `shift <impl> <size> <cached> <shift> <wall ns> <CPU ns>` per pair. */
+static void shift_sweep(const size_t sizes[4], size_t cached, size_t step, long ms, size_t only,
+                        int passes) {
   add_cached(cached);
   run_ns = ms * 1000 * 1000;
+  warm_ns = 5 * 1000 * 1000;
   shift_stack = 1;
   one_stream = 1;
-  for (int s = 0; s < 4; s++) {
-    if (only && sizes[s] != only) continue;
-    for (size_t shift = 0; shift < 4096; shift += step) {
-      stack_shift = shift;
-      for (int glibc = 0; glibc < 2; glibc++) {
-        double cpu, wall = run_pairs(1, sizes[s], glibc, &cpu);
-        printf("shift %s %zu %zu %zu %.2f %.2f\n", glibc ? "glibc" : "resmem", sizes[s], cached,
-               shift, wall, cpu);
+  for (int pass = 0; pass < passes; pass++) {
+    for (int s = 0; s < 4; s++) {
+      if (only && sizes[s] != only) continue;
+      for (size_t shift = 0; shift < 4096; shift += step) {
+        stack_shift = shift;
+        for (int glibc = 0; glibc < 2; glibc++) {
+          double cpu, wall = run_pairs(1, sizes[s], glibc, &cpu);
+          printf("shift %s %zu %zu %zu %.2f %.2f\n", glibc ? "glibc" : "resmem", sizes[s],
+                 cached, shift, wall, cpu);
+        }
+        fflush(stdout);
       }
-      fflush(stdout);
     }
   }
 }
@@ -508,8 +515,8 @@ int main(int argc, char **argv) {
   }
   if (argc > 2 && strcmp(argv[1], "sweep") == 0) {
     size_t step = argc > 3 ? (size_t)atol(argv[3]) : 64;
-    shift_sweep(sizes, (size_t)atol(argv[2]), step ? step : 64, argc > 4 ? atol(argv[4]) : 50,
-                argc > 5 ? (size_t)atol(argv[5]) : 0);
+    shift_sweep(sizes, (size_t)atol(argv[2]), step ? step : 64, argc > 4 ? atol(argv[4]) : 20,
+                argc > 5 ? (size_t)atol(argv[5]) : 0, argc > 6 ? atoi(argv[6]) : 4);
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "handoff") == 0) {
