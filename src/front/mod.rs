@@ -132,8 +132,9 @@ impl Front {
     /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
     /// from the calling thread's own bin of `(device, stream, size)` when that is the key's home
     /// bin; `None`, with nothing changed, where the bin is empty or elsewhere (see
-    /// [`Front::reserve_probed`]), or the thread is not bound, or the size is not cached. No
-    /// call is made, so the exports' hit paths save no registers on the stack for it.
+    /// [`Front::reserve_probed`]), or the thread is not bound, or the size is not cached. It
+    /// makes no call, so that the exports' hit paths have none to save registers around (see
+    /// `capi::hit`).
     #[inline(always)]
     pub(crate) fn reserve_hit(
         &self,
@@ -188,8 +189,8 @@ impl Front {
     /// The hit path of [`Front::release`]: the caller's own block, used on its stream only,
     /// going back to the bin it was last cached in (named by the tag in its entry), which has
     /// room for it. `true` once it is cached there; `false`, with nothing changed, for anything
-    /// else ([`Front::release_known`] then finds what to do). No call is made, so the exports'
-    /// hit paths save no registers on the stack for it.
+    /// else ([`Front::release_known`] then finds what to do). It makes no call, so that the
+    /// exports' hit paths have none to save registers around (see `capi::hit`).
     #[inline(always)]
     pub(crate) fn release_hit(&self, t: &tls::Thread, ptr: DevicePtr) -> bool {
         let inner = &*self.inner;
@@ -236,18 +237,8 @@ impl Front {
         t: &tls::Thread,
         ptr: DevicePtr,
     ) -> Option<std::result::Result<(), Box<Error>>> {
-        let index = self.inner.map.get(ptr)?;
-        self.release_other(t, ptr, index)
-    }
-
-    /// [`Front::release_known`] of the block at `ptr`, of entry `index`.
-    fn release_other(
-        &self,
-        t: &tls::Thread,
-        ptr: DevicePtr,
-        index: u32,
-    ) -> Option<std::result::Result<(), Box<Error>>> {
         let inner = &self.inner;
+        let index = inner.map.get(ptr)?;
         let e = inner.entries.get(index);
         match e.word.compare_exchange(
             Entry::word_of(ptr, USER),
