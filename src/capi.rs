@@ -129,9 +129,9 @@ fn fail(function: &str, error: Error) -> rm_status {
 /// the thread-local is reached through a TLS descriptor (`.cargo/config.toml`), whose call keeps
 /// every register but its result, so that the arguments stay in registers. For the same reason
 /// it leaves the boundary flag alone (the quiet panic hook's, which [`boundary`] and
-/// [`past_hit`] set): `f` has no call, unchecked index or checked arithmetic that could panic;
-/// if a change ever made it panic, the panic would still be caught here, only reported by the
-/// hook as any other.
+/// [`past_hit`] set): nothing in `f` can panic (no call; its indices are in bounds by
+/// construction, masked or shifted; its arithmetic cannot overflow). If a change ever made it panic, the panic would still
+/// be caught here, only reported by the hook as any other.
 #[inline(always)]
 fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
     let front = runtime::fast()?;
