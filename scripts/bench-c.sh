@@ -3,12 +3,19 @@
 # free measured in the same run: cache-hit pairs from 1, 2, 4 and 8 threads (each on its own
 # simulated stream) at 512 B, 64 KiB, 4 MiB and 64 MiB with 0, 1k and 100k other blocks cached;
 # rm_get_stats with those caches; and the instructions of one pair under callgrind. (The waits
-# behind rm_free_reusable are scripts/bench-pauses.sh's.) Runs everything RUNS times (default 3) and prints a Markdown section with the
-# minimum and the median of the runs.
+# behind rm_free_reusable are scripts/bench-pauses.sh's.) Runs everything RUNS times (default 3)
+# and prints a Markdown section with the minimum and the median of the runs. Then the one-thread
+# pair under a sweep of the worker's stack shifts (`pairs sweep`, 0 to 4032 bytes in steps of 64,
+# with 0 and 100k blocks cached): where a block's record sits relative to the stack the calls
+# write to must not decide its time, so each case is given as the minimum, median and maximum over
+# the shifts (each shift's figure the minimum over its timings: 4 passes in each run).
 #
 #   scripts/bench-c.sh            # build (release), run, print the section
 #   RUNS=1 scripts/bench-c.sh     # one run
 #   REPORT_ONLY=1 scripts/bench-c.sh   # print the section from the last runs' files
+#   SWEEP_ONLY=1 scripts/bench-c.sh    # only the stack-shift sweep (and its table)
+#   BEFORE_LIB=DIR scripts/bench-c.sh  # also the sweep with DIR/libresmem.so.0 (another build,
+#                                      # e.g. of an earlier commit) in each run, for its table
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
@@ -21,9 +28,21 @@ gcc -O2 -std=c11 -Wall -Wextra -Iinclude benches/c/pairs.c -o "$out/pairs" \
   -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -lpthread -ldl
 export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
 if [ -z "${REPORT_ONLY:-}" ]; then
+  rm -f "$out"/sweep-before.*
   for i in $(seq 1 "$runs"); do
-    CUDA_SIM_DEVICES=80GiB "$out/pairs" > "$out/pairs.$i"
+    if [ -z "${SWEEP_ONLY:-}" ]; then
+      CUDA_SIM_DEVICES=80GiB "$out/pairs" > "$out/pairs.$i"
+    fi
+    for cached in 0 100000; do
+      if [ -n "${BEFORE_LIB:-}" ]; then
+        LD_LIBRARY_PATH="$BEFORE_LIB" CUDA_SIM_DEVICES=80GiB "$out/pairs" sweep "$cached" \
+          > "$out/sweep-before.$cached.$i"
+      fi
+      CUDA_SIM_DEVICES=80GiB "$out/pairs" sweep "$cached" > "$out/sweep.$cached.$i"
+    done
   done
+fi
+if [ -z "${REPORT_ONLY:-}" ] && [ -z "${SWEEP_ONLY:-}" ]; then
   # Instructions of one cache-hit pair (callgrind: 120k pairs less 20k pairs, over 100k).
   : > "$out/instructions"
   if command -v valgrind >/dev/null; then
@@ -38,9 +57,60 @@ if [ -z "${REPORT_ONLY:-}" ]; then
     done
   fi
 fi
-python3 - "$out" "$runs" <<'PY'
+python3 - "$out" "$runs" "${SWEEP_ONLY:-}" <<'PY'
 import statistics, sys, platform, subprocess, datetime, os
-out, runs = sys.argv[1], int(sys.argv[2])
+out, runs, sweep_only = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def human(n):
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+def sweep_table(name="sweep", title="The one-thread pair under a sweep of stack shifts"):
+    # (impl, size, cached) -> shift -> CPU ns of each run
+    shifts = {}
+    for cached in (0, 100000):
+        for i in range(1, runs + 1):
+            for line in open(f"{out}/{name}.{cached}.{i}"):
+                f = line.split()
+                if f[0] == "shift":
+                    key = (f[1], int(f[2]), int(f[3]))
+                    shifts.setdefault(key, {}).setdefault(int(f[4]), []).append(float(f[6]))
+    def over_shifts(key):
+        # The minimum over the runs at each shift, in shift order.
+        return [min(v) for _, v in sorted(shifts[key].items())]
+    print(f"### {title}\n")
+    n = len(shifts[next(iter(shifts))])
+    timings = len(next(iter(shifts[next(iter(shifts))].values())))
+    print(f"`scripts/bench-c.sh` (`pairs sweep 0` and `pairs sweep 100000`), {runs} runs; date "
+          f"{datetime.date.today()}. One thread repeats `rm_reserve` + `rm_release` (glibc: `malloc` + "
+          f"`free`) for 20 ms (after 5 ms to start) with its stack shifted by each of {n} shifts (0 to "
+          f"{64 * (n - 1)} bytes, steps of 64), so that the stack the calls write to sits at every "
+          "offset within a page relative to the block's record and the rest of what the hit path "
+          "reads; every run times each shift in 4 passes over them all, each thread on the same "
+          "stream (so the same bin). CPU time per pair; each shift's figure is its minimum over its "
+          f"{timings} timings (the passes of all runs: the machine's other work only adds); then the "
+          "minimum, median and maximum over the shifts. Worst / glibc is the maximum over the shifts "
+          "over glibc's median; flatness is the maximum over the shifts with 100k cached over the "
+          "median with 0 cached.\n")
+    print("| size | cached | resmem min / median / max (ns) | shifts over 20 ns | glibc min / median / max (ns) | worst / glibc | flatness (worst) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for size in sorted({k[1] for k in shifts}):
+        base = statistics.median(over_shifts(("resmem", size, 0)))
+        for cached in (0, 100000):
+            r, g = over_shifts(("resmem", size, cached)), over_shifts(("glibc", size, cached))
+            gm = statistics.median(g)
+            flat = f"{max(r) / base:.2f}" if cached else ""
+            print(f"| {human(size)} | {cached:,} | {min(r):.1f} / {statistics.median(r):.1f} / {max(r):.1f} | "
+                  f"{sum(x > 20 for x in r)} of {len(r)} | {min(g):.1f} / {gm:.1f} / {max(g):.1f} | "
+                  f"{max(r) / gm:.2f} | {flat} |")
+    print()
+def sweep_tables():
+    sweep_table()
+    if os.path.exists(f"{out}/sweep-before.0.1"):
+        sweep_table("sweep-before", "The same sweep with the library of `BEFORE_LIB`, in the same runs")
+if sweep_only:
+    sweep_tables()
+    sys.exit(0)
 pairs, stats = {}, {}
 for i in range(1, runs + 1):
     for line in open(f"{out}/pairs.{i}"):
@@ -50,11 +120,6 @@ for i in range(1, runs + 1):
             pairs.setdefault((f[1], int(f[2]), int(f[3]), int(f[4])), []).append((float(f[5]), float(f[6])))
         elif f[0] == "stats":
             stats.setdefault(int(f[1]), []).append(float(f[2]))
-def human(n):
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n // size} {unit}"
-    return f"{n} B"
 def mm(v):
     return min(v), statistics.median(v)
 def wall(v):
@@ -102,4 +167,5 @@ instructions = [line.split() for line in open(f"{out}/instructions")]
 if instructions:
     print("Instructions of one cache-hit pair, one thread (callgrind, `pairs count`): " +
           ", ".join(f"{human(int(size))} {n}" for size, n in instructions) + "\n")
+sweep_tables()
 PY

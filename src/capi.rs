@@ -118,11 +118,33 @@ fn fail(function: &str, error: Error) -> rm_status {
 }
 
 /// The hit path of an export: `f` on the started pool's front and the calling thread's state,
-/// inside the same panic catch and boundary flag as [`boundary`], taken only while the pool is
-/// started and nothing is recorded (see [`runtime::fast`]). `None`: `f` changed nothing, or
-/// panicked; the caller takes the full path.
+/// inside a panic catch as [`boundary`]'s, taken only while the pool is started and nothing is
+/// recorded (see [`runtime::fast`]). `None`: `f` changed nothing, or panicked; the caller goes
+/// on past its hit path.
+///
+/// The hit path stores as little as it can before it loads the bin's and the block's entry: a
+/// load waits behind an earlier store at the same offset within a page (the CPU cannot tell
+/// them apart at first), and the stack the calls write to may sit at any offset relative to
+/// them. So `f` makes no call (around which the export would save registers on the stack), and
+/// the thread-local is reached through a TLS descriptor (`.cargo/config.toml`), whose call keeps
+/// every register but its result, so that the arguments stay in registers. For the same reason
+/// it leaves the boundary flag alone (the quiet panic hook's, which [`boundary`] and
+/// [`past_hit`] set): nothing in `f` can panic (no call; its indices are in bounds by
+/// construction, masked or shifted; its arithmetic cannot overflow). If a change ever made it panic, the panic would still
+/// be caught here, only reported by the hook as any other.
 #[inline(always)]
 fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
+    let front = runtime::fast()?;
+    let t = tls::current();
+    panic::catch_unwind(AssertUnwindSafe(|| f(front, t)))
+        .ok()
+        .flatten()
+}
+
+/// [`hit`] for what an export tries past its hit path and before its full path (out of line):
+/// inside the boundary flag too, as [`boundary`].
+#[inline(always)]
+fn past_hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
     let front = runtime::fast()?;
     let t = tls::current();
     let outer = t.in_boundary.replace(true);
@@ -131,19 +153,35 @@ fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R
     outcome.ok().flatten()
 }
 
-/// A block for `(device, size, stream)` from the calling thread's front cache, if it holds one
-/// (nothing else is tried); for `rm_reserve` and `rm_torch_malloc`.
+/// A block for `(device, size, stream)` from the calling thread's front cache, if its home bin
+/// of that key holds one (nothing else is tried); for `rm_reserve` and `rm_torch_malloc`.
 #[inline(always)]
 pub(crate) fn reserve_hit(device: c_int, size: u64, stream: *mut c_void) -> Option<DevicePtr> {
     hit(|front, t| front.reserve_hit(t, device, size, stream as u64))
 }
 
+/// [`reserve_hit`] of a key its home bin does not hold (see [`Front::reserve_probed`]), where
+/// the callers go on past their hit path.
+#[cold]
+#[inline(never)]
+pub(crate) fn reserve_probed(device: c_int, size: u64, stream: *mut c_void) -> Option<DevicePtr> {
+    past_hit(|front, t| front.reserve_probed(t, device, size, stream as u64))
+}
+
+/// Whether `ptr` was released into the calling thread's front cache on the hit path (see
+/// [`Front::release_hit`]); `false`, with nothing changed, otherwise. For `rm_release` and
+/// `rm_torch_free`.
+#[inline(always)]
+pub(crate) fn release_hit(ptr: *mut c_void) -> bool {
+    hit(|front, t| front.release_hit(t, ptr as DevicePtr).then_some(())).is_some()
+}
+
 /// Release `ptr` if it is a block the front caches know and hold for a caller (see
 /// [`Front::release_known`]); `None` where the pool must be asked. For `rm_release` and
-/// `rm_torch_free`, whose `function` name an error.
-#[inline(always)]
-pub(crate) fn release_hit(function: &str, ptr: *mut c_void) -> Option<rm_status> {
-    let outcome = hit(|front, t| front.release_known(t, ptr as DevicePtr))?;
+/// `rm_torch_free` past [`release_hit`], whose `function` names an error.
+#[inline(never)]
+pub(crate) fn release_known(function: &str, ptr: *mut c_void) -> Option<rm_status> {
+    let outcome = past_hit(|front, t| front.release_known(t, ptr as DevicePtr))?;
     Some(match outcome {
         Ok(()) => rm_status::RM_SUCCESS,
         Err(error) => fail_boxed(function, error),
@@ -263,10 +301,11 @@ pub unsafe extern "C" fn rm_reserve(
 }
 
 /// [`rm_reserve`] past its hit path, in a function of its own so that the hit path saves no
-/// registers for it.
+/// registers for it: a key displaced from its home bin, then the full path.
 ///
 /// # Safety
 /// As [`rm_reserve`].
+#[cold]
 #[inline(never)]
 unsafe fn reserve_call(
     device: c_int,
@@ -274,6 +313,13 @@ unsafe fn reserve_call(
     stream: *mut c_void,
     out_ptr: *mut *mut c_void,
 ) -> rm_status {
+    if !out_ptr.is_null() {
+        if let Some(ptr) = reserve_probed(device, size_arg(size), stream) {
+            // SAFETY: checked non-null; valid for writes by the caller's contract.
+            unsafe { out_ptr.write(ptr as *mut c_void) };
+            return rm_status::RM_SUCCESS;
+        }
+    }
     boundary("rm_reserve", || {
         if out_ptr.is_null() {
             return Err(null_argument("out_ptr"));
@@ -298,15 +344,20 @@ unsafe fn reserve_call(
 /// None beyond passing a value: the pointer is looked up, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn rm_release(ptr: *mut c_void) -> rm_status {
-    if let Some(status) = release_hit("rm_release", ptr) {
-        return status;
+    if release_hit(ptr) {
+        return rm_status::RM_SUCCESS;
     }
     release_call(ptr)
 }
 
-/// [`rm_release`] past its hit path (see [`reserve_call`]).
+/// [`rm_release`] past its hit path (see [`reserve_call`]): a block the front knows, then the
+/// full path.
+#[cold]
 #[inline(never)]
 fn release_call(ptr: *mut c_void) -> rm_status {
+    if let Some(status) = release_known("rm_release", ptr) {
+        return status;
+    }
     boundary("rm_release", || {
         if ptr.is_null() {
             return Ok(());

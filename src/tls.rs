@@ -1,11 +1,14 @@
 //! What every call reads of the calling thread's state, in one thread-local: whether the
-//! thread is inside an export (read by the quiet panic hook, installed here) and the front
-//! cache it used last.
+//! thread is inside an export's boundary (read by the quiet panic hook, installed here; the
+//! exports' hit paths leave it alone, see `capi::hit`) and the front cache it used last.
 //!
-//! In a shared object, Rust reaches a thread-local through `__tls_get_addr` (the
-//! general-dynamic model); one thread-local for both keeps it at one lookup per call, where two
-//! cost one each. It is constant-initialised and has no destructor, so it stays usable at any
-//! point of a thread's exit (a call from another key's destructor, from an `atexit` handler).
+//! In a shared object, Rust reaches a thread-local through a call: `__tls_get_addr` (the
+//! general-dynamic model), or, on x86-64 Linux where `.cargo/config.toml` asks for TLS
+//! descriptors, the descriptor's function, which keeps every register but its result (for a
+//! library loaded with the program, two instructions). One thread-local for both keeps it at one
+//! lookup per call, where two cost one each. It is constant-initialised and has no destructor, so
+//! it stays usable at any point of a thread's exit (a call from another key's destructor, from an
+//! `atexit` handler).
 
 use std::cell::Cell;
 use std::panic;
@@ -14,8 +17,8 @@ use std::sync::Once;
 
 /// The calling thread's per-call state.
 pub(crate) struct Thread {
-    /// Inside an export's panic boundary: a panic here is caught and reported as a status, so
-    /// the quiet hook keeps it off stderr.
+    /// Inside an export's panic boundary (past its hit path): a panic here is caught and
+    /// reported as a status, so the quiet hook keeps it off stderr.
     pub in_boundary: Cell<bool>,
     /// The front (by id; 0: none) and the thread cache of this thread's last call into one
     /// (the common case: one front in the process). The cache is a

@@ -44,6 +44,19 @@ pub unsafe extern "C" fn rm_torch_malloc(
     {
         return ptr as *mut c_void;
     }
+    malloc_call(size, device, stream)
+}
+
+/// [`rm_torch_malloc`] past its hit path: a key displaced from its home bin, then the full path.
+#[cold]
+#[inline(never)]
+fn malloc_call(size: ssize_t, device: c_int, stream: *mut c_void) -> *mut c_void {
+    if let Some(ptr) = u64::try_from(size)
+        .ok()
+        .and_then(|size| crate::capi::reserve_probed(device, size, stream))
+    {
+        return ptr as *mut c_void;
+    }
     let mut ptr: DevicePtr = 0;
     boundary("rm_torch_malloc", || {
         let size = u64::try_from(size).map_err(|_| {
@@ -73,7 +86,16 @@ pub unsafe extern "C" fn rm_torch_free(
     stream: *mut c_void,
 ) {
     let _ = (size, device, stream);
-    if crate::capi::release_hit("rm_torch_free", ptr).is_some() {
+    if !crate::capi::release_hit(ptr) {
+        free_call(ptr);
+    }
+}
+
+/// [`rm_torch_free`] past its hit path: a block the front knows, then the full path.
+#[cold]
+#[inline(never)]
+fn free_call(ptr: *mut c_void) {
+    if crate::capi::release_known("rm_torch_free", ptr).is_some() {
         return;
     }
     boundary("rm_torch_free", || {

@@ -90,3 +90,35 @@ fn the_pair_benchmark_runs_its_two_stream_and_fixed_work_modes() {
     let f: Vec<&str> = out.trim_end().split(' ').collect();
     assert_eq!((f[0], f[1], f.len()), ("work", "50", 8), "{out}");
 }
+
+#[test]
+fn the_pair_benchmark_runs_its_stack_shift_sweep() {
+    let exe = compile("pairs");
+    // 512-byte pairs with nothing else cached, the stack shifted 0 and 2048 bytes (steps of
+    // 2048), 1 ms each, one pass: resmem's line, then glibc's, at each shift.
+    let out = run(
+        &exe,
+        &["sweep", "0", "2048", "1", "512", "1"],
+        Driver::SimLibrary,
+        &[],
+    );
+    let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split(' ').collect()).collect();
+    let heads: Vec<&[&str]> = lines.iter().map(|f| &f[..5]).collect();
+    assert_eq!(
+        heads,
+        [
+            ["shift", "resmem", "512", "0", "0"],
+            ["shift", "glibc", "512", "0", "0"],
+            ["shift", "resmem", "512", "0", "2048"],
+            ["shift", "glibc", "512", "0", "2048"],
+        ],
+        "{out}"
+    );
+    // Wall and CPU time per pair, each a positive number.
+    for f in &lines {
+        assert_eq!(f.len(), 7, "{out}");
+        for v in &f[5..] {
+            assert!(v.parse::<f64>().is_ok_and(|v| v > 0.0), "{out}");
+        }
+    }
+}

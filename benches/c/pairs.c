@@ -62,15 +62,20 @@ static void *reserve_on(int device, size_t size, void *stream) {
 
 static void *reserve(size_t size, void *stream) { return reserve_on(0, size, stream); }
 
-/* A new simulated stream on `device` for the calling thread (its context made current first). */
-static void *new_stream(int device) {
-  void *ctx = NULL, *stream = NULL;
-  if (cu_retain(&ctx, device) != 0 || cu_push(ctx) != 0 || cu_stream_create(&stream, 0) != 0) {
+/* A new simulated stream on `device` for the calling thread (its context made current first);
+ * with `reuse`, the stream `*reuse` if made already. */
+static void *stream_on(int device, void **reuse) {
+  void *ctx = NULL, *stream = reuse ? *reuse : NULL;
+  if (cu_retain(&ctx, device) != 0 || cu_push(ctx) != 0 ||
+      (!stream && cu_stream_create(&stream, 0) != 0)) {
     fprintf(stderr, "creating a simulated stream on device %d failed\n", device);
     exit(1);
   }
+  if (reuse) *reuse = stream;
   return stream;
 }
+
+static void *new_stream(int device) { return stream_on(device, NULL); }
 
 /* ----- pairs from N threads ----- */
 
@@ -79,6 +84,10 @@ static size_t pair_size;
 static int use_glibc;
 /* Each thread on the device of its index (`devices` mode), else all on device 0. */
 static int device_each;
+/* `pairs sweep`: every worker on one stream, made by the first, so that the shifts of the
+ * stack are all that differs between its runs (a new stream would key another bin). */
+static int one_stream;
+static void *the_stream;
 static void *volatile sink;
 
 struct worker {
@@ -95,10 +104,14 @@ static double thread_cpu_ns(void) {
 
 static struct worker workers[64];
 
+/* How long each measurement runs, and its warm-up before, in ns (`pairs sweep` shortens
+ * both). */
+static long run_ns = 200 * 1000 * 1000, warm_ns = 20 * 1000 * 1000;
+
 static void *work(void *arg) {
   struct worker *w = arg;
   int dev = device_each ? (int)(w - workers) : 0;
-  void *stream = use_glibc ? NULL : new_stream(dev);
+  void *stream = use_glibc ? NULL : stream_on(dev, one_stream ? &the_stream : NULL);
   if (!use_glibc) {
     check(rm_release(reserve_on(dev, pair_size, stream)), "rm_release"); /* now cached */
   }
@@ -131,8 +144,8 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* Run `body` on `threads` threads (each given its `workers` slot) for 200 ms after a 20 ms
- * warm-up; the median over threads of each thread's wall time per pair, and of its CPU time per
+/* Run `body` on `threads` threads (each given its `workers` slot) for `run_ns` after a warm-up
+ * of `warm_ns`; the median over threads of each thread's wall time per pair, and of its CPU time per
  * pair (`*cpu`: the time the thread ran, which leaves out the time it waited for a CPU). */
 static double time_workers(void *(*body)(void *), int threads, double *cpu) {
   double per[64], per_cpu[64];
@@ -142,7 +155,7 @@ static double time_workers(void *(*body)(void *), int threads, double *cpu) {
     memset(&workers[t], 0, sizeof workers[t]);
     pthread_create(&workers[t].thread, NULL, body, &workers[t]);
   }
-  struct timespec warm = {0, 20 * 1000 * 1000}, run = {0, 200 * 1000 * 1000};
+  struct timespec warm = {0, warm_ns}, run = {run_ns / 1000000000, run_ns % 1000000000};
   nanosleep(&warm, NULL);
   atomic_store(&go, 1);
   nanosleep(&run, NULL);
@@ -158,14 +171,16 @@ static double time_workers(void *(*body)(void *), int threads, double *cpu) {
   return per[threads / 2];
 }
 
-/* PAIRS_STACK_SHIFT=N: each worker's stack starts N bytes lower (0: as without it). A pair's
- * time depends on whether the block's record and the stack the calls push onto sit at the same
- * offset within their pages (the CPU then holds the record's loads behind the pushes: "4K
- * aliasing"); shifting the stack shows it. */
+/* PAIRS_STACK_SHIFT=N: each worker's stack starts N bytes lower (as without it where unset).
+ * A pair's time can depend on whether the block's record and the stack the calls write to sit
+ * at the same offset within their pages (the CPU then holds the record's loads behind those
+ * stores: "4K aliasing"); shifting the stack shows it, and `pairs sweep` times every shift. */
 static size_t stack_shift;
+static int shift_stack;
 
 static void *shifted_work(void *arg) {
-  volatile char *pad = alloca(stack_shift);
+  /* One byte more, so that shift 0 has a pad too: the shifts differ by exactly their values. */
+  volatile char *pad = alloca(stack_shift + 1);
   pad[0] = 0;
   void *result = work(arg);
   pad[0] = 1;
@@ -177,7 +192,7 @@ static void *shifted_work(void *arg) {
 static double run_pairs(int threads, size_t size, int glibc, double *cpu) {
   pair_size = size;
   use_glibc = glibc;
-  return time_workers(stack_shift ? shifted_work : work, threads, cpu);
+  return time_workers(shift_stack ? shifted_work : work, threads, cpu);
 }
 
 
@@ -466,10 +481,39 @@ static void stream_pairs(void) {
   }
 }
 
+/* The one-thread pair of each size (or only of size `only`; resmem's, then glibc's) with
+ * `cached` other blocks cached, the worker's stack shifted by each multiple of `step` below 4096,
+ * `ms` ms each after a 5 ms warm-up; all of it `passes` times over, so that each shift is timed
+ * at several moments (a minimum over them leaves out the machine's other work). Prints
+ * `shift <impl> <size> <cached> <shift> <wall ns> <CPU ns>` per pair. */
+static void shift_sweep(const size_t sizes[4], size_t cached, size_t step, long ms, size_t only,
+                        int passes) {
+  add_cached(cached);
+  run_ns = ms * 1000 * 1000;
+  warm_ns = 5 * 1000 * 1000;
+  shift_stack = 1;
+  one_stream = 1;
+  for (int pass = 0; pass < passes; pass++) {
+    for (int s = 0; s < 4; s++) {
+      if (only && sizes[s] != only) continue;
+      for (size_t shift = 0; shift < 4096; shift += step) {
+        stack_shift = shift;
+        for (int glibc = 0; glibc < 2; glibc++) {
+          double cpu, wall = run_pairs(1, sizes[s], glibc, &cpu);
+          printf("shift %s %zu %zu %zu %.2f %.2f\n", glibc ? "glibc" : "resmem", sizes[s],
+                 cached, shift, wall, cpu);
+        }
+        fflush(stdout);
+      }
+    }
+  }
+}
+
 int main(int argc, char **argv) {
   const char *lib = getenv("RESMEM_CUDA_LIBRARY");
   const char *shift = getenv("PAIRS_STACK_SHIFT");
   stack_shift = shift ? (size_t)atol(shift) : 0;
+  shift_stack = shift != NULL;
   void *cuda = lib ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : NULL;
   if (!cuda) {
     fprintf(stderr, "set RESMEM_CUDA_LIBRARY to libcuda_sim.so (%s)\n", dlerror());
@@ -499,6 +543,12 @@ int main(int argc, char **argv) {
       rm_reserve(0, size, stream, &p);
       rm_release(p);
     }
+    return 0;
+  }
+  if (argc > 2 && strcmp(argv[1], "sweep") == 0) {
+    size_t step = argc > 3 ? (size_t)atol(argv[3]) : 64;
+    shift_sweep(sizes, (size_t)atol(argv[2]), step ? step : 64, argc > 4 ? atol(argv[4]) : 20,
+                argc > 5 ? (size_t)atol(argv[5]) : 0, argc > 6 ? atoi(argv[6]) : 4);
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "handoff") == 0) {

@@ -130,8 +130,11 @@ impl Front {
     }
 
     /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
-    /// from the calling thread's own bin of `(device, stream, size)`; `None`, with nothing
-    /// changed, where that bin is empty (or the thread is not bound, or the size is not cached).
+    /// from the calling thread's own bin of `(device, stream, size)` when that is the key's home
+    /// bin; `None`, with nothing changed, where the bin is empty or elsewhere (see
+    /// [`Front::reserve_probed`]), or the thread is not bound, or the size is not cached. It
+    /// makes no call, so that the exports' hit paths have none to save registers around (see
+    /// `capi::hit`).
     #[inline(always)]
     pub(crate) fn reserve_hit(
         &self,
@@ -146,18 +149,35 @@ impl Front {
         if size.wrapping_sub(1) >= MAX_BLOCK {
             return None;
         }
-        let block = block_of(size);
-        match cache.home(device, stream, block) {
-            Some(bin) => inner.pop(bin, size),
-            None => inner.reserve_probed(cache, device, stream, block, size),
+        let bin = cache.home(device, stream, block_of(size))?;
+        inner.pop(bin, size)
+    }
+
+    /// [`Front::reserve_hit`] of a key displaced from its home bin (the hit path's miss, out of
+    /// line): the probe for its bin.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn reserve_probed(
+        &self,
+        t: &tls::Thread,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Option<DevicePtr> {
+        let inner = &*self.inner;
+        let cache = inner.bound(t)?;
+        if size.wrapping_sub(1) >= MAX_BLOCK {
+            return None;
         }
+        let bin = cache.find(device, stream, block_of(size))?;
+        inner.pop(bin, size)
     }
 
     /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
     /// `RM_ERROR_INVALID_POINTER` and change nothing.
     #[inline]
     pub fn release(&self, ptr: DevicePtr) -> Result<()> {
-        if ptr == 0 {
+        if ptr == 0 || tls::with(|t| self.release_hit(t, ptr)) {
             return Ok(());
         }
         match tls::with(|t| self.release_known(t, ptr)) {
@@ -166,71 +186,59 @@ impl Front {
         }
     }
 
-    /// [`Front::release`] of a block the front knows: cached (in the caller's cache if it
-    /// reserved the block, else in the reserving thread's remote list) or given to the pool,
-    /// and a second release refused. `None`, with nothing changed, for a pointer the front does
-    /// not hold for a caller: the pool knows what it is. (The error is boxed, so that the
-    /// outcome fits a register on the hit path.)
-    ///
-    /// The common case is handled first, with nothing else kept at hand: the caller's own
-    /// block, used on its stream only, going back to the bin it was last cached in (named by
-    /// the tag in its entry). Anything else is [`Front::release_other`]'s.
+    /// The hit path of [`Front::release`]: the caller's own block, used on its stream only,
+    /// going back to the bin it was last cached in (named by the tag in its entry), which has
+    /// room for it. `true` once it is cached there; `false`, with nothing changed, for anything
+    /// else ([`Front::release_known`] then finds what to do). It makes no call, so that the
+    /// exports' hit paths have none to save registers around (see `capi::hit`).
+    #[inline(always)]
+    pub(crate) fn release_hit(&self, t: &tls::Thread, ptr: DevicePtr) -> bool {
+        let inner = &*self.inner;
+        let Some(index) = inner.map.get(ptr) else {
+            return false;
+        };
+        let e = inner.entries.get(index);
+        let bin = inner
+            .bound(t)
+            .and_then(|cache| cache.tagged(e.bin.load(Relaxed)));
+        let Some(bin) = bin.filter(|bin| !e.shared.load(Relaxed) && bin.has_room()) else {
+            return false;
+        };
+        // Read before the block is cached: from then on its entry may be reused.
+        let requested = e.requested.load(Relaxed);
+        if e.word
+            .compare_exchange(
+                Entry::word_of(ptr, USER),
+                Entry::word_of(ptr, CACHED),
+                Acquire,
+                Relaxed,
+            )
+            .is_err()
+        {
+            // Released already, or given back to the pool meanwhile.
+            return false;
+        }
+        // The bin had room, and only its owner (this thread) adds to it: a drain meanwhile
+        // only empties it, so the push cannot find it full.
+        bin.push_with_room(index, e);
+        bin.count_release(requested);
+        true
+    }
+
+    /// [`Front::release`] of a block the front knows, past [`Front::release_hit`]: cached (in
+    /// the caller's cache if it reserved the block, else in the reserving thread's remote list)
+    /// or given to the pool, and a second release refused. `None`, with nothing changed, for a
+    /// pointer the front does not hold for a caller: the pool knows what it is. (The error is
+    /// boxed, so that the outcome fits in registers.)
+    #[cold]
     #[inline(never)]
     pub(crate) fn release_known(
         &self,
         t: &tls::Thread,
         ptr: DevicePtr,
     ) -> Option<std::result::Result<(), Box<Error>>> {
-        let inner = &*self.inner;
-        let index = inner.map.get(ptr)?;
-        let e = inner.entries.get(index);
-        let bin = inner
-            .bound(t)
-            .and_then(|cache| cache.tagged(e.bin.load(Relaxed)));
-        let Some(bin) = bin.filter(|_| !e.shared.load(Relaxed)) else {
-            return self.release_other(t, ptr, index);
-        };
-        // Read before the block is cached: from then on its entry may be reused.
-        let requested = e.requested.load(Relaxed);
-        let claimed = e.word.compare_exchange(
-            Entry::word_of(ptr, USER),
-            Entry::word_of(ptr, CACHED),
-            Acquire,
-            Relaxed,
-        );
-        if claimed.is_err() {
-            return self.release_other(t, ptr, index);
-        }
-        if !bin.push(index, e) {
-            return self.release_to_pool(index, ptr);
-        }
-        bin.count_release(requested);
-        Some(Ok(()))
-    }
-
-    /// [`Front::release_known`] of a block claimed from its caller that no bin takes: to the
-    /// pool.
-    #[cold]
-    #[inline(never)]
-    fn release_to_pool(
-        &self,
-        index: u32,
-        ptr: DevicePtr,
-    ) -> Option<std::result::Result<(), Box<Error>>> {
-        self.inner.evict(index, ptr, Was::Held);
-        Some(Ok(()))
-    }
-
-    /// [`Front::release_known`] of the block at `ptr`, of entry `index`, past its common case.
-    #[cold]
-    #[inline(never)]
-    fn release_other(
-        &self,
-        t: &tls::Thread,
-        ptr: DevicePtr,
-        index: u32,
-    ) -> Option<std::result::Result<(), Box<Error>>> {
         let inner = &self.inner;
+        let index = inner.map.get(ptr)?;
         let e = inner.entries.get(index);
         match e.word.compare_exchange(
             Entry::word_of(ptr, USER),
@@ -424,21 +432,6 @@ impl Inner {
         }
         self.collect_remote(cache);
         cache.find(device, stream, block)
-    }
-
-    /// [`Front::reserve_hit`] of a key not in its home bin: the probe for it.
-    #[cold]
-    #[inline(never)]
-    fn reserve_probed(
-        &self,
-        cache: &ThreadCache,
-        device: i32,
-        stream: StreamHandle,
-        block: u64,
-        size: u64,
-    ) -> Option<DevicePtr> {
-        let bin = cache.find(device, stream, block)?;
-        self.pop(bin, size)
     }
 
     /// A block from `bin`, one of the caller's bins, for a request of `size` bytes; `None`

@@ -413,3 +413,66 @@ fn a_block_whose_bin_was_rekeyed_while_it_was_held_goes_back_to_a_bin_of_its_own
     assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
     assert_eq!(sim.used_bytes(0), 0);
 }
+
+#[test]
+fn the_hit_paths_take_only_their_common_case_and_change_nothing_otherwise() {
+    let (front, sim) = front();
+    let s1 = sim.stream_create(0).unwrap();
+    // A stream whose key (device 0, 512 bytes) has the same home bin as s1's.
+    let home = thread::slot_of(0, s1, 512);
+    let s2 = (0..10_000)
+        .map(|_| sim.stream_create(0).unwrap())
+        .find(|&s| thread::slot_of(0, s, 512) == home)
+        .expect("one stream in 64 shares a home bin");
+    let hit = |size, stream| tls::with(|t| front.reserve_hit(t, 0, size, stream));
+    let released = |ptr| tls::with(|t| front.release_hit(t, ptr));
+    // A thread not bound to the front yet, an unknown pointer: nothing.
+    assert_eq!(hit(512, s1), None);
+    assert!(!released(0x7000_0000_0000));
+    let b = front.reserve(0, 512, s2).unwrap();
+    let a = front.reserve(0, 512, s1).unwrap();
+    // A block's first release keys a bin past the hit path (its entry names none yet); from
+    // then on both hit paths take it.
+    assert!(!released(a));
+    front.release(a).unwrap();
+    assert_eq!(figures(&front, sim, 0), (512, 512, 1, 2, 0));
+    assert_eq!(hit(500, s1), Some(a));
+    assert_eq!(figures(&front, sim, 0), (1024, 1012, 2, 3, 1));
+    assert!(released(a));
+    assert_eq!(figures(&front, sim, 0), (512, 512, 1, 3, 1));
+    // A second release is not the hit path's: refused past it, nothing changed.
+    assert!(!released(a));
+    let err = tls::with(|t| front.release_known(t, a))
+        .unwrap()
+        .unwrap_err();
+    assert!(err.message.contains("already released"), "{}", err.message);
+    assert_eq!(figures(&front, sim, 0), (512, 512, 1, 3, 1));
+    // s2's key, its home bin holding s1's block, takes another bin: found by the probe only.
+    front.release(b).unwrap();
+    assert_eq!(hit(512, s2), None);
+    assert_eq!(tls::with(|t| front.reserve_probed(t, 0, 512, s2)), Some(b));
+    assert_eq!(figures(&front, sim, 0), (512, 512, 1, 4, 2));
+    assert!(released(b));
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 4, 2));
+    // A full bin (four 64 MiB blocks: MAX_BIN_BYTES) takes no fifth on the hit path, even of
+    // a block whose entry names it; past the hit path that one goes to the pool.
+    let big: Vec<_> = (0..5)
+        .map(|_| front.reserve(0, MAX_BLOCK, s1).unwrap())
+        .collect();
+    front.release(big[0]).unwrap();
+    assert_eq!(hit(MAX_BLOCK, s1), Some(big[0]));
+    for &p in &big[1..] {
+        front.release(p).unwrap();
+    }
+    let live = front.pool().stats(0).unwrap().live_blocks;
+    assert!(!released(big[0]));
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, live);
+    assert!(tls::with(|t| front.release_known(t, big[0]))
+        .unwrap()
+        .is_ok());
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, live - 1);
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 10, 3));
+    front.free_reusable(None).unwrap();
+    assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
+    assert_eq!(sim.used_bytes(0), 0);
+}

@@ -192,7 +192,8 @@ impl Bin {
             return None;
         }
         let e = entry(first);
-        let rest = (list - (1 << 32)) & !(u32::MAX as u64) | e.next.load(Relaxed) as u64;
+        // One block fewer (it holds `first`, so at least one), the next entry first.
+        let rest = u64::from(length(list).wrapping_sub(1)) << 32 | u64::from(e.next.load(Relaxed));
         // Fails only when a drain took the list since the load.
         self.list
             .compare_exchange(list, rest, Acquire, Relaxed)
@@ -210,20 +211,32 @@ impl Bin {
     /// with nothing changed, when the bin is full.
     #[inline(always)]
     pub fn push(&self, index: u32, e: &Entry) -> bool {
-        let cap = self.cap.load(Relaxed);
+        if !self.has_room() {
+            return false;
+        }
+        self.push_with_room(index, e);
+        true
+    }
+
+    /// Whether it has room for one more block.
+    #[inline(always)]
+    pub fn has_room(&self) -> bool {
+        length(self.list.load(Relaxed)) < self.cap.load(Relaxed)
+    }
+
+    /// [`Bin::push`] where [`Bin::has_room`] said so since the owner last added to it (only
+    /// the owner adds; a drain meanwhile only empties it), so that it has room still.
+    #[inline(always)]
+    pub fn push_with_room(&self, index: u32, e: &Entry) {
         let mut list = self.list.load(Relaxed);
         loop {
-            let n = length(list);
-            if n >= cap {
-                return false;
-            }
             e.next.store(head(list), Relaxed);
-            let longer = ((n as u64 + 1) << 32) | index as u64;
+            let longer = ((length(list) as u64 + 1) << 32) | index as u64;
             match self
                 .list
                 .compare_exchange_weak(list, longer, Release, Relaxed)
             {
-                Ok(_) => return true,
+                Ok(_) => return,
                 Err(now) => list = now,
             }
         }
