@@ -125,10 +125,11 @@ fn fail(function: &str, error: Error) -> rm_status {
 /// The hit path stores as little as it can before it loads the bin's and the block's entry: a
 /// load waits behind an earlier store at the same offset within a page (the CPU cannot tell
 /// them apart at first), and the stack the calls write to may sit at any offset relative to
-/// them. So `f` makes no call (around which the export would save registers on the stack), and
-/// the thread-local is reached through a TLS descriptor (`.cargo/config.toml`), whose call keeps
-/// every register but its result, so that the arguments stay in registers. For the same reason
-/// it leaves the boundary flag alone (the quiet panic hook's, which [`boundary`] and
+/// them. So `f` makes no call (around which the export would save registers on the stack): the
+/// only call is the thread-local's lookup, before it. (TLS descriptors, whose call keeps every
+/// register, would save a little more; they are not used: glibc before 2.40 may clobber vector
+/// registers in their slow path, taken for a library loaded with `dlopen`, as Python loads this
+/// one. See `tls.rs`.) For the same reason it leaves the boundary flag alone (the quiet panic hook's, which [`boundary`] and
 /// [`past_hit`] set): nothing in `f` can panic (no call; its indices are in bounds by
 /// construction, masked or shifted; its arithmetic cannot overflow). If a change ever made it panic, the panic would still
 /// be caught here, only reported by the hook as any other.

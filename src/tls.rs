@@ -2,11 +2,13 @@
 //! thread is inside an export's boundary (read by the quiet panic hook, installed here; the
 //! exports' hit paths leave it alone, see `capi::hit`) and the front cache it used last.
 //!
-//! In a shared object, Rust reaches a thread-local through a call: `__tls_get_addr` (the
-//! general-dynamic model), or, on x86-64 Linux where `.cargo/config.toml` asks for TLS
-//! descriptors, the descriptor's function, which keeps every register but its result (for a
-//! library loaded with the program, two instructions). One thread-local for both keeps it at one
-//! lookup per call, where two cost one each. It is constant-initialised and has no destructor, so
+//! In a shared object, Rust reaches a thread-local through a call to `__tls_get_addr` (the
+//! general-dynamic model). One thread-local for both keeps it at one lookup per call, where two
+//! cost one each. TLS descriptors (LLVM's `-enable-tlsdesc`) would make that call keep every
+//! register, and measured about 0.8 ns less a pair, but glibc before 2.40 (bug 31372) lets
+//! their slow path, taken by a library loaded with `dlopen` (as Python loads this one) outside
+//! static TLS, clobber vector registers the compiler assumes kept: a silent corruption on the
+//! distributions most users run, for under a nanosecond. The build does not use them. It is constant-initialised and has no destructor, so
 //! it stays usable at any point of a thread's exit (a call from another key's destructor, from an
 //! `atexit` handler).
 

@@ -373,16 +373,21 @@ fn a_thread_using_more_sizes_than_it_has_bins_keeps_the_newest_cached() {
     assert_eq!(sim.used_bytes(0), 0);
 }
 
-#[test]
-fn a_block_whose_bin_was_rekeyed_while_it_was_held_goes_back_to_a_bin_of_its_own_key() {
-    let (front, sim) = front();
+/// Two streams of device 0 whose keys for 512 bytes have the same home bin.
+fn streams_sharing_a_home_bin(sim: &Sim) -> (StreamHandle, StreamHandle) {
     let s1 = sim.stream_create(0).unwrap();
-    // A stream whose key (device 0, 512 bytes) has the same home bin as s1's.
     let home = thread::slot_of(0, s1, 512);
     let s2 = (0..10_000)
         .map(|_| sim.stream_create(0).unwrap())
         .find(|&s| thread::slot_of(0, s, 512) == home)
         .expect("one stream in 64 shares a home bin");
+    (s1, s2)
+}
+
+#[test]
+fn a_block_whose_bin_was_rekeyed_while_it_was_held_goes_back_to_a_bin_of_its_own_key() {
+    let (front, sim) = front();
+    let (s1, s2) = streams_sharing_a_home_bin(sim);
     let a = front.reserve(0, 512, s1).unwrap();
     front.release(a).unwrap();
     // A hit: the home bin is empty again, still keyed for s1, and a's entry names it.
@@ -417,13 +422,7 @@ fn a_block_whose_bin_was_rekeyed_while_it_was_held_goes_back_to_a_bin_of_its_own
 #[test]
 fn the_hit_paths_take_only_their_common_case_and_change_nothing_otherwise() {
     let (front, sim) = front();
-    let s1 = sim.stream_create(0).unwrap();
-    // A stream whose key (device 0, 512 bytes) has the same home bin as s1's.
-    let home = thread::slot_of(0, s1, 512);
-    let s2 = (0..10_000)
-        .map(|_| sim.stream_create(0).unwrap())
-        .find(|&s| thread::slot_of(0, s, 512) == home)
-        .expect("one stream in 64 shares a home bin");
+    let (s1, s2) = streams_sharing_a_home_bin(sim);
     let hit = |size, stream| tls::with(|t| front.reserve_hit(t, 0, size, stream));
     let released = |ptr| tls::with(|t| front.release_hit(t, ptr));
     // A thread not bound to the front yet, an unknown pointer: nothing.
