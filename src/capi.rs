@@ -129,10 +129,11 @@ fn fail(function: &str, error: Error) -> rm_status {
 /// only call is the thread-local's lookup, before it. (TLS descriptors, whose call keeps every
 /// register, would save a little more; they are not used: glibc before 2.40 may clobber vector
 /// registers in their slow path, taken for a library loaded with `dlopen`, as Python loads this
-/// one. See `tls.rs`.) For the same reason it leaves the boundary flag alone (the quiet panic hook's, which [`boundary`] and
-/// [`past_hit`] set): nothing in `f` can panic (no call; its indices are in bounds by
-/// construction, masked or shifted; its arithmetic cannot overflow). If a change ever made it panic, the panic would still
-/// be caught here, only reported by the hook as any other.
+/// one. See `tls.rs`.) For the same reason it leaves the boundary flag alone (the quiet panic
+/// hook's, which [`boundary`] and [`past_hit`] set): nothing in `f` can panic (no call; its
+/// indices are in bounds by construction, masked or shifted; its arithmetic cannot overflow).
+/// If a change ever made it panic, the panic would still be caught here, only reported by the
+/// hook as any other.
 #[inline(always)]
 fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
     let front = runtime::fast()?;

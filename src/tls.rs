@@ -4,13 +4,14 @@
 //!
 //! In a shared object, Rust reaches a thread-local through a call to `__tls_get_addr` (the
 //! general-dynamic model). One thread-local for both keeps it at one lookup per call, where two
-//! cost one each. TLS descriptors (LLVM's `-enable-tlsdesc`) would make that call keep every
-//! register, and measured about 0.8 ns less a pair, but glibc before 2.40 (bug 31372) lets
-//! their slow path, taken by a library loaded with `dlopen` (as Python loads this one) outside
-//! static TLS, clobber vector registers the compiler assumes kept: a silent corruption on the
-//! distributions most users run, for under a nanosecond. The build does not use them. It is constant-initialised and has no destructor, so
-//! it stays usable at any point of a thread's exit (a call from another key's destructor, from an
-//! `atexit` handler).
+//! cost one each. It is constant-initialised and has no destructor, so it stays usable at any
+//! point of a thread's exit (a call from another key's destructor, from an `atexit` handler).
+//!
+//! TLS descriptors (LLVM's `-enable-tlsdesc`) would make that call keep every register, and
+//! measured about 0.8 ns less a pair, but glibc before 2.40 (bug 31372) lets their slow path,
+//! taken by a library loaded with `dlopen` (as Python loads this one) outside static TLS,
+//! clobber vector registers the compiler assumes kept: a silent corruption on the distributions
+//! most users run, for under a nanosecond. The build does not use them.
 
 use std::cell::Cell;
 use std::panic;
