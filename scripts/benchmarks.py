@@ -179,7 +179,7 @@ def main():
     w("A 1 GiB request on a 2 GiB simulated device holding a 1.5 GiB warm-up split into 24 blocks of")
     w("64 MiB with every other one released (768 MiB free in twelve pieces, 512 MiB left on the")
     w("driver). The default maps the twelve pieces into a new range and creates one 256 MiB handle")
-    w("(one address reserve, one create, 13 maps, as `src/pool/tests.rs` asserts); classic")
+    w("(one address reserve, one create, 13 maps, as `src/pool/tests/pages.rs` asserts); classic")
     w("segments cannot serve it at all. For reference, the same request on an empty device, with the")
     w("virtual-memory API (reserve, create, map, access) and with one `cuMemAlloc`.\n")
     h, f, c = (median("stitch-1GiB", who) for who in
