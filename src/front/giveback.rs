@@ -99,14 +99,29 @@ impl Inner {
         }
     }
 
-    /// Give the blocks of every cache, live threads' and exited ones', back to the pool.
+    /// Give the blocks of every cache, live threads' and exited ones', back to the pool: each
+    /// list taken with one exchange, the bins' while their owners are out of the gate (see
+    /// `gate.rs`), then given back with the owners free to go on.
     pub(super) fn drain(&self) {
-        for cache in self.threads.iter() {
-            self.drain_cache(cache);
+        let mut lists = Vec::new();
+        self.gate.exclusive(
+            || self.threads.iter().map(|cache| &cache.busy),
+            |owners_out| {
+                for cache in self.threads.iter() {
+                    if owners_out {
+                        lists.extend(cache.bins.iter().map(|bin| (bin.take(), Was::InBin)));
+                    }
+                    lists.push((cache.remote.swap(NIL, Acquire), Was::InRemote));
+                }
+            },
+        );
+        for (list, was) in lists {
+            self.evict_list(list, was);
         }
     }
 
-    /// Give the blocks of one cache back to the pool: each list taken with one exchange.
+    /// Give the blocks of one cache back to the pool (its owner, or with its owner gone): each
+    /// list taken with one exchange.
     pub(super) fn drain_cache(&self, cache: &ThreadCache) {
         for bin in cache.bins.iter() {
             self.evict_list(bin.take(), Was::InBin);

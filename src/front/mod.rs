@@ -4,15 +4,15 @@
 //!
 //! A block released by the caller stays *live* to the pool and waits in a front cache, keyed
 //! by device, stream and block size; the next reserve of that key on the same thread takes it
-//! back with one compare-and-swap. Only the same stream gets it, so stream-ordered reuse holds
+//! back with plain loads and stores inside the front's gate (`gate.rs`). Only the same stream gets it, so stream-ordered reuse holds
 //! as in the pool: a block released on one stream reaches another only through the pool, after
 //! that stream's work. A block released on another thread than the one that reserved it goes
 //! to the reserving thread's remote list (as mimalloc does). Blocks up to [`MAX_BLOCK`] are
 //! cached, up to a bound of bytes and blocks per bin (see `thread.rs`); others go straight
 //! to the pool; so do blocks beyond the `entries::CAPACITY` the front can know at once.
 //!
-//! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange, no
-//! lock per thread) on `free_reusable`, `warmup`, `set_memory_limit`, `reset_peak_stats` and
+//! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange while
+//! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`, `set_memory_limit`, `reset_peak_stats` and
 //! `trim` (another process sharing the device asks), before a reserve that the pool could
 //! serve only from the driver (so the pool grows only after the caches gave back what they held,
 //! and another stream's need is met from it), after an out-of-memory with blocks cached, and
@@ -25,9 +25,11 @@
 //!
 //! # Locks
 //!
-//! A hit, and a release into a cache, take no lock: a few atomic operations on lines only the
-//! calling thread writes, except for a release from another thread (one compare-and-swap on the
-//! owner's remote list). Everything else calls the [`Pool`], which takes its own locks as it
+//! A hit, and a release into a cache, take no lock: plain loads and stores on lines only the
+//! calling thread writes, and for a release one compare-and-swap on the block's record (a second
+//! release fails there); a release from another thread adds one compare-and-swap on the owner's
+//! remote list. A drain waits for the owners inside the gate to leave it (a few instructions);
+//! no owner ever waits for a drain. Everything else calls the [`Pool`], which takes its own locks as it
 //! always does, and takes the arena's free-list mutex (`entries.rs`) for a block newly known or
 //! forgotten; the two are never held together, so no lock order is added.
 //!
@@ -40,6 +42,7 @@ mod bindings;
 mod counters;
 mod entries;
 mod figures;
+mod gate;
 mod giveback;
 mod map;
 mod thread;
@@ -56,6 +59,7 @@ pub(crate) use bindings::forget_key;
 use bindings::{Binding, Bindings};
 use counters::{Counters, Delta};
 use entries::{Entries, Entry, CACHED, NIL, USER};
+use gate::Gate;
 use giveback::Was;
 use map::AddressMap;
 use thread::{Bin, Registry, ThreadCache};
@@ -75,6 +79,8 @@ struct Inner {
     entries: Entries,
     map: AddressMap,
     threads: Registry,
+    /// Between the caches' owners and the drains.
+    gate: Gate,
     /// Figures changed outside a thread's own calls (drains, exits), per device.
     shared: Box<[Counters]>,
 }
@@ -86,6 +92,12 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 impl Front {
     /// A front over `pool`.
     pub fn new(pool: Pool) -> Front {
+        Front::with_gate(pool, Gate::new())
+    }
+
+    /// A front over `pool` whose caches' owners and drains meet at `gate` (the tests choose
+    /// its fences).
+    fn with_gate(pool: Pool, gate: Gate) -> Front {
         let devices = pool.device_count().max(0) as u32;
         Front {
             inner: Arc::new(Inner {
@@ -94,6 +106,7 @@ impl Front {
                 entries: Entries::default(),
                 map: AddressMap::default(),
                 threads: Registry::new(devices as usize),
+                gate,
                 shared: (0..devices).map(|_| Counters::default()).collect(),
                 pool,
             }),
@@ -120,7 +133,7 @@ impl Front {
         let hit = tls::with(|t| {
             inner.with_cache(t, |cache| {
                 let bin = inner.bin_with_blocks(cache, device, stream, block)?;
-                inner.pop(bin, size)
+                inner.pop(cache, bin, size)
             })
         });
         match hit.flatten() {
@@ -150,7 +163,7 @@ impl Front {
             return None;
         }
         let bin = cache.home(device, stream, block_of(size))?;
-        inner.pop(bin, size)
+        inner.pop(cache, bin, size)
     }
 
     /// [`Front::reserve_hit`] of a key displaced from its home bin (the hit path's miss, out of
@@ -170,7 +183,7 @@ impl Front {
             return None;
         }
         let bin = cache.find(device, stream, block_of(size))?;
-        inner.pop(bin, size)
+        inner.pop(cache, bin, size)
     }
 
     /// Give a block back; `0` does nothing. Unknown, interior and repeated releases fail with
@@ -198,10 +211,14 @@ impl Front {
             return false;
         };
         let e = inner.entries.get(index);
-        let bin = inner
-            .bound(t)
-            .and_then(|cache| cache.tagged(e.bin.load(Relaxed)));
+        let Some(cache) = inner.bound(t) else {
+            return false;
+        };
+        let bin = cache.tagged(e.bin.load(Relaxed));
         let Some(bin) = bin.filter(|bin| !e.shared.load(Relaxed) && bin.has_room()) else {
+            return false;
+        };
+        let Some(owner) = cache.enter(&inner.gate) else {
             return false;
         };
         // Read before the block is cached: from then on its entry may be reused.
@@ -220,7 +237,7 @@ impl Front {
         }
         // The bin had room, and only its owner (this thread) adds to it: a drain meanwhile
         // only empties it, so the push cannot find it full.
-        bin.push_with_room(index, e);
+        bin.push_with_room(&owner, index, e);
         bin.count_release(requested);
         true
     }
@@ -434,16 +451,26 @@ impl Inner {
         cache.find(device, stream, block)
     }
 
-    /// A block from `bin`, one of the caller's bins, for a request of `size` bytes; `None`
-    /// where it is empty.
+    /// A block from `bin`, one of the bins of `cache`, the caller's, for a request of `size`
+    /// bytes; `None` where it is empty or a drain is in flight.
     #[inline(always)]
-    fn pop(&self, bin: &Bin, size: u64) -> Option<DevicePtr> {
-        let e = bin.pop(|first| self.entries.get(first))?;
+    fn pop(&self, cache: &ThreadCache, bin: &Bin, size: u64) -> Option<DevicePtr> {
+        let owner = cache.enter(&self.gate)?;
+        let e = bin.pop(&owner, |first| self.entries.get(first))?;
         let ptr = e.ptr();
         e.requested.store(size, Relaxed);
         e.word.store(Entry::word_of(ptr, USER), Release);
         bin.count_hit(size);
         Some(ptr)
+    }
+
+    /// Put entry `e` (at `index`) first in `bin`, one of the bins of `cache`, the caller's;
+    /// `false`, with nothing changed, where the bin is full or a drain is in flight.
+    #[inline(always)]
+    fn push(&self, cache: &ThreadCache, bin: &Bin, index: u32, e: &Entry) -> bool {
+        cache
+            .enter(&self.gate)
+            .is_some_and(|owner| bin.push(&owner, index, e))
     }
 
     /// Put the block of entry `e` (at `index`), just claimed from its caller, in a cache: the
@@ -458,7 +485,7 @@ impl Inner {
         let Some(bin) = cache.tagged(e.bin.load(Relaxed)) else {
             return self.rebin(cache, index, e, requested);
         };
-        if !bin.push(index, e) {
+        if !self.push(cache, bin, index, e) {
             return false;
         }
         bin.count_release(requested);
@@ -498,7 +525,7 @@ impl Inner {
             return false;
         };
         e.bin.store(bin.tag(), Relaxed);
-        if !bin.push(index, e) {
+        if !self.push(cache, bin, index, e) {
             return false;
         }
         bin.count_release(requested);
@@ -542,7 +569,7 @@ impl Inner {
             if let Some(bin) = bin {
                 e.bin.store(bin.tag(), Relaxed);
             }
-            if bin.is_some_and(|bin| bin.push(index, e)) {
+            if bin.is_some_and(|bin| self.push(cache, bin, index, e)) {
                 // Counted by its bin from now on, no longer as waiting in a remote list.
                 cache.counters[device as usize].add_owned(Delta {
                     cached_bytes: -(size as i64),

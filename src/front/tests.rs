@@ -13,10 +13,14 @@ const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
 fn front_with(capacities: &[u64]) -> (Front, &'static Sim) {
+    front_gated(capacities, Gate::new())
+}
+
+fn front_gated(capacities: &[u64], gate: Gate) -> (Front, &'static Sim) {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(capacities)));
     let driver = SimDriver::new(sim).expect("sim initialises");
     let pool = Pool::new(Arc::new(driver), PoolConfig::default());
-    (Front::new(pool), sim)
+    (Front::with_gate(pool, gate), sim)
 }
 
 fn front() -> (Front, &'static Sim) {
@@ -271,7 +275,18 @@ fn a_block_used_on_another_stream_is_released_through_the_pool() {
 
 #[test]
 fn many_threads_reserving_and_releasing_each_others_blocks_keep_exact_books() {
-    let (front, sim) = front_with(&[24 * GIB, 24 * GIB]);
+    many_threads_with_drains(Gate::new());
+}
+
+#[test]
+fn many_threads_keep_exact_books_with_a_fenced_gate() {
+    many_threads_with_drains(Gate::with_fences(true));
+}
+
+/// Four threads on two devices reserving, releasing their own blocks and each other's, one of
+/// them draining every cache now and then while the others hit theirs.
+fn many_threads_with_drains(gate: Gate) {
+    let (front, sim) = front_gated(&[24 * GIB, 24 * GIB], gate);
     let front = Arc::new(front);
     let (tx, rx) = std::sync::mpsc::channel::<u64>();
     let rx = Arc::new(std::sync::Mutex::new(rx));
@@ -295,6 +310,9 @@ fn many_threads_reserving_and_releasing_each_others_blocks_keep_exact_books() {
                     }
                     if i % 500 == 0 {
                         front.stats(0).unwrap();
+                    }
+                    if t == 0 && i % 100 == 50 {
+                        front.drain();
                     }
                 }
             })

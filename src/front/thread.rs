@@ -7,9 +7,9 @@
 //! naming the cache, the bin's slot and the keying; an entry notes the tag of the bin it was
 //! last cached in, so that its next release by the same thread finds the bin from the tag
 //! alone (no key compared) while the bin still holds that key. Only the owner pushes to and pops from
-//! its bins, so each is one compare-and-swap that can fail only when a drain has just taken the
-//! list (an exchange of the word): no ABA, no lock. Other threads push to the remote list with
-//! a compare-and-swap and the owner takes it whole with an exchange.
+//! its bins, with plain loads and stores, inside the front's gate (`gate.rs`): a drain takes a
+//! bin's list (an exchange of the word) only while the owner is outside. Other threads push to
+//! the remote list with a compare-and-swap and the owner takes it whole with an exchange.
 //!
 //! A cache outlives its thread: at exit its blocks go back to the pool and the record is marked
 //! dead, to be adopted by a later thread; blocks released to it after that wait in its remote
@@ -17,12 +17,13 @@
 
 use std::sync::atomic::{
     AtomicBool, AtomicI64, AtomicU32, AtomicU64,
-    Ordering::{Acquire, Relaxed, Release},
+    Ordering::{Acquire, Relaxed, Release, SeqCst},
 };
 use std::sync::OnceLock;
 
 use super::counters::{Counters, Delta};
 use super::entries::{Entry, NIL};
+use super::gate::{Gate, Owner};
 use crate::driver::StreamHandle;
 
 /// Bins per thread cache: distinct (device, stream, size) keys it can hold at once.
@@ -182,11 +183,11 @@ impl Bin {
         head(self.list.load(Relaxed)) == NIL
     }
 
-    /// Take its first entry (owner only), `entry` finding an entry by index; `None` when it is
-    /// empty, or a drain took the list meanwhile.
+    /// Take its first entry (its owner only, inside the gate: see [`Owner`]), `entry` finding an
+    /// entry by index; `None` when it is empty.
     #[inline(always)]
-    pub fn pop<'e>(&self, entry: impl FnOnce(u32) -> &'e Entry) -> Option<&'e Entry> {
-        let list = self.list.load(Acquire);
+    pub fn pop<'e>(&self, _: &Owner, entry: impl FnOnce(u32) -> &'e Entry) -> Option<&'e Entry> {
+        let list = self.list.load(Relaxed);
         let first = head(list);
         if first == NIL {
             return None;
@@ -194,11 +195,8 @@ impl Bin {
         let e = entry(first);
         // One block fewer (it holds `first`, so at least one), the next entry first.
         let rest = u64::from(length(list).wrapping_sub(1)) << 32 | u64::from(e.next.load(Relaxed));
-        // Fails only when a drain took the list since the load.
-        self.list
-            .compare_exchange(list, rest, Acquire, Relaxed)
-            .ok()
-            .map(|_| e)
+        self.list.store(rest, Relaxed);
+        Some(e)
     }
 
     /// Its tag: which keying of which bin it is (see [`ThreadCache::tagged`]).
@@ -207,14 +205,14 @@ impl Bin {
         self.tag.load(Relaxed)
     }
 
-    /// Put entry `e`, at `index`, of a block of the bin's size first (owner only); `false`,
-    /// with nothing changed, when the bin is full.
+    /// Put entry `e`, at `index`, of a block of the bin's size first (its owner only, inside the
+    /// gate); `false`, with nothing changed, when the bin is full.
     #[inline(always)]
-    pub fn push(&self, index: u32, e: &Entry) -> bool {
+    pub fn push(&self, owner: &Owner, index: u32, e: &Entry) -> bool {
         if !self.has_room() {
             return false;
         }
-        self.push_with_room(index, e);
+        self.push_with_room(owner, index, e);
         true
     }
 
@@ -225,39 +223,36 @@ impl Bin {
     }
 
     /// [`Bin::push`] where [`Bin::has_room`] said so since the owner last added to it (only
-    /// the owner adds; a drain meanwhile only empties it), so that it has room still.
+    /// the owner adds; a drain only empties it).
     #[inline(always)]
-    pub fn push_with_room(&self, index: u32, e: &Entry) {
-        let mut list = self.list.load(Relaxed);
-        loop {
-            e.next.store(head(list), Relaxed);
-            let longer = ((length(list) as u64 + 1) << 32) | index as u64;
-            match self
-                .list
-                .compare_exchange_weak(list, longer, Release, Relaxed)
-            {
-                Ok(_) => return,
-                Err(now) => list = now,
-            }
-        }
+    pub fn push_with_room(&self, _: &Owner, index: u32, e: &Entry) {
+        let list = self.list.load(Relaxed);
+        e.next.store(head(list), Relaxed);
+        self.list
+            .store(((length(list) as u64 + 1) << 32) | index as u64, Relaxed);
     }
 
-    /// Take the whole list (a drain): its first entry, or [`NIL`].
+    /// Take the whole list (a drain with the owner out of the gate, or the owner): its first
+    /// entry, or [`NIL`].
     pub fn take(&self) -> u32 {
         head(self.list.swap(EMPTY, Acquire))
     }
 }
 
-/// One thread's cache (its own cache lines: see [`Bin`] and [`Counters`]).
+/// One thread's cache (its own cache lines: see [`Bin`] and [`Counters`]; the remote list,
+/// which other threads write, on a line of its own).
 #[repr(align(64))]
 pub struct ThreadCache {
     pub index: u32,
     alive: AtomicBool,
+    /// Its owner is inside the front's gate (see `gate.rs`).
+    pub busy: AtomicBool,
     /// Keyings of its bins so far (owner only), for their tags.
     keyings: AtomicU64,
-    /// A fixed number, so that a bin's slot indexes them with no bounds check.
-    pub bins: Box<[Bin; BINS]>,
-    pub remote: AtomicU32,
+    /// A fixed number, in the cache itself, so that a bin's slot indexes them with no bounds
+    /// check and no load of where they are.
+    pub bins: [Bin; BINS],
+    pub remote: Line<AtomicU32>,
     /// The figures this thread changed that its bins do not hold, per device: the blocks it
     /// pushed onto remote lists (see [`super::counters`]) and the counts of re-keyed bins.
     pub counters: Box<[Counters]>,
@@ -270,11 +265,15 @@ pub(super) fn slot_of(device: i32, stream: StreamHandle, size: u64) -> usize {
     (h >> 58) as usize
 }
 
-/// [`BINS`] bins with no key.
-fn bins() -> Box<[Bin; BINS]> {
-    let bins: Box<[Bin]> = (0..BINS).map(|_| Bin::default()).collect();
-    bins.try_into()
-        .unwrap_or_else(|_| unreachable!("BINS bins"))
+/// A value on a cache line of its own.
+#[repr(align(64))]
+pub struct Line<T>(T);
+
+impl<T> std::ops::Deref for Line<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 impl ThreadCache {
@@ -282,11 +281,18 @@ impl ThreadCache {
         ThreadCache {
             index,
             alive: AtomicBool::new(true),
+            busy: AtomicBool::new(false),
             keyings: AtomicU64::new(0),
-            bins: bins(),
-            remote: AtomicU32::new(NIL),
+            bins: std::array::from_fn(|_| Bin::default()),
+            remote: Line(AtomicU32::new(NIL)),
             counters: (0..devices).map(|_| Counters::default()).collect(),
         }
+    }
+
+    /// Enter `gate` as this cache's owner (see `gate.rs`); `None` while a drain is in flight.
+    #[inline(always)]
+    pub fn enter(&self, gate: &Gate) -> Option<Owner<'_>> {
+        gate.enter(&self.busy)
     }
 
     /// The bin holding `(device, stream, size)`, if any (owner only).
@@ -423,7 +429,9 @@ impl Registry {
         }) {
             return Some(cache);
         }
-        let index = self.count.fetch_add(1, Relaxed);
+        // SeqCst: a drain that reads the count after its barrier and misses this cache has its
+        // own count seen by this cache's owner (see `gate.rs`).
+        let index = self.count.fetch_add(1, SeqCst);
         if index as usize >= MAX_THREADS {
             self.count.fetch_sub(1, Relaxed);
             return None;
@@ -453,19 +461,21 @@ mod tests {
     fn bins_are_keyed_and_bounded() {
         let cache = ThreadCache::new(0, 1);
         let entries = Entries::default();
+        let gate = Gate::with_fences(true);
+        let o = cache.enter(&gate).unwrap();
         assert!(cache.find(0, 7, 512).is_none());
         let bin = cache.find_or_key(0, 7, 512).unwrap() as *const Bin;
         let i = entries.take().unwrap();
-        assert!(cache.find(0, 7, 512).unwrap().push(i, entries.get(i)));
+        assert!(cache.find(0, 7, 512).unwrap().push(&o, i, entries.get(i)));
         assert_eq!(cache.find(0, 7, 512).unwrap() as *const Bin, bin);
         assert_eq!(cache.find(0, 7, 512).unwrap().holds(), 512);
         assert!(cache.find(0, 8, 512).is_none());
         assert!(cache.find(1, 7, 512).is_none());
         // An empty bin keeps its key until re-keyed; another key takes another bin.
         let bin = cache.find(0, 7, 512).unwrap();
-        let popped = bin.pop(|i| entries.get(i)).unwrap();
+        let popped = bin.pop(&o, |i| entries.get(i)).unwrap();
         assert!(std::ptr::eq(popped, entries.get(i)));
-        assert!(bin.pop(|_| unreachable!()).is_none());
+        assert!(bin.pop(&o, |_| unreachable!()).is_none());
         assert_eq!(bin.holds(), 0);
         assert!(!cache.find_or_key(0, 7, 1024).unwrap().is(0, 7, 512));
     }
@@ -474,11 +484,13 @@ mod tests {
     fn a_bin_is_bounded_in_blocks_and_bytes_and_a_drain_takes_it_whole() {
         let cache = ThreadCache::new(0, 1);
         let entries = Entries::default();
+        let gate = Gate::with_fences(true);
+        let o = cache.enter(&gate).unwrap();
         let bin = cache.find_or_key(0, 7, 512).unwrap();
         let mut pushed = Vec::new();
         loop {
             let i = entries.take().unwrap();
-            if !bin.push(i, entries.get(i)) {
+            if !bin.push(&o, i, entries.get(i)) {
                 break;
             }
             pushed.push(i);
@@ -497,20 +509,22 @@ mod tests {
         // Bytes: one block over the bound always fits; a second only within it.
         let big = cache.find_or_key(0, 7, MAX_BIN_BYTES * 2).unwrap();
         let (a, b) = (entries.take().unwrap(), entries.take().unwrap());
-        assert!(big.push(a, entries.get(a)));
-        assert!(!big.push(b, entries.get(b)));
+        assert!(big.push(&o, a, entries.get(a)));
+        assert!(!big.push(&o, b, entries.get(b)));
         let half = cache.find_or_key(0, 7, MAX_BIN_BYTES / 2).unwrap();
-        assert!(half.push(b, entries.get(b)));
+        assert!(half.push(&o, b, entries.get(b)));
         let c = entries.take().unwrap();
-        assert!(half.push(c, entries.get(c)));
+        assert!(half.push(&o, c, entries.get(c)));
         let d = entries.take().unwrap();
-        assert!(!half.push(d, entries.get(d)));
+        assert!(!half.push(&o, d, entries.get(d)));
     }
 
     #[test]
     fn a_tag_names_one_keying_of_one_bin_of_one_cache() {
         let (a, b) = (ThreadCache::new(0, 1), ThreadCache::new(1, 1));
         let entries = Entries::default();
+        let gate = Gate::with_fences(true);
+        let o = a.enter(&gate).unwrap();
         let first = a.find_or_key(0, 7, 512).unwrap();
         let tag = first.tag();
         assert!(std::ptr::eq(a.tagged(tag).unwrap(), first));
@@ -521,14 +535,14 @@ mod tests {
         assert!(b.tagged(tag).is_none());
         // Counted in the bin: its blocks and hits and requested bytes.
         let i = entries.take().unwrap();
-        assert!(first.push(i, entries.get(i)));
+        assert!(first.push(&o, i, entries.get(i)));
         first.count_release(300);
         let d = first.figures();
         assert_eq!(
             (d.cached_bytes, d.cached_blocks, d.requested, d.hits),
             (512, 1, -300, 0)
         );
-        assert!(first.pop(|i| entries.get(i)).is_some());
+        assert!(first.pop(&o, |i| entries.get(i)).is_some());
         first.count_hit(200);
         let d = first.figures();
         assert_eq!(
