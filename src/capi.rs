@@ -117,28 +117,26 @@ fn fail(function: &str, error: Error) -> rm_status {
     error.status
 }
 
-/// The hit path of an export: `f` on the started pool's front and the calling thread's state,
-/// inside a panic catch as [`boundary`]'s, taken only while the pool is started and nothing is
-/// recorded (see [`runtime::fast`]). `None`: `f` changed nothing, or panicked; the caller goes
-/// on past its hit path.
+/// The hit path of an export: `f` on the started pool's front, inside a panic catch as
+/// [`boundary`]'s, taken only while the pool is started and nothing is recorded (see
+/// [`runtime::fast`]). `None`: `f` changed nothing, or panicked; the caller goes on past its
+/// hit path.
 ///
 /// The hit path stores as little as it can before it loads the bin's and the block's entry: a
 /// load waits behind an earlier store at the same offset within a page (the CPU cannot tell
 /// them apart at first), and the stack the calls write to may sit at any offset relative to
-/// them. So `f` makes no call (around which the export would save registers on the stack): the
-/// only call is the thread-local's lookup, before it. (TLS descriptors, whose call keeps every
-/// register, would save a little more; they are not used: glibc before 2.40 may clobber vector
-/// registers in their slow path, taken for a library loaded with `dlopen`, as Python loads this
-/// one. See `tls.rs`.) For the same reason it leaves the boundary flag alone (the quiet panic
+/// them. So `f` makes no call (around which the export would save registers on the stack), not
+/// even the thread-local's lookup (a call to `__tls_get_addr` in a shared object): the calling
+/// thread's cache is found from its thread pointer (`front/seats.rs`). For the same reason it
+/// leaves the boundary flag alone (the quiet panic
 /// hook's, which [`boundary`] and [`past_hit`] set): nothing in `f` can panic (no call; its
 /// indices are in bounds by construction, masked or shifted; its arithmetic cannot overflow).
 /// If a change ever made it panic, the panic would still be caught here, only reported by the
 /// hook as any other.
 #[inline(always)]
-fn hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Option<R> {
+fn hit<R>(f: impl FnOnce(&'static Front) -> Option<R>) -> Option<R> {
     let front = runtime::fast()?;
-    let t = tls::current();
-    panic::catch_unwind(AssertUnwindSafe(|| f(front, t)))
+    panic::catch_unwind(AssertUnwindSafe(|| f(front)))
         .ok()
         .flatten()
 }
@@ -159,7 +157,7 @@ fn past_hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Opt
 /// of that key holds one (nothing else is tried); for `rm_reserve` and `rm_torch_malloc`.
 #[inline(always)]
 pub(crate) fn reserve_hit(device: c_int, size: u64, stream: *mut c_void) -> Option<DevicePtr> {
-    hit(|front, t| front.reserve_hit(t, device, size, stream as u64))
+    hit(|front| front.reserve_hit(device, size, stream as u64))
 }
 
 /// [`reserve_hit`] of a key its home bin does not hold (see [`Front::reserve_probed`]), where
@@ -175,7 +173,7 @@ pub(crate) fn reserve_probed(device: c_int, size: u64, stream: *mut c_void) -> O
 /// `rm_torch_free`.
 #[inline(always)]
 pub(crate) fn release_hit(ptr: *mut c_void) -> bool {
-    hit(|front, t| front.release_hit(t, ptr as DevicePtr).then_some(())).is_some()
+    hit(|front| front.release_hit(ptr as DevicePtr).then_some(())).is_some()
 }
 
 /// Release `ptr` if it is a block the front caches know and hold for a caller (see

@@ -1,14 +1,16 @@
-//! What every call reads of the calling thread's state, in one thread-local: whether the
-//! thread is inside an export's boundary (read by the quiet panic hook, installed here; the
-//! exports' hit paths leave it alone, see `capi::hit`) and the front cache it used last.
+//! What calls past the exports' hit paths read of the calling thread's state, in one
+//! thread-local: whether the thread is inside an export's boundary (read by the quiet panic
+//! hook, installed here; the hit paths leave it alone, see `capi::hit`) and the front cache it
+//! used last; and the thread's key ([`thread_key`]), by which the hit paths find its cache
+//! with no call (`front/seats.rs`).
 //!
 //! In a shared object, Rust reaches a thread-local through a call to `__tls_get_addr` (the
 //! general-dynamic model). One thread-local for both keeps it at one lookup per call, where two
 //! cost one each. It is constant-initialised and has no destructor, so it stays usable at any
 //! point of a thread's exit (a call from another key's destructor, from an `atexit` handler).
 //!
-//! TLS descriptors (LLVM's `-enable-tlsdesc`) would make that call keep every register, and
-//! measured about 0.8 ns less a pair, but glibc before 2.40 (bug 31372) lets their slow path,
+//! TLS descriptors (LLVM's `-enable-tlsdesc`) would make that call keep every register (they
+//! measured about 0.8 ns less a pair when the hit paths still made it), but glibc before 2.40 (bug 31372) lets their slow path,
 //! taken by a library loaded with `dlopen` (as Python loads this one) outside static TLS,
 //! clobber vector registers the compiler assumes kept: a silent corruption on the distributions
 //! most users run, for under a nanosecond. The build does not use them.
@@ -50,6 +52,43 @@ pub(crate) fn current() -> &'static Thread {
 }
 
 /// Run `f` with the calling thread's state.
+/// A number that names the calling thread among the live threads of the process, never 0,
+/// read without a call where the architecture allows: the thread pointer (on x86_64 the
+/// self-pointer at `%fs:0` that the ABI requires, on aarch64 `tpidr_el0`), else the address of
+/// this thread-local. A thread that has exited may leave its number to a later thread.
+#[inline(always)]
+pub(crate) fn thread_key() -> usize {
+    #[cfg(all(target_arch = "x86_64", target_os = "linux", not(miri)))]
+    {
+        let key: usize;
+        // SAFETY: on x86_64 Linux the thread pointer's first word points to itself (the TLS
+        // ABI; glibc and musl both set it before any user code runs); the load reads only it.
+        unsafe {
+            std::arch::asm!("mov {}, qword ptr fs:0", out(reg) key,
+                options(nostack, readonly, preserves_flags, pure));
+        }
+        key
+    }
+    #[cfg(all(target_arch = "aarch64", target_os = "linux", not(miri)))]
+    {
+        let key: usize;
+        // SAFETY: reads the thread pointer register, which every thread has.
+        unsafe {
+            std::arch::asm!("mrs {}, tpidr_el0", out(reg) key,
+                options(nomem, nostack, preserves_flags, pure));
+        }
+        key
+    }
+    #[cfg(not(all(
+        any(target_arch = "x86_64", target_arch = "aarch64"),
+        target_os = "linux",
+        not(miri)
+    )))]
+    {
+        current() as *const Thread as usize
+    }
+}
+
 #[inline(always)]
 pub(crate) fn with<R>(f: impl FnOnce(&Thread) -> R) -> R {
     f(current())

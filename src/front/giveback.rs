@@ -146,6 +146,9 @@ impl Inner {
         let Some(cache) = self.threads.get(index) else {
             return;
         };
+        // Unseated before the cache can be retired and adopted by another thread, which may
+        // have this thread's pointer (see `seats.rs`).
+        self.seats.leave(crate::tls::thread_key());
         self.drain_cache(cache);
         for (own, shared) in cache.counters.iter().zip(self.shared.iter()) {
             shared.add_shared(own.take());

@@ -24,16 +24,18 @@ type Leaf = [AtomicU32; LEAF];
 /// indexes them with no bounds check.
 type Level<T> = [AtomicPtr<T>; WIDE];
 
-/// A new zeroed `T` on the heap (`T`: arrays of atomics, for which zero is a valid value).
-fn zeroed<T>() -> Box<T> {
+/// A new zeroed `T` on the heap, made there (not on the stack first). Only for the levels
+/// here and the seats of `seats.rs`: arrays of atomic integers and pointers, of non-zero sizes,
+/// for which zero bytes are a valid value.
+pub(super) fn zeroed<T>() -> Box<T> {
     let layout = Layout::new::<T>();
-    // SAFETY: only used for `Level<_>` and `Leaf`, of non-zero sizes.
+    // SAFETY: `T` has a non-zero size (see above).
     let at = unsafe { alloc::alloc_zeroed(layout) }.cast::<T>();
     if at.is_null() {
         alloc::handle_alloc_error(layout);
     }
-    // SAFETY: allocated above with `T`'s layout, and a `Level<_>` or `Leaf` (arrays of atomic
-    // integers and pointers) is valid with zero bytes.
+    // SAFETY: allocated above with `T`'s layout, and `T` (arrays of atomic integers and
+    // pointers) is valid with zero bytes.
     unsafe { Box::from_raw(at) }
 }
 

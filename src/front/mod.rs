@@ -45,6 +45,7 @@ mod figures;
 mod gate;
 mod giveback;
 mod map;
+mod seats;
 mod thread;
 
 use std::sync::atomic::AtomicU64;
@@ -62,6 +63,7 @@ use entries::{Entries, Entry, CACHED, NIL, USER};
 use gate::Gate;
 use giveback::Was;
 use map::AddressMap;
+use seats::Seats;
 use thread::{Bin, Registry, ThreadCache};
 
 /// The largest block size the front caches.
@@ -79,6 +81,8 @@ struct Inner {
     entries: Entries,
     map: AddressMap,
     threads: Registry,
+    /// The threads' caches by thread pointer, for the exports' hit path.
+    seats: Seats,
     /// Between the caches' owners and the drains.
     gate: Gate,
     /// Figures changed outside a thread's own calls (drains, exits), per device.
@@ -106,6 +110,7 @@ impl Front {
                 entries: Entries::default(),
                 map: AddressMap::default(),
                 threads: Registry::new(devices as usize),
+                seats: Seats::default(),
                 gate,
                 shared: (0..devices).map(|_| Counters::default()).collect(),
                 pool,
@@ -142,22 +147,21 @@ impl Front {
         }
     }
 
-    /// The hit path of [`Front::reserve`] for a thread already bound to this front: a block
-    /// from the calling thread's own bin of `(device, stream, size)` when that is the key's home
-    /// bin; `None`, with nothing changed, where the bin is empty or elsewhere (see
-    /// [`Front::reserve_probed`]), or the thread is not bound, or the size is not cached. It
-    /// makes no call, so that the exports' hit paths have none to save registers around (see
-    /// `capi::hit`).
+    /// The hit path of [`Front::reserve`] for a thread already seated in this front (see
+    /// `seats.rs`): a block from the calling thread's own bin of `(device, stream, size)` when
+    /// that is the key's home bin; `None`, with nothing changed, where the bin is empty or
+    /// elsewhere (see [`Front::reserve_probed`]), or the thread has no seat, or the size is not
+    /// cached. It makes no call, so that the exports' hit paths have none to save registers
+    /// around (see `capi::hit`).
     #[inline(always)]
     pub(crate) fn reserve_hit(
         &self,
-        t: &tls::Thread,
         device: i32,
         size: u64,
         stream: StreamHandle,
     ) -> Option<DevicePtr> {
         let inner = &*self.inner;
-        let cache = inner.bound(t)?;
+        let cache = inner.seats.get(tls::thread_key())?;
         // No device check: only the pool's devices are keyed, so no bin has another.
         if size.wrapping_sub(1) >= MAX_BLOCK {
             return None;
@@ -166,8 +170,8 @@ impl Front {
         inner.pop(cache, bin, size)
     }
 
-    /// [`Front::reserve_hit`] of a key displaced from its home bin (the hit path's miss, out of
-    /// line): the probe for its bin.
+    /// [`Front::reserve_hit`] of a key displaced from its home bin, or of a thread with no seat
+    /// (the hit path's miss, out of line): the probe for its bin, the thread seated if it can be.
     #[cold]
     #[inline(never)]
     pub(crate) fn reserve_probed(
@@ -179,6 +183,7 @@ impl Front {
     ) -> Option<DevicePtr> {
         let inner = &*self.inner;
         let cache = inner.bound(t)?;
+        inner.seat(cache);
         if size.wrapping_sub(1) >= MAX_BLOCK {
             return None;
         }
@@ -190,7 +195,7 @@ impl Front {
     /// `RM_ERROR_INVALID_POINTER` and change nothing.
     #[inline]
     pub fn release(&self, ptr: DevicePtr) -> Result<()> {
-        if ptr == 0 || tls::with(|t| self.release_hit(t, ptr)) {
+        if ptr == 0 || self.release_hit(ptr) {
             return Ok(());
         }
         match tls::with(|t| self.release_known(t, ptr)) {
@@ -199,19 +204,19 @@ impl Front {
         }
     }
 
-    /// The hit path of [`Front::release`]: the caller's own block, used on its stream only,
-    /// going back to the bin it was last cached in (named by the tag in its entry), which has
-    /// room for it. `true` once it is cached there; `false`, with nothing changed, for anything
+    /// The hit path of [`Front::release`] for a thread seated in this front: the caller's own
+    /// block, used on its stream only, going back to the bin it was last cached in (named by the
+    /// tag in its entry), which has room for it. `true` once it is cached there; `false`, with nothing changed, for anything
     /// else ([`Front::release_known`] then finds what to do). It makes no call, so that the
     /// exports' hit paths have none to save registers around (see `capi::hit`).
     #[inline(always)]
-    pub(crate) fn release_hit(&self, t: &tls::Thread, ptr: DevicePtr) -> bool {
+    pub(crate) fn release_hit(&self, ptr: DevicePtr) -> bool {
         let inner = &*self.inner;
         let Some(index) = inner.map.get(ptr) else {
             return false;
         };
         let e = inner.entries.get(index);
-        let Some(cache) = inner.bound(t) else {
+        let Some(cache) = inner.seats.get(tls::thread_key()) else {
             return false;
         };
         let bin = cache.tagged(e.bin.load(Relaxed));
@@ -272,7 +277,10 @@ impl Front {
             return Some(inner.release_shared(index, ptr).map_err(Box::new));
         }
         let cached = match inner.bound(t) {
-            Some(cache) => inner.cache_released(cache, index, e),
+            Some(cache) => {
+                inner.seat(cache);
+                inner.cache_released(cache, index, e)
+            }
             None => inner.cache_released_unbound(t, index, e),
         };
         if !cached {
@@ -389,6 +397,15 @@ impl Inner {
         (id == self.id).then(|| unsafe { &*cache.cast::<ThreadCache>() })
     }
 
+    /// Seat the calling thread, whose cache is `cache`, if it has no seat yet and its bucket has
+    /// room (see `seats.rs`).
+    fn seat(&self, cache: &ThreadCache) {
+        let key = tls::thread_key();
+        if self.seats.get(key).is_none() {
+            self.seats.take(key, cache);
+        }
+    }
+
     /// Run `f` with the calling thread's cache in this front; `None` where it has none and can
     /// get none (every cache taken, or the thread is exiting).
     #[inline]
@@ -430,6 +447,7 @@ impl Inner {
         };
         t.front
             .set((self.id, (cache as *const ThreadCache).cast::<()>()));
+        self.seat(cache);
         Some(cache)
     }
 

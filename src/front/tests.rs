@@ -441,9 +441,9 @@ fn a_block_whose_bin_was_rekeyed_while_it_was_held_goes_back_to_a_bin_of_its_own
 fn the_hit_paths_take_only_their_common_case_and_change_nothing_otherwise() {
     let (front, sim) = front();
     let (s1, s2) = streams_sharing_a_home_bin(sim);
-    let hit = |size, stream| tls::with(|t| front.reserve_hit(t, 0, size, stream));
-    let released = |ptr| tls::with(|t| front.release_hit(t, ptr));
-    // A thread not bound to the front yet, an unknown pointer: nothing.
+    let hit = |size, stream| front.reserve_hit(0, size, stream);
+    let released = |ptr| front.release_hit(ptr);
+    // A thread not bound to the front yet (so with no seat), an unknown pointer: nothing.
     assert_eq!(hit(512, s1), None);
     assert!(!released(0x7000_0000_0000));
     let b = front.reserve(0, 512, s2).unwrap();
@@ -491,5 +491,32 @@ fn the_hit_paths_take_only_their_common_case_and_change_nothing_otherwise() {
     assert_eq!(figures(&front, sim, 0), (0, 0, 0, 10, 3));
     front.free_reusable(None).unwrap();
     assert_eq!(front.pool().stats(0).unwrap().live_blocks, 0);
+    assert_eq!(sim.used_bytes(0), 0);
+}
+
+#[test]
+fn a_thread_after_an_exited_one_finds_no_seat_until_it_binds() {
+    let (front, sim) = front();
+    let front = Arc::new(front);
+    let stream = sim.stream_create(0).unwrap();
+    let run = |front: Arc<Front>| {
+        std::thread::spawn(move || {
+            // Before binding, whatever the thread pointer (glibc reuses an exited thread's
+            // stack, and with it the pointer): no seat, no hit.
+            assert_eq!(front.reserve_hit(0, 512, stream), None);
+            let p = front.reserve(0, 512, stream).unwrap();
+            front.release(p).unwrap();
+            assert_eq!(front.reserve_hit(0, 512, stream), Some(p));
+            assert!(front.release_hit(p));
+        })
+        .join()
+        .unwrap()
+    };
+    run(Arc::clone(&front));
+    run(Arc::clone(&front));
+    // Both exited: their blocks went back to the pool with their caches. Four reserves, three
+    // hits: each thread's second, and the second thread's first, from the pool's cache.
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 4, 3));
+    front.free_reusable(None).unwrap();
     assert_eq!(sim.used_bytes(0), 0);
 }
