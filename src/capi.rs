@@ -153,10 +153,23 @@ fn past_hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Opt
     outcome.ok().flatten()
 }
 
+/// The callers of the hit paths, for their `SITE` parameter: each gets its own copy of the
+/// panic catch's inner function, which the compiler inlines where it has one caller and calls
+/// where two share it (a call, with the arguments passed through the stack).
+pub(crate) mod site {
+    pub const RM: u8 = 0;
+    pub const TORCH: u8 = 1;
+}
+
 /// A block for `(device, size, stream)` from the calling thread's front cache, if its home bin
-/// of that key holds one (nothing else is tried); for `rm_reserve` and `rm_torch_malloc`.
+/// of that key holds one (nothing else is tried); for `rm_reserve` and `rm_torch_malloc` (`SITE`:
+/// see [`site`]).
 #[inline(always)]
-pub(crate) fn reserve_hit(device: c_int, size: u64, stream: *mut c_void) -> Option<DevicePtr> {
+pub(crate) fn reserve_hit<const SITE: u8>(
+    device: c_int,
+    size: u64,
+    stream: *mut c_void,
+) -> Option<DevicePtr> {
     hit(|front| front.reserve_hit(device, size, stream as u64))
 }
 
@@ -170,9 +183,9 @@ pub(crate) fn reserve_probed(device: c_int, size: u64, stream: *mut c_void) -> O
 
 /// Whether `ptr` was released into the calling thread's front cache on the hit path (see
 /// [`Front::release_hit`]); `false`, with nothing changed, otherwise. For `rm_release` and
-/// `rm_torch_free`.
+/// `rm_torch_free` (`SITE`: see [`site`]).
 #[inline(always)]
-pub(crate) fn release_hit(ptr: *mut c_void) -> bool {
+pub(crate) fn release_hit<const SITE: u8>(ptr: *mut c_void) -> bool {
     hit(|front| front.release_hit(ptr as DevicePtr).then_some(())).is_some()
 }
 
@@ -290,7 +303,7 @@ pub unsafe extern "C" fn rm_reserve(
     out_ptr: *mut *mut c_void,
 ) -> rm_status {
     if !out_ptr.is_null() {
-        if let Some(ptr) = reserve_hit(device, size_arg(size), stream) {
+        if let Some(ptr) = reserve_hit::<{ site::RM }>(device, size_arg(size), stream) {
             // SAFETY: checked non-null; valid for writes by the caller's contract.
             unsafe { out_ptr.write(ptr as *mut c_void) };
             return rm_status::RM_SUCCESS;
@@ -344,7 +357,7 @@ unsafe fn reserve_call(
 /// None beyond passing a value: the pointer is looked up, never dereferenced.
 #[no_mangle]
 pub unsafe extern "C" fn rm_release(ptr: *mut c_void) -> rm_status {
-    if release_hit(ptr) {
+    if release_hit::<{ site::RM }>(ptr) {
         return rm_status::RM_SUCCESS;
     }
     release_call(ptr)

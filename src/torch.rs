@@ -38,10 +38,9 @@ pub unsafe extern "C" fn rm_torch_malloc(
     device: c_int,
     stream: *mut c_void,
 ) -> *mut c_void {
-    if let Some(ptr) = u64::try_from(size)
-        .ok()
-        .and_then(|size| crate::capi::reserve_hit(device, size, stream))
-    {
+    if let Some(ptr) = u64::try_from(size).ok().and_then(|size| {
+        crate::capi::reserve_hit::<{ crate::capi::site::TORCH }>(device, size, stream)
+    }) {
         return ptr as *mut c_void;
     }
     malloc_call(size, device, stream)
@@ -86,7 +85,7 @@ pub unsafe extern "C" fn rm_torch_free(
     stream: *mut c_void,
 ) {
     let _ = (size, device, stream);
-    if !crate::capi::release_hit(ptr) {
+    if !crate::capi::release_hit::<{ crate::capi::site::TORCH }>(ptr) {
         free_call(ptr);
     }
 }
