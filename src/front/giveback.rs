@@ -105,7 +105,7 @@ impl Inner {
     pub(super) fn drain(&self) {
         let mut lists = Vec::new();
         self.gate.exclusive(
-            || self.threads.iter().map(|cache| &cache.busy),
+            || self.threads.iter().map(|cache| &cache.busy.flag),
             |owners_out| {
                 for cache in self.threads.iter() {
                     if owners_out {

@@ -42,14 +42,14 @@ pub const MAX_THREADS: usize = 1024;
 const _: () = assert!(BINS == 1 << 6 && MAX_THREADS <= 1 << 10);
 
 /// One LIFO list of blocks of one key. A cache line each, so that no two threads' bins share
-/// one.
-#[repr(align(64))]
+/// one. Laid out so that bytes 12 to 15 of the line hold nothing: see [`Busy`].
+#[repr(C, align(64))]
 pub struct Bin {
     /// Its device and block size, as [`key_of`] packs them; 0 (size 0): the bin has no key.
     key: AtomicU64,
-    stream: AtomicU64,
     /// The most blocks it holds, from [`MAX_BIN_BLOCKS`] and [`MAX_BIN_BYTES`] (set with the key).
     cap: AtomicU32,
+    stream: AtomicU64,
     /// This keying's tag (see [`ThreadCache::tagged`]); [`UNKEYED`] before the first.
     tag: AtomicU64,
     /// The list: its length in the high half, its first entry (or [`NIL`]) in the low half.
@@ -61,6 +61,30 @@ pub struct Bin {
     /// likewise): the callers' requests of the blocks it handed out less those it took back.
     requested: AtomicI64,
 }
+
+/// A cache's flag for the gate (`gate.rs`), which its owner sets and clears around every hit,
+/// alone on its line at byte 12. A load waits behind an earlier store to the same offset
+/// within a page (the CPU matches them by the low 12 bits of their addresses at first), so the
+/// flag sits where the hit paths load nothing: bytes 12 to 15 of a bin are padding, and of a
+/// block's record (`entries::Entry`) the thread cache's index, which they do not read.
+#[repr(C, align(64))]
+pub struct Busy {
+    _before: [u8; 12],
+    pub flag: AtomicBool,
+}
+
+impl Default for Busy {
+    fn default() -> Self {
+        Busy {
+            _before: [0; 12],
+            flag: AtomicBool::new(false),
+        }
+    }
+}
+
+const _: () = assert!(std::mem::offset_of!(Busy, flag) == 12);
+const _: () = assert!(std::mem::offset_of!(Bin, cap) + 4 == 12);
+const _: () = assert!(std::mem::offset_of!(Bin, stream) == 16);
 
 /// A bin's device and block size (a multiple of 512, below 2 TiB) in one word, so that a key
 /// is compared in two: the device in the high half, the size in 512-byte units in the low.
@@ -246,7 +270,7 @@ pub struct ThreadCache {
     pub index: u32,
     alive: AtomicBool,
     /// Its owner is inside the front's gate (see `gate.rs`).
-    pub busy: AtomicBool,
+    pub busy: Busy,
     /// Keyings of its bins so far (owner only), for their tags.
     keyings: AtomicU64,
     /// A fixed number, in the cache itself, so that a bin's slot indexes them with no bounds
@@ -281,7 +305,7 @@ impl ThreadCache {
         ThreadCache {
             index,
             alive: AtomicBool::new(true),
-            busy: AtomicBool::new(false),
+            busy: Busy::default(),
             keyings: AtomicU64::new(0),
             bins: std::array::from_fn(|_| Bin::default()),
             remote: Line(AtomicU32::new(NIL)),
@@ -292,7 +316,7 @@ impl ThreadCache {
     /// Enter `gate` as this cache's owner (see `gate.rs`); `None` while a drain is in flight.
     #[inline(always)]
     pub fn enter(&self, gate: &Gate) -> Option<Owner<'_>> {
-        gate.enter(&self.busy)
+        gate.enter(&self.busy.flag)
     }
 
     /// The bin holding `(device, stream, size)`, if any (owner only).
