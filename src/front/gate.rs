@@ -264,6 +264,27 @@ mod tests {
     }
 
     #[test]
+    fn a_drain_waits_for_an_owner_inside_to_leave() {
+        for gate in [Gate::new(), Gate::with_fences(true)] {
+            let gate = Arc::new(gate);
+            let busy = Arc::new(AtomicBool::new(false));
+            let left = Arc::new(AtomicBool::new(false));
+            let inside = gate.enter(&busy).expect("no drain in flight");
+            let drain = {
+                let (gate, busy, left) = (Arc::clone(&gate), Arc::clone(&busy), Arc::clone(&left));
+                std::thread::spawn(move || {
+                    gate.exclusive(|| std::iter::once(&*busy), |_| left.load(Acquire))
+                })
+            };
+            // The owner stays inside (as if preempted there) while the drain runs.
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            left.store(true, Release);
+            drop(inside);
+            assert!(drain.join().unwrap(), "the drain ran with the owner inside");
+        }
+    }
+
+    #[test]
     fn an_owner_stays_out_while_a_drain_is_in_flight() {
         let gate = Gate::with_fences(true);
         let busy = AtomicBool::new(false);
