@@ -520,3 +520,43 @@ fn a_thread_after_an_exited_one_finds_no_seat_until_it_binds() {
     front.free_reusable(None).unwrap();
     assert_eq!(sim.used_bytes(0), 0);
 }
+
+#[test]
+fn two_threads_releasing_one_block_at_once_release_it_once() {
+    // The owner's release takes the hit path (its bin pushed with plain stores), the other
+    // thread's goes past it: exactly one claims the block, the other is refused, every time.
+    let (front, sim) = front();
+    let front = Arc::new(front);
+    let stream = sim.stream_create(0).unwrap();
+    let (to_other, from_owner) = std::sync::mpsc::channel::<u64>();
+    let (to_owner, from_other) = std::sync::mpsc::channel::<bool>();
+    let start = Arc::new(std::sync::Barrier::new(2));
+    let rounds = 2000;
+    let other = {
+        let (front, start) = (Arc::clone(&front), Arc::clone(&start));
+        std::thread::spawn(move || {
+            for p in from_owner {
+                start.wait();
+                to_owner.send(front.release(p).is_ok()).unwrap();
+            }
+        })
+    };
+    for _ in 0..rounds {
+        // A hit from the second round on: the block is the owner's, cached in its bin.
+        let p = front.reserve(0, 4096, stream).unwrap();
+        to_other.send(p).unwrap();
+        start.wait();
+        let mine = front.release(p);
+        let theirs = from_other.recv().unwrap();
+        assert!(mine.is_ok() != theirs, "released twice or not at all");
+        if let Err(e) = mine {
+            assert_eq!(e.status, rm_status::RM_ERROR_INVALID_POINTER);
+        }
+    }
+    drop(to_other);
+    other.join().unwrap();
+    // Each round's block went back once, to the owner's bin or the pool; nothing held.
+    front.free_reusable(None).unwrap();
+    assert_eq!(figures(&front, sim, 0).0, 0);
+    assert_eq!(sim.used_bytes(0), 0);
+}
