@@ -5,7 +5,8 @@
  * Regenerate it with: RESMEM_BLESS=1 cargo test --test header
  *
  * Every function is thread-safe, never unwinds into the caller, never aborts the process, and
- * prints nothing unless RESMEM_CONF=logging:true. On failure a function returns a status other
+ * prints nothing unless RESMEM_CONF=logging:true. Like malloc, none is async-signal-safe: do
+ * not call them from a signal handler. On failure a function returns a status other
  * than RM_SUCCESS and rm_last_error() describes what happened and what to do.
  *
  * Environment (read once, at the first call):
