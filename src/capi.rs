@@ -128,9 +128,9 @@ fn fail(function: &str, error: Error) -> rm_status {
 /// them. So `f` makes no call (around which the export would save registers on the stack), not
 /// even the thread-local's lookup (a call to `__tls_get_addr` in a shared object): the calling
 /// thread's cache is found from its thread pointer (`front/seats.rs`). For the same reason it
-/// leaves the boundary flag alone (the quiet panic
-/// hook's, which [`boundary`] and [`past_hit`] set): nothing in `f` can panic (no call; its
-/// indices are in bounds by construction, masked or shifted; its arithmetic cannot overflow).
+/// leaves the boundary flag alone (the quiet panic hook's, which [`boundary`] and [`past_hit`]
+/// set): nothing in `f` can panic (no call; its indices are in bounds by construction, masked
+/// or shifted; its arithmetic cannot overflow).
 /// If a change ever made it panic, the panic would still be caught here, only reported by the
 /// hook as any other.
 #[inline(always)]

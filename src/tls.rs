@@ -10,10 +10,11 @@
 //! point of a thread's exit (a call from another key's destructor, from an `atexit` handler).
 //!
 //! TLS descriptors (LLVM's `-enable-tlsdesc`) would make that call keep every register (they
-//! measured about 0.8 ns less a pair when the hit paths still made it), but glibc before 2.40 (bug 31372) lets their slow path,
-//! taken by a library loaded with `dlopen` (as Python loads this one) outside static TLS,
-//! clobber vector registers the compiler assumes kept: a silent corruption on the distributions
-//! most users run, for under a nanosecond. The build does not use them.
+//! measured about 0.8 ns less a pair when the hit paths still made it), but glibc before 2.40
+//! (bug 31372) lets their slow path, taken by a library loaded with `dlopen` (as Python loads
+//! this one) outside static TLS, clobber vector registers the compiler assumes kept: a silent
+//! corruption on the distributions most users run, for under a nanosecond. The build does not
+//! use them.
 
 use std::cell::Cell;
 use std::panic;
@@ -51,7 +52,6 @@ pub(crate) fn current() -> &'static Thread {
     unsafe { &*thread }
 }
 
-/// Run `f` with the calling thread's state.
 /// A number that names the calling thread among the live threads of the process, never 0,
 /// read without a call where the architecture allows: the thread pointer (on x86_64 the
 /// self-pointer at `%fs:0` that the ABI requires, on aarch64 `tpidr_el0`), else the address of
@@ -89,6 +89,7 @@ pub(crate) fn thread_key() -> usize {
     }
 }
 
+/// Run `f` with the calling thread's state.
 #[inline(always)]
 pub(crate) fn with<R>(f: impl FnOnce(&Thread) -> R) -> R {
     f(current())

@@ -106,12 +106,6 @@ impl Gate {
     }
 }
 
-impl Default for Gate {
-    fn default() -> Self {
-        Gate::new()
-    }
-}
-
 /// Wait until an owner inside leaves: spinning a little (an owner stays a few instructions),
 /// then yielding (it was preempted inside).
 fn wait_down(flag: &AtomicBool) {

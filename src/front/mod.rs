@@ -4,16 +4,16 @@
 //!
 //! A block released by the caller stays *live* to the pool and waits in a front cache, keyed
 //! by device, stream and block size; the next reserve of that key on the same thread takes it
-//! back with plain loads and stores inside the front's gate (`gate.rs`). Only the same stream gets it, so stream-ordered reuse holds
-//! as in the pool: a block released on one stream reaches another only through the pool, after
-//! that stream's work. A block released on another thread than the one that reserved it goes
+//! back with plain loads and stores inside the front's gate (`gate.rs`). Only the same stream
+//! gets it, so stream-ordered reuse holds as in the pool: a block released on one stream
+//! reaches another only through the pool, after that stream's work. A block released on another thread than the one that reserved it goes
 //! to the reserving thread's remote list (as mimalloc does). Blocks up to [`MAX_BLOCK`] are
 //! cached, up to a bound of bytes and blocks per bin (see `thread.rs`); others go straight
 //! to the pool; so do blocks beyond the `entries::CAPACITY` the front can know at once.
 //!
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange while
-//! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`, `set_memory_limit`, `reset_peak_stats` and
-//! `trim` (another process sharing the device asks), before a reserve that the pool could
+//! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`,
+//! `set_memory_limit`, `reset_peak_stats` and `trim` (another process sharing the device asks), before a reserve that the pool could
 //! serve only from the driver (so the pool grows only after the caches gave back what they held,
 //! and another stream's need is met from it), after an out-of-memory with blocks cached, and
 //! when a thread exits (its cache is handed back).
@@ -29,9 +29,9 @@
 //! calling thread writes, and for a release one compare-and-swap on the block's record (a second
 //! release fails there); a release from another thread adds one compare-and-swap on the owner's
 //! remote list. A drain waits for the owners inside the gate to leave it (a few instructions);
-//! no owner ever waits for a drain. Everything else calls the [`Pool`], which takes its own locks as it
-//! always does, and takes the arena's free-list mutex (`entries.rs`) for a block newly known or
-//! forgotten; the two are never held together, so no lock order is added.
+//! no owner ever waits for a drain. Everything else calls the [`Pool`], which takes its own
+//! locks as it always does, and takes the arena's free-list mutex (`entries.rs`) for a block
+//! newly known or forgotten; the two are never held together, so no lock order is added.
 //!
 //! # Figures
 //!
@@ -206,9 +206,10 @@ impl Front {
 
     /// The hit path of [`Front::release`] for a thread seated in this front: the caller's own
     /// block, used on its stream only, going back to the bin it was last cached in (named by the
-    /// tag in its entry), which has room for it. `true` once it is cached there; `false`, with nothing changed, for anything
-    /// else ([`Front::release_known`] then finds what to do). It makes no call, so that the
-    /// exports' hit paths have none to save registers around (see `capi::hit`).
+    /// tag in its entry), which has room for it. `true` once it is cached there; `false`, with
+    /// nothing changed, for anything else ([`Front::release_known`] then finds what to do). It
+    /// makes no call, so that the exports' hit paths have none to save registers around (see
+    /// `capi::hit`).
     #[inline(always)]
     pub(crate) fn release_hit(&self, ptr: DevicePtr) -> bool {
         let inner = &*self.inner;
@@ -400,10 +401,7 @@ impl Inner {
     /// Seat the calling thread, whose cache is `cache`, if it has no seat yet and its bucket has
     /// room (see `seats.rs`).
     fn seat(&self, cache: &ThreadCache) {
-        let key = tls::thread_key();
-        if self.seats.get(key).is_none() {
-            self.seats.take(key, cache);
-        }
+        self.seats.take(tls::thread_key(), cache);
     }
 
     /// Run `f` with the calling thread's cache in this front; `None` where it has none and can

@@ -58,43 +58,51 @@ fn bucket(key: usize) -> usize {
 }
 
 impl Seats {
-    /// The cache seated for the thread of `key`, the caller's own (see the module's
-    /// documentation).
+    /// The seat holding `key`, the calling thread's own (see the module's documentation).
+    #[inline(always)]
+    fn own(&self, key: usize) -> Option<&Seat> {
+        let bucket = &self.seats[bucket(key)];
+        if bucket[0].key.load(Relaxed) == key {
+            Some(&bucket[0])
+        } else if bucket[1].key.load(Relaxed) == key {
+            Some(&bucket[1])
+        } else {
+            None
+        }
+    }
+
+    /// The cache seated for the thread of `key`, the caller's own.
     #[inline(always)]
     pub fn get(&self, key: usize) -> Option<&ThreadCache> {
-        let bucket = &self.seats[bucket(key)];
-        let seat = if bucket[0].key.load(Relaxed) == key {
-            &bucket[0]
-        } else if bucket[1].key.load(Relaxed) == key {
-            &bucket[1]
-        } else {
-            return None;
-        };
+        let seat = self.own(key)?;
         // SAFETY: the caller's own seat, filled by the caller with a cache of this front (see
         // `take`), which lives as long as the front.
         Some(unsafe { &*seat.cache.load(Relaxed) })
     }
 
     /// Seat `cache` for the calling thread, whose key is `key` (a seat holding `key` already is
-    /// an exited thread's, or this thread's: it is filled again); `false` where the bucket is
-    /// full.
+    /// this thread's, left as it is if it names `cache`, or an exited thread's: it is filled
+    /// again); `false` where the bucket is full.
     pub fn take(&self, key: usize, cache: &ThreadCache) -> bool {
         debug_assert!(key > CLAIMED);
         let cache = cache as *const ThreadCache as *mut ThreadCache;
-        let bucket = &self.seats[bucket(key)];
-        if let Some(own) = bucket.iter().find(|s| s.key.load(Relaxed) == key) {
-            own.cache.store(cache, Relaxed);
+        if let Some(own) = self.own(key) {
+            // Written only if it changes: other threads read the bucket's line on every hit.
+            if own.cache.load(Relaxed) != cache {
+                own.cache.store(cache, Relaxed);
+            }
             return true;
         }
-        for seat in bucket {
+        for seat in &self.seats[bucket(key)] {
             if seat
                 .key
                 .compare_exchange(0, CLAIMED, Relaxed, Relaxed)
                 .is_ok()
             {
                 seat.cache.store(cache, Relaxed);
-                // Release: another thread's `take` finds it claimed until then; the cache is
-                // read only by this thread (see `get`), but the store orders nothing else.
+                // Filled before the key names it. Only this thread reads the seat as its own
+                // (see `get`), so program order alone would do; the others see a taken seat
+                // from the claim on.
                 seat.key.store(key, Release);
                 return true;
             }
@@ -104,10 +112,8 @@ impl Seats {
 
     /// Free the calling thread's seat (its key is `key`), if it has one.
     pub fn leave(&self, key: usize) {
-        for seat in &self.seats[bucket(key)] {
-            if seat.key.load(Relaxed) == key {
-                seat.key.store(0, Release);
-            }
+        if let Some(own) = self.own(key) {
+            own.key.store(0, Release);
         }
     }
 }

@@ -3,8 +3,8 @@
 //! segment is taken apart, so that making and taking apart a segment costs no reservation call
 //! of its own (on an H200 every virtual-memory call costs about as much as a `cuMemMap`: on the
 //! shipped traces and shared snapshots the per-segment reservations and frees were 16-38% of the
-//! default's driver calls, about a fifth on most). PyTorch's expandable segments reserve address space
-//! the size of the device once for the same reason.
+//! default's driver calls, about a fifth on most). PyTorch's expandable segments reserve
+//! address space the size of the device once for the same reason.
 //!
 //! Pure bookkeeping: the device pool makes the driver calls. Free ranges are kept by address
 //! (merged with their free neighbours, never across a chunk's edge: a mapping must lie inside

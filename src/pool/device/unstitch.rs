@@ -12,9 +12,10 @@
 //!
 //! When a segment with no block in use is taken apart (returning memory, a miss as above, or an
 //! idle segment released), it is unmapped with one call, its addresses go back to their chunk
-//! (`addresses.rs`; no driver call), and its pages go back where they came from: a lent piece becomes free memory again in its lender (the hole is filled, merged with
-//! its free neighbours, without a driver call); pages it owned outright become spare; pages it
-//! had lent on to a third range now belong to that range (lent by the original lender, if any).
+//! (`addresses.rs`; no driver call), and its pages go back where they came from: a lent piece
+//! becomes free memory again in its lender (the hole is filled, merged with its free
+//! neighbours, without a driver call); pages it owned outright become spare; pages it had lent
+//! on to a third range now belong to that range (lent by the original lender, if any).
 //! A handle goes back to the driver only when all its pages are spare, hence mapped nowhere.
 //!
 //! The bound this keeps, checked after every operation of the property tests: after
