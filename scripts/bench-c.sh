@@ -2,9 +2,11 @@
 # The C benchmark (benches/c/pairs.c) through the shipped libresmem.so, with glibc's malloc +
 # free measured in the same run: cache-hit pairs from 1, 2, 4 and 8 threads (each on its own
 # simulated stream) at 512 B, 64 KiB, 4 MiB and 64 MiB with 0, 1k and 100k other blocks cached;
-# rm_get_stats with those caches; and the instructions of one pair under callgrind. (The waits
-# behind rm_free_reusable are scripts/bench-pauses.sh's.) Runs everything RUNS times (default 3)
-# and prints a Markdown section with the minimum and the median of the runs. Then the one-thread
+# rm_get_stats with those caches; the pairs from 1 and 2 threads again, timed in alternation
+# (`pairs scaling`: ROUNDS rounds per run), for the scaling from one thread to two, which one
+# pass over the cases leaves to the machine's noise; and the instructions of one pair under
+# callgrind. (The waits behind rm_free_reusable are scripts/bench-pauses.sh's.) Runs everything
+# RUNS times (default 3) and prints a Markdown section with the minimum and the median of the runs. Then the one-thread
 # pair under a sweep of the worker's stack shifts (`pairs sweep`, 0 to 4032 bytes in steps of 64,
 # with 0 and 100k blocks cached): where a block's record sits relative to the stack the calls
 # write to must not decide its time, so each case is given as the minimum, median and maximum over
@@ -14,11 +16,13 @@
 #   RUNS=1 scripts/bench-c.sh     # one run
 #   REPORT_ONLY=1 scripts/bench-c.sh   # print the section from the last runs' files
 #   SWEEP_ONLY=1 scripts/bench-c.sh    # only the stack-shift sweep (and its table)
+#   ROUNDS=N scripts/bench-c.sh   # N alternating rounds of 1 and 2 threads per run (5)
 #   BEFORE_LIB=DIR scripts/bench-c.sh  # also the sweep with DIR/libresmem.so.0 (another build,
 #                                      # e.g. of an earlier commit) in each run, for its table
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
+rounds=${ROUNDS:-5}
 cargo build --release -q -p resmem -p libcuda-sim
 out=target/bench-c
 mkdir -p "$out"
@@ -32,6 +36,7 @@ if [ -z "${REPORT_ONLY:-}" ]; then
   for i in $(seq 1 "$runs"); do
     if [ -z "${SWEEP_ONLY:-}" ]; then
       CUDA_SIM_DEVICES=80GiB "$out/pairs" > "$out/pairs.$i"
+      CUDA_SIM_DEVICES=80GiB "$out/pairs" scaling "$rounds" > "$out/scaling.$i"
     fi
     for cached in 0 100000; do
       if [ -n "${BEFORE_LIB:-}" ]; then
@@ -162,6 +167,43 @@ for cached in sorted(stats):
     s = mm(stats[cached])
     print(f"| {cached:,} | {s[0]:.0f} / {s[1]:.0f} |")
 print()
+scale = {}
+for i in range(1, runs + 1):
+    path = f"{out}/scaling.{i}"
+    if not os.path.exists(path):
+        continue
+    rnd = {}
+    for line in open(path):
+        f = line.split()
+        if f[0] == "scaling":
+            key = (f[1], int(f[3]), int(f[4]))
+            # Each line is one round's timing of its (impl, size, cached) at 1 or 2 threads, the
+            # 1-thread one first: pair them up round by round.
+            rnd.setdefault((key, int(f[2])), []).append(float(f[6]))
+    for (key, threads), v in rnd.items():
+        scale.setdefault((key, threads), []).extend(v)
+if scale:
+    n = len(next(iter(scale.values())))
+    print("### Two threads against one, in alternation\n")
+    print(f"`scripts/bench-c.sh` (`pairs scaling {os.environ.get('ROUNDS', '5')}` in each of {runs} runs): "
+          f"{n} rounds of each case; in each round the pair from 1 thread, then from 2 threads "
+          "(each on its own stream), resmem's then glibc's, 100 ms each (after 10 ms to start), "
+          "so that both thread counts meet the machine's other work alike. CPU time per pair per "
+          "thread (the median over threads). Min: the minimum over the rounds, and the ratio of the "
+          "minima; median ratio: each round's 2-thread figure over its 1-thread figure, the median "
+          "over the rounds.\n")
+    print("| cached | size | resmem 1 / 2 threads, min (ns) | resmem ratio of minima | resmem median ratio | glibc 1 / 2 threads, min (ns) | glibc ratio of minima | glibc median ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for cached in sorted({k[0][2] for k in scale}):
+        for size in sorted({k[0][1] for k in scale}):
+            row = [f"{cached:,}", human(size)]
+            for impl in ("resmem", "glibc"):
+                one, two = scale[((impl, size, cached), 1)], scale[((impl, size, cached), 2)]
+                ratios = [b / a for a, b in zip(one, two)]
+                row += [f"{min(one):.1f} / {min(two):.1f}", f"{min(two) / min(one):.2f}",
+                        f"{statistics.median(ratios):.2f}"]
+            print("| " + " | ".join(row) + " |")
+    print()
 print("The waits behind `rm_free_reusable` are measured by `scripts/bench-pauses.sh` (below).\n")
 instructions = [line.split() for line in open(f"{out}/instructions")]
 if instructions:

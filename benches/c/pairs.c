@@ -22,7 +22,8 @@
  * nothing: run under `valgrind --tool=callgrind` twice with different N, the difference of the
  * instruction counts over the difference of N is the instructions of one pair
  * (scripts/bench-c.sh does this). `pairs quick` measures only the pairs with nothing else cached, from
- * 1 and 2 threads.
+ * 1 and 2 threads. `pairs scaling [ROUNDS]` times the pairs from 1 and 2 threads in alternation,
+ * ROUNDS (5) rounds of each case: `scaling <impl> <threads> <size> <cached> <wall ns> <CPU ns>`.
  */
 #define _GNU_SOURCE
 #include <alloca.h>
@@ -481,6 +482,36 @@ static void stream_pairs(void) {
   }
 }
 
+/* ----- two threads against one, alternating ----- */
+
+/* For each count of other cached blocks and each size: `rounds` rounds, each timing the pair
+ * from 1 thread, then from 2 threads (each on its own stream), resmem's then glibc's, for
+ * 100 ms each. Alternating, both thread counts meet the machine's other work alike; the minimum
+ * over many rounds is the figure that work left alone. Prints `scaling <impl> <threads> <size>
+ * <cached> <wall ns> <CPU ns>` per pair per thread. */
+static void scaling(const size_t sizes[4], const size_t cached[3], int rounds) {
+  long saved_run = run_ns, saved_warm = warm_ns;
+  run_ns = 100 * 1000 * 1000;
+  warm_ns = 10 * 1000 * 1000;
+  for (int c = 0; c < 3; c++) {
+    add_cached(cached[c]);
+    for (int s = 0; s < 4; s++) {
+      for (int r = 0; r < rounds; r++) {
+        for (int glibc = 0; glibc < 2; glibc++) {
+          for (int threads = 1; threads <= 2; threads++) {
+            double cpu, wall = run_pairs(threads, sizes[s], glibc, &cpu);
+            printf("scaling %s %d %zu %zu %.2f %.2f\n", glibc ? "glibc" : "resmem", threads,
+                   sizes[s], cached[c], wall, cpu);
+          }
+        }
+        fflush(stdout);
+      }
+    }
+  }
+  run_ns = saved_run;
+  warm_ns = saved_warm;
+}
+
 /* The one-thread pair of each size (or only of size `only`; resmem's, then glibc's) with
  * `cached` other blocks cached, the worker's stack shifted by each multiple of `step` below 4096,
  * `ms` ms each after a 5 ms warm-up; all of it `passes` times over, so that each shift is timed
@@ -549,6 +580,15 @@ int main(int argc, char **argv) {
     size_t step = argc > 3 ? (size_t)atol(argv[3]) : 64;
     shift_sweep(sizes, (size_t)atol(argv[2]), step ? step : 64, argc > 4 ? atol(argv[4]) : 20,
                 argc > 5 ? (size_t)atol(argv[5]) : 0, argc > 6 ? atoi(argv[6]) : 4);
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "scaling") == 0) {
+    int rounds = argc > 2 ? atoi(argv[2]) : 5;
+    if (rounds < 1) {
+      fprintf(stderr, "pairs scaling: ROUNDS must be at least 1\n");
+      return 1;
+    }
+    scaling(sizes, cached, rounds);
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "handoff") == 0) {
