@@ -401,9 +401,11 @@ pub unsafe extern "C" fn rm_record_stream(ptr: *mut c_void, stream: *mut c_void)
 }
 
 /// Return every idle cached segment to the driver (what `torch.cuda.empty_cache()` does), after
-/// waiting for blocks still in use by other streams. `device` -1 means every device. The bytes
-/// returned are stored in `*released_bytes` unless it is NULL. Idle segments go back in
-/// batches, so other threads' calls on the device wait for one batch at most.
+/// waiting for the device's queued work, which may still use released blocks. `device` -1
+/// means every device. The bytes returned are stored in `*released_bytes` unless it is NULL.
+/// The wait is made before the device's lock is taken, and idle segments go back in batches,
+/// so other threads' calls on the device wait for one batch at most, never for the device's
+/// work; blocks they release meanwhile may stay cached.
 ///
 /// # Safety
 /// `released_bytes` is NULL or valid for writing a `size_t`.

@@ -339,25 +339,42 @@ fn one_thread_per_device_returning_memory_keeps_every_block_known() {
     }
 }
 
+/// A hook a [`Hooked`] driver runs once, inside a driver call.
+type Hook = Mutex<Option<Box<dyn FnOnce() + Send>>>;
+
 /// A driver that, once armed, runs a hook right after device 0 frees memory (`cuMemFree` or
-/// `cuMemAddressFree`), inside that call, while the pool still holds device 0's lock.
-struct FreeHook {
+/// `cuMemAddressFree`), inside that call, while the pool still holds device 0's lock
+/// (`on_free`); or inside a wait for device 0's work (`cuCtxSynchronize`, `on_sync`).
+struct Hooked {
     sim: SimDriver,
-    hook: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    on_free: Hook,
+    on_sync: Hook,
 }
 
-impl FreeHook {
-    fn after_free(&self, device: i32) {
+impl Hooked {
+    fn new(sim: &'static Sim) -> Hooked {
+        Hooked {
+            sim: SimDriver::new(sim).unwrap(),
+            on_free: Mutex::new(None),
+            on_sync: Mutex::new(None),
+        }
+    }
+
+    fn run(hook: &Hook, device: i32) {
         if device == 0 {
-            let hook = self.hook.lock().unwrap().take();
+            let hook = hook.lock().unwrap().take();
             if let Some(hook) = hook {
                 hook();
             }
         }
     }
+
+    fn after_free(&self, device: i32) {
+        Hooked::run(&self.on_free, device);
+    }
 }
 
-impl Driver for FreeHook {
+impl Driver for Hooked {
     fn describe(&self) -> String {
         self.sim.describe()
     }
@@ -407,6 +424,7 @@ impl Driver for FreeHook {
         self.sim.stream_wait_event(device, stream, event)
     }
     fn synchronize(&self, device: i32) -> DriverResult<()> {
+        Hooked::run(&self.on_sync, device);
         self.sim.synchronize(device)
     }
     fn vmm_granularity(&self, device: i32) -> Option<u64> {
@@ -452,10 +470,7 @@ impl Driver for FreeHook {
 fn a_device_growing_while_another_frees_keeps_its_block_known() {
     for stitched in [false, true] {
         let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
-        let driver = Arc::new(FreeHook {
-            sim: SimDriver::new(sim).unwrap(),
-            hook: Mutex::new(None),
-        });
+        let driver = Arc::new(Hooked::new(sim));
         let config = PoolConfig {
             vmm: stitched,
             ..PoolConfig::default()
@@ -466,7 +481,7 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
         let grown: Arc<Mutex<Option<u64>>> = Arc::default();
         {
             let (pool, grown) = (Arc::downgrade(&pool), grown.clone());
-            *driver.hook.lock().unwrap() = Some(Box::new(move || {
+            *driver.on_free.lock().unwrap() = Some(Box::new(move || {
                 let pool = pool.upgrade().unwrap();
                 *grown.lock().unwrap() = Some(pool.reserve(1, 64 * MIB, 0).unwrap());
             }));
@@ -483,6 +498,64 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
         pool.record_stream(grown, other)
             .unwrap_or_else(|e| panic!("stitched {stitched}: {e}"));
         pool.release(grown).unwrap();
+        pool.check().unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_returned(&*pool, sim);
+    }
+}
+
+/// `free_reusable` waits for the device's queued work before it takes the device's lock: while
+/// it waits, another thread reserves and releases on the same device (under the lock, as every
+/// miss), which would block behind a wait made with the lock held. What that thread released
+/// after the wait began stays cached (its work may still be queued), and goes with the next
+/// `free_reusable`.
+#[test]
+fn free_reusable_waits_for_the_device_without_the_lock() {
+    for stitched in [false, true] {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
+        let driver = Arc::new(Hooked::new(sim));
+        let config = PoolConfig {
+            vmm: stitched,
+            ..PoolConfig::default()
+        };
+        let pool = Arc::new(Pool::new(driver.clone(), config));
+        let cached = pool.reserve(0, 64 * MIB, 0).unwrap();
+        pool.release(cached).unwrap();
+        let meanwhile: Arc<Mutex<Option<Result<u64, String>>>> = Arc::default();
+        {
+            let (pool, meanwhile) = (Arc::downgrade(&pool), meanwhile.clone());
+            *driver.on_sync.lock().unwrap() = Some(Box::new(move || {
+                let pool = pool.upgrade().unwrap();
+                let (done, finished) = mpsc::channel();
+                std::thread::spawn(move || {
+                    let p = pool.reserve(0, MIB, 0).unwrap();
+                    pool.release(p).unwrap();
+                    done.send(pool.stats(0).unwrap().reserved_bytes).unwrap();
+                });
+                *meanwhile.lock().unwrap() = Some(
+                    finished
+                        .recv_timeout(Duration::from_secs(20))
+                        .map_err(|_| "blocked behind the wait".to_string()),
+                );
+            }));
+        }
+        let returned = pool.free_reusable(Some(0)).unwrap();
+        let reserved = meanwhile
+            .lock()
+            .unwrap()
+            .take()
+            .expect("free_reusable waited for the device")
+            .unwrap_or_else(|e| panic!("stitched {stitched}: {e}"));
+        let left = pool.stats(0).unwrap().reserved_bytes;
+        if stitched {
+            // The 1 MiB block's range borrowed a page of the cached segment's handle: the
+            // segment was taken apart, but the handle stays mapped in that range, released
+            // after the wait began and so kept.
+            assert_eq!((returned, reserved, left), (0, 64 * MIB, 64 * MIB));
+        } else {
+            // The 1 MiB block got a 2 MiB segment of its own, kept.
+            assert_eq!((returned, reserved, left), (64 * MIB, 66 * MIB, 2 * MIB));
+        }
         pool.check().unwrap();
         pool.free_reusable(None).unwrap();
         assert_returned(&*pool, sim);

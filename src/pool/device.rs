@@ -86,6 +86,10 @@ struct Segment {
     borrowers: IntSet<SegId>,
     /// Built from physical memory mapped into an address range of its own.
     stitched: bool,
+    /// The device's count of releases (`DevicePool::releases`) at the last release of one of
+    /// its blocks; 0: none since it was booked. Its memory goes back to the driver, or to another
+    /// range, without a wait when that is no later than the last wait (see `streams.rs`).
+    released: u64,
 }
 
 /// A stream's free blocks, small and large class. Slots are reused once no segment is theirs.
@@ -105,6 +109,8 @@ const PARKED_MAX: usize = 16;
 struct Pending {
     block: BlockId,
     events: Vec<EventHandle>,
+    /// The device's count of releases at its release (see `streams.rs`).
+    released: u64,
 }
 
 /// Whether `grow` may give cached memory back to make room (steps 3 and 4 of the policy).
@@ -153,6 +159,11 @@ pub struct DevicePool {
     lending: Vec<SegId>,
     /// What sizes the headroom of the next stitched creation (`headroom.rs`).
     headroom: Headroom,
+    /// Blocks released so far (each release counts one, and stamps its segment).
+    releases: u64,
+    /// Every release up to this count was followed by a wait for the device's queued work:
+    /// the work that used those blocks is done (see `streams.rs`).
+    settled: u64,
 }
 
 impl DevicePool {
@@ -182,6 +193,8 @@ impl DevicePool {
             stuck: Vec::new(),
             lending: Vec::new(),
             headroom: Headroom::default(),
+            releases: 0,
+            settled: 0,
         }
     }
 
@@ -306,6 +319,9 @@ impl DevicePool {
             }
             self.blocks[id].shared = false;
         }
+        self.releases += 1;
+        let seg = self.blocks[id].segment;
+        self.segments[seg].released = self.releases;
         let b = &self.blocks[id];
         self.stats.remove_live(allocated(b.requested), b.requested);
         // Park a block with no free or parked neighbour: it would merge with nothing, so it is
@@ -322,7 +338,11 @@ impl DevicePool {
         } else {
             self.by_ptr.remove(&ptr);
             self.blocks[id].state = State::Pending;
-            self.pending.push(Pending { block: id, events });
+            self.pending.push(Pending {
+                block: id,
+                events,
+                released: self.releases,
+            });
         }
         Ok(())
     }

@@ -27,8 +27,9 @@
 //!    does a release whose device the span map cannot tell;
 //! 2. the span map is written with atomic operations while a device's mutex is held (a segment
 //!    booked or forgotten) and read without a lock;
-//! 3. the driver is called with the device mutex held; the driver takes no lock of the pool and
-//!    never calls back into it (the simulator's own mutex is a leaf).
+//! 3. the driver is called with the device mutex held (save `free_reusable`'s first wait for
+//!    the device's work, made without it); the driver takes no lock of the pool and never calls
+//!    back into it (the simulator's own mutex is a leaf).
 //!
 //! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
 //! poisoned by a panic is taken over (see `Pool::lock`).
@@ -284,10 +285,11 @@ impl Pool {
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
-    /// The work goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a
-    /// batch has run for `BATCH_TIME`), the device's lock released between them, so that
-    /// reserves and releases on the device wait for one batch at most. Blocks released
-    /// meanwhile may stay cached.
+    /// The device's queued work is waited for first, without the device's lock; then the work
+    /// goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a batch has
+    /// run for `BATCH_TIME`), the device's lock released between them, so that reserves and
+    /// releases on the device wait for one batch at most. Blocks released meanwhile may stay
+    /// cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
         // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {
@@ -298,7 +300,7 @@ impl Pool {
         #[cfg(feature = "hold-probe")]
         let mut holds = probe::Holds::default();
         for device in devices {
-            let mut sweep = Sweep::default();
+            let mut sweep = self.settle(device)?;
             loop {
                 let (mut pool, cx) = self.lock(device)?;
                 #[cfg(feature = "hold-probe")]
@@ -319,6 +321,25 @@ impl Pool {
         #[cfg(feature = "hold-probe")]
         holds.print();
         Ok(total)
+    }
+
+    /// The start of a sweep of `device`: the device's queued work, which may still use blocks
+    /// released before, waited for without the device's lock (where a block was released since
+    /// the last wait and cached memory is left), so that no reserve or release on the device
+    /// waits behind that work. The sweep returns only what this wait settled.
+    fn settle(&self, device: i32) -> Result<Sweep> {
+        let (releases, unsettled) = {
+            let (pool, _) = self.lock(device)?;
+            (pool.releases(), pool.unsettled())
+        };
+        if !unsettled {
+            // Settled up to the last wait already (0 moves nothing).
+            return Ok(Sweep::settled_at(0));
+        }
+        self.driver.synchronize(device).map_err(|e| {
+            Error::driver("waiting for the device before returning cached memory", &e)
+        })?;
+        Ok(Sweep::settled_at(releases))
     }
 
     /// Between two batches of a long operation on `device`: give the threads blocked on its

@@ -22,9 +22,28 @@ impl DevicePool {
         let mut free_blocks = 0usize;
         let mut segments = 0;
         let mut slot_segments: IntMap<SlotId, u32> = IntMap::default();
+        // Stamps of releases (`streams.rs`): none ahead of the count, nor the wait.
+        if self.settled > self.releases {
+            return Err(format!(
+                "settled up to release {} of {}",
+                self.settled, self.releases
+            ));
+        }
+        if let Some(p) = self.pending.iter().find(|p| p.released > self.releases) {
+            return Err(format!(
+                "a pending block stamped with release {} of {}",
+                p.released, self.releases
+            ));
+        }
         for (seg_id, seg) in self.segments.enumerate() {
             if !seg.in_use {
                 continue;
+            }
+            if seg.released > self.releases {
+                return Err(format!(
+                    "segment {:#x} stamped with release {} of {}",
+                    seg.base, seg.released, self.releases
+                ));
             }
             segments += 1;
             reserved += seg.size;

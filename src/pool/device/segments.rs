@@ -29,6 +29,7 @@ impl DevicePool {
                     runs: Vec::new(),
                     borrowers: IntSet::default(),
                     stitched: false,
+                    released: 0,
                 });
                 // Room for every segment to be forgotten (see `Blocks::insert`).
                 self.vacant_segments
@@ -62,6 +63,7 @@ impl DevicePool {
             runs,
             borrowers: IntSet::default(),
             stitched,
+            released: 0,
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);
@@ -101,9 +103,11 @@ impl DevicePool {
             }
         };
         // Work queued before the blocks were released may still use them.
-        cx.driver.synchronize(self.device).map_err(|e| {
-            Error::driver("waiting for the device before returning cached memory", &e)
-        })?;
+        self.settle(
+            cx,
+            chosen.iter().map(|&(_, seg)| seg),
+            "waiting for the device before returning cached memory",
+        )?;
         let mut released = 0;
         for (size, seg) in chosen {
             self.free_segment(cx, seg)?;

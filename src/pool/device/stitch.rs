@@ -301,8 +301,9 @@ impl DevicePool {
     }
 
     /// Take cached pieces for up to `size` bytes out of the books: spare pages, and aligned
-    /// interiors of free blocks lent as holes. Waits for the device first, as work queued before
-    /// those blocks were released may still use them.
+    /// interiors of free blocks lent as holes. Waits for the device first unless their segments
+    /// are settled (`streams.rs`), as work queued before those blocks were released may still use
+    /// them.
     fn gather(
         &mut self,
         cx: &Context<'_>,
@@ -326,9 +327,13 @@ impl DevicePool {
         if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
             return Ok(Vec::new());
         }
-        cx.driver.synchronize(self.device).map_err(|e| {
-            Error::driver("waiting for the device before remapping cached memory", &e)
-        })?;
+        // Spare pages came from ranges taken apart, settled then; free blocks' pages may still
+        // be in use by work queued before their release.
+        self.settle(
+            cx,
+            chosen.iter().filter_map(|p| p.lender.map(|(seg, _)| seg)),
+            "waiting for the device before remapping cached memory",
+        )?;
         for piece in &chosen {
             match piece.lender {
                 None => self.phys.take(piece.pages),

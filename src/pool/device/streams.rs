@@ -1,79 +1,67 @@
 //! Streams and events: each stream's slot (its bins and parked blocks), the events that order
-//! one stream's reuse after another's work, and released blocks pending on other streams.
+//! one stream's reuse after another's work, released blocks pending on other streams, and the
+//! waits for the device's queued work before memory leaves its stream.
+//!
+//! # Settled memory
+//!
+//! Work queued before a block was released may still use it, so its memory goes back to the
+//! driver, or into a range another stream may use, only after a wait for the device's queued
+//! work (`cuCtxSynchronize`). Each release counts one and stamps its segment with the count;
+//! each wait records the count it began at (*settled*): a segment stamped no later is settled,
+//! and needs no wait of its own. So a pool that waited once waits again only for segments
+//! released since, and `Pool::free_reusable` waits before it takes the device's lock, so that
+//! no reserve or release on the device waits behind the device's work: its sweep then returns
+//! only settled segments (see `sweep.rs`).
 
 use super::*;
+use crate::driver::DriverResult;
 
 impl DevicePool {
     /// Free the pending blocks whose events have completed (all of them, waiting, if `wait`).
     pub(super) fn collect_pending(&mut self, cx: &Context<'_>, wait: bool) -> Result<()> {
         let mut i = 0;
         while i < self.pending.len() {
-            let mut done = true;
-            for &event in &self.pending[i].events {
-                let result = if wait {
-                    cx.driver
-                        .event_synchronize(self.device, event)
-                        .map(|()| true)
-                } else {
-                    cx.driver.event_query(self.device, event)
-                };
-                match result {
-                    Ok(true) => {}
-                    Ok(false) => {
-                        done = false;
-                        break;
-                    }
-                    Err(e) => {
-                        return Err(Error::driver(
-                            "checking whether work on other streams using a released block has finished",
-                            &e,
-                        ))
-                    }
-                }
-            }
-            if done {
-                let Pending { block, mut events } = self.pending.swap_remove(i);
-                self.spare_events.append(&mut events);
-                self.free_block(block);
-            } else {
+            // Freed, a block leaves the list and the last one takes its place.
+            if !self.free_pending_if_done(cx, i, wait)? {
                 i += 1;
             }
         }
         Ok(())
     }
 
-    /// Wait for the events of up to `count` pending blocks and free them, stopping early once
-    /// `over()`; whether none is left pending.
-    pub(super) fn wait_pending(
+    /// Free the pending block at place `i` of the list if the events it waits for have
+    /// completed (waiting for them, if `wait`), the last one taking its place; whether it was
+    /// freed.
+    pub(super) fn free_pending_if_done(
         &mut self,
         cx: &Context<'_>,
-        count: usize,
-        over: &dyn Fn() -> bool,
+        i: usize,
+        wait: bool,
     ) -> Result<bool> {
-        for _ in 0..count {
-            let Some(pending) = self.pending.last() else {
-                break;
-            };
-            for &event in &pending.events {
+        for &event in &self.pending[i].events {
+            let done = if wait {
                 cx.driver
                     .event_synchronize(self.device, event)
-                    .map_err(|e| {
-                        Error::driver(
-                            "waiting for work on other streams using a released block",
-                            &e,
-                        )
-                    })?;
+                    .map(|()| true)
+            } else {
+                cx.driver.event_query(self.device, event)
             }
-            let Some(Pending { block, mut events }) = self.pending.pop() else {
-                break;
-            };
-            self.spare_events.append(&mut events);
-            self.free_block(block);
-            if over() {
-                break;
+            .map_err(|e| {
+                Error::driver(
+                    "checking whether work on other streams using a released block has finished",
+                    &e,
+                )
+            })?;
+            if !done {
+                return Ok(false);
             }
         }
-        Ok(self.pending.is_empty())
+        let Pending {
+            block, mut events, ..
+        } = self.pending.swap_remove(i);
+        self.spare_events.append(&mut events);
+        self.free_block(block);
+        Ok(true)
     }
 
     /// The stream of block `id` (its segment's).
@@ -145,6 +133,53 @@ impl DevicePool {
         }
     }
 
+    /// Whether the work that used `seg`'s blocks is done: none was released since the last wait
+    /// for the device's queued work began.
+    pub(super) fn is_settled(&self, seg: SegId) -> bool {
+        self.segments[seg].released <= self.settled
+    }
+
+    /// Wait for the device's queued work unless every segment of `segs` is settled already;
+    /// `what` names the wait in the error.
+    pub(super) fn settle(
+        &mut self,
+        cx: &Context<'_>,
+        segs: impl IntoIterator<Item = SegId>,
+        what: &str,
+    ) -> Result<()> {
+        if segs.into_iter().all(|seg| self.is_settled(seg)) {
+            return Ok(());
+        }
+        self.wait_device(cx).map_err(|e| Error::driver(what, &e))
+    }
+
+    /// Block the host until all work on the device has completed: every release so far is
+    /// settled.
+    pub(super) fn wait_device(&mut self, cx: &Context<'_>) -> DriverResult<()> {
+        let releases = self.releases;
+        cx.driver.synchronize(self.device)?;
+        self.settled = releases;
+        Ok(())
+    }
+
+    /// Releases counted so far: what a wait for the device's queued work made without the
+    /// device's lock settles (see [`DevicePool::settled_at`]).
+    pub fn releases(&self) -> u64 {
+        self.releases
+    }
+
+    /// Whether a block was released since the last wait for the device's queued work began,
+    /// and cached memory is left that may need one before it goes back.
+    pub fn unsettled(&self) -> bool {
+        self.releases > self.settled && self.stats.reusable() > 0
+    }
+
+    /// The caller waited for all work on the device, without its lock, after reading
+    /// [`DevicePool::releases`] as `releases`: those releases are settled.
+    pub fn settled_at(&mut self, releases: u64) {
+        self.settled = self.settled.max(releases);
+    }
+
     /// Block the host until all work on every device has completed.
     pub(super) fn synchronize_all(&self, cx: &Context<'_>) -> crate::driver::DriverResult<()> {
         (0..cx.driver.device_count()).try_for_each(|device| cx.driver.synchronize(device))
@@ -164,7 +199,7 @@ impl DevicePool {
             waited
         });
         if ordered.is_err() {
-            cx.driver.synchronize(self.device).map_err(|e| {
+            self.wait_device(cx).map_err(|e| {
                 Error::driver("ordering a cached segment's reuse on another stream", &e)
             })?;
         }

@@ -7,7 +7,14 @@
 //!
 //! Blocks released by other threads while a sweep runs may stay cached: a segment the cursor
 //! has passed is not looked at again, and blocks parked after the first step stay parked.
+//!
+//! `Pool::free_reusable` waits for the device's queued work before its first batch, without
+//! the device's lock ([`Sweep::settled_at`]); its batches then return only memory that wait
+//! settled (see `streams.rs`), and leave cached what was released after it began, rather than
+//! wait for the device with the lock held. A sweep made with [`Sweep::default`] waits under the
+//! lock where it must.
 
+use super::unstitch::Unsettled;
 use super::*;
 
 /// Parked blocks merged per batch, for each segment a batch returns: merging is a bin update,
@@ -23,9 +30,42 @@ pub struct Sweep {
     step: Step,
     /// Virtual-memory mode: the next segment to look at.
     next: usize,
+    /// The pending blocks, and (classic segments) the idle list, from this place on were looked
+    /// at already (`None`: from the end of the list when the step begins).
+    below: Option<usize>,
+    /// The caller waited for all work on the device, without its lock, after this many releases
+    /// (`None`: no wait was made; the batches wait where they must).
+    settled: Option<u64>,
 }
 
 impl Sweep {
+    /// A sweep for a caller that waited for all work on the device, without its lock, after
+    /// reading [`DevicePool::releases`] as `releases` (0: no wait was needed): its batches
+    /// return only the memory released up to then (settled), and wait for nothing with the
+    /// lock held.
+    pub fn settled_at(releases: u64) -> Sweep {
+        Sweep {
+            settled: Some(releases),
+            ..Sweep::default()
+        }
+    }
+
+    /// What the batches do with a segment that is not settled.
+    fn unsettled(&self) -> Unsettled {
+        match self.settled {
+            Some(_) => Unsettled::Skip,
+            None => Unsettled::Wait,
+        }
+    }
+
+    /// The place to look at next, before `below` (once a step begins: the end of a list of
+    /// `len`), kept within the list, which may have shrunk between batches.
+    fn cursor(&mut self, len: usize) -> usize {
+        let at = self.below.unwrap_or(len).min(len);
+        self.below = Some(at);
+        at
+    }
+
     /// The step the next batch begins with, for the benchmark probe.
     #[cfg(feature = "hold-probe")]
     pub fn step_name(&self) -> &'static str {
@@ -64,6 +104,9 @@ impl DevicePool {
         over: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
         let segments = segments.max(1);
+        if let Some(releases) = sweep.settled {
+            self.settled_at(releases);
+        }
         // Memory going back to the driver: growth after it starts afresh, with no headroom.
         self.headroom.reset();
         if sweep.step == Step::Parked {
@@ -73,9 +116,10 @@ impl DevicePool {
             sweep.step = Step::Pending;
         }
         if sweep.step == Step::Pending {
-            if !self.wait_pending(cx, segments, over)? {
+            if !self.wait_pending(cx, sweep, segments, over)? {
                 return Ok((0, true));
             }
+            sweep.below = None;
             sweep.step = Step::Stuck;
         }
         if sweep.step == Step::Stuck {
@@ -88,31 +132,68 @@ impl DevicePool {
         if matches!(self.vmm, VmmMode::On(_)) {
             return self.sweep_stitched(cx, sweep, segments, over);
         }
-        let released = self.release_idle_segments(cx, segments, over)?;
-        Ok((released, !self.idle.is_empty()))
+        let released = self.release_idle_segments(cx, sweep, segments, over)?;
+        Ok((released, sweep.below != Some(0)))
     }
 
-    /// Return up to `count` idle classic segments to the driver, the last listed first, after
-    /// the device's queued work, stopping early once `over()`. Returns the bytes returned.
+    /// Wait for the events of up to `count` pending blocks and free them, the last listed
+    /// first, stopping early once `over()`. A sweep that waited for the device without the lock
+    /// waits only for the events of blocks released before, which that wait completed: of the
+    /// others it only asks whether they completed, and leaves pending those that did not.
+    /// Returns whether every pending block was looked at.
+    fn wait_pending(
+        &mut self,
+        cx: &Context<'_>,
+        sweep: &mut Sweep,
+        count: usize,
+        over: &dyn Fn() -> bool,
+    ) -> Result<bool> {
+        let mut at = sweep.cursor(self.pending.len());
+        for _ in 0..count {
+            if at == 0 {
+                break;
+            }
+            at -= 1;
+            sweep.below = Some(at);
+            // Freed, a block leaves the list; the last one takes its place, looked at already
+            // (or pending since the sweep began).
+            let wait =
+                sweep.unsettled() == Unsettled::Wait || self.pending[at].released <= self.settled;
+            self.free_pending_if_done(cx, at, wait)?;
+            if over() {
+                break;
+            }
+        }
+        Ok(at == 0)
+    }
+
+    /// Return up to `count` idle classic segments to the driver, the last listed first, those
+    /// not settled waited for or skipped (as `sweep` says), stopping early once `over()`.
+    /// Returns the bytes returned.
     fn release_idle_segments(
         &mut self,
         cx: &Context<'_>,
+        sweep: &mut Sweep,
         count: usize,
         over: &dyn Fn() -> bool,
     ) -> Result<u64> {
-        if self.idle.is_empty() {
-            return Ok(0);
-        }
-        self.wait_before_returning(cx)?;
-        let mut released = 0;
-        for _ in 0..count {
-            // Returned, a segment leaves the idle list.
-            let Some(&seg) = self.idle.last() else {
-                break;
-            };
+        let unsettled = sweep.unsettled();
+        let mut at = sweep.cursor(self.idle.len());
+        let (mut released, mut returned, mut looked) = (0, 0, 0);
+        while at > 0 && returned < count && looked < LOOKS_PER_SEGMENT * count {
+            at -= 1;
+            looked += 1;
+            sweep.below = Some(at);
+            let seg = self.idle[IdleAt::at(at)];
+            if !self.may_return(cx, seg, unsettled)? {
+                continue;
+            }
+            // Returned, a segment leaves the idle list; the last one takes its place, looked at
+            // already (or idle since the sweep began).
             let size = self.segments[seg].size;
             self.free_segment(cx, seg)?;
             released += size;
+            returned += 1;
             if over() {
                 break;
             }
@@ -132,7 +213,8 @@ impl DevicePool {
         over: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
         let mut released = self.release_unused_upto(cx, count, over)?;
-        let (mut taken, mut looked, mut waited) = (0, 0, false);
+        let unsettled = sweep.unsettled();
+        let (mut taken, mut looked) = (0, 0);
         while sweep.next < self.segments.len()
             && taken < count
             && looked < LOOKS_PER_SEGMENT * count
@@ -140,7 +222,7 @@ impl DevicePool {
             let seg = SegId::at(sweep.next);
             sweep.next += 1;
             looked += 1;
-            if !self.dismantle_if_unused(cx, seg, &mut waited)? {
+            if !self.dismantle_if_unused(cx, seg, unsettled)? {
                 continue;
             }
             taken += 1;

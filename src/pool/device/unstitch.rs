@@ -33,6 +33,16 @@ use crate::driver::{DevicePtr, PhysHandle};
 use crate::error::{Error, Result};
 use crate::pool::size::human;
 
+/// What returning memory does with a segment that is not settled (its blocks released since
+/// the last wait for the device's queued work, see `streams.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Unsettled {
+    /// Wait for the device's queued work, with the device's lock held.
+    Wait,
+    /// Leave it cached: a sweep that waited before it took the lock.
+    Skip,
+}
+
 /// An address range whose unmapping failed: kept, retried by `free_reusable`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Stuck {
@@ -180,12 +190,11 @@ impl DevicePool {
             .map(|seg| (self.segments[seg].size, seg))
             .collect();
         found.sort_unstable_by(|a, b| b.cmp(a));
-        let mut waited = false;
         for (_, seg) in found {
             if released >= needed {
                 break;
             }
-            if self.dismantle_if_unused(cx, seg, &mut waited)? {
+            if self.dismantle_if_unused(cx, seg, Unsettled::Wait)? {
                 released += self.release_unused(cx, needed - released, usize::MAX)?;
             }
         }
@@ -213,9 +222,10 @@ impl DevicePool {
             return false;
         }
         // Work queued before the blocks were released may still use them.
-        if let Err(e) = cx.driver.synchronize(self.device) {
+        if let Err(e) = self.settle(cx, borrowers.iter().copied(), "waiting for the device") {
             self.log(format_args!(
-                "waiting for the device failed ({e}): borrowed pages stay where they are"
+                "{}: borrowed pages stay where they are",
+                e.message
             ));
             return false;
         }
@@ -236,31 +246,42 @@ impl DevicePool {
         returned
     }
 
-    /// Take `seg` apart if it is an unused stitched segment, the first time (`waited` false)
-    /// after waiting for the device's queued work, which may still use its blocks. Returns
-    /// whether it was taken apart.
+    /// Take `seg` apart if it is an unused stitched segment whose blocks' queued work is done
+    /// (settled, see `streams.rs`); one that is not settled is waited for or skipped, as
+    /// `unsettled` says. Returns whether it was taken apart.
     pub(super) fn dismantle_if_unused(
         &mut self,
         cx: &Context<'_>,
         seg: SegId,
-        waited: &mut bool,
+        unsettled: Unsettled,
     ) -> Result<bool> {
-        if !self.is_unused(seg) {
+        if !self.is_unused(seg) || !self.may_return(cx, seg, unsettled)? {
             return Ok(false);
-        }
-        if !*waited {
-            self.wait_before_returning(cx)?;
-            *waited = true;
         }
         self.dismantle(cx, seg)?;
         Ok(true)
     }
 
-    /// Wait for the device's queued work, which may still use blocks released before it.
-    pub(super) fn wait_before_returning(&self, cx: &Context<'_>) -> Result<()> {
-        cx.driver
-            .synchronize(self.device)
-            .map_err(|e| Error::driver("waiting for the device before returning cached memory", &e))
+    /// Whether `seg`'s memory may go back to the driver now: it is settled, or (`Wait`) the
+    /// device's queued work, which may still use its blocks, was waited for.
+    pub(super) fn may_return(
+        &mut self,
+        cx: &Context<'_>,
+        seg: SegId,
+        unsettled: Unsettled,
+    ) -> Result<bool> {
+        if self.is_settled(seg) {
+            return Ok(true);
+        }
+        if unsettled == Unsettled::Skip {
+            return Ok(false);
+        }
+        self.settle(
+            cx,
+            [seg],
+            "waiting for the device before returning cached memory",
+        )?;
+        Ok(true)
     }
 
     /// Whether `seg` is a stitched segment in use whose blocks are all free or holes, lending

@@ -293,3 +293,46 @@ fn a_sweep_takes_apart_a_lender_before_its_borrower_with_exact_books() {
     assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
+
+/// The device's waits (`cuCtxSynchronize`) counted so far.
+fn waits(sim: &Sim) -> u64 {
+    sim.driver_calls()
+        .iter()
+        .find(|t| t.call == Some(cuda_sim::Call::CtxSynchronize))
+        .map_or(0, |t| t.calls)
+}
+
+/// Memory goes back after a wait for the device's queued work only where a block was released
+/// since the last wait began: a second return of memory released before that wait waits for
+/// nothing, and one released after it waits again.
+#[test]
+fn returning_memory_waits_for_the_device_only_for_blocks_released_since_the_last_wait() {
+    for config in [classic(), PoolConfig::default()] {
+        waits_only_for_blocks_released_since_the_last_wait(config);
+    }
+}
+
+fn waits_only_for_blocks_released_since_the_last_wait(config: PoolConfig) {
+    let (pool, sim) = pool_with(&[24 * GIB], config);
+    let blocks: Vec<u64> = (0..3)
+        .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
+        .collect();
+    for &p in &blocks[..2] {
+        pool.release(p).unwrap();
+    }
+    let before = waits(sim);
+    assert_eq!(pool.trim(0, 64 * MIB).unwrap(), 64 * MIB);
+    assert_eq!(waits(sim), before + 1, "released since the last wait");
+    assert_eq!(pool.trim(0, 64 * MIB).unwrap(), 64 * MIB);
+    assert_eq!(waits(sim), before + 1, "released before the last wait");
+    pool.release(blocks[2]).unwrap();
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 64 * MIB);
+    assert_eq!(
+        waits(sim),
+        before + 2,
+        "released since: one wait, before the lock"
+    );
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 0);
+    assert_eq!(waits(sim), before + 2, "nothing released since");
+    assert_books(&pool, sim);
+}
