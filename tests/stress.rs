@@ -343,8 +343,8 @@ fn one_thread_per_device_returning_memory_keeps_every_block_known() {
 type Hook = Mutex<Option<Box<dyn FnOnce() + Send>>>;
 
 /// A driver that, once armed, runs a hook right after device 0 frees memory (`cuMemFree` or
-/// `cuMemAddressFree`), inside that call, while the pool still holds device 0's lock
-/// (`on_free`); or inside a wait for device 0's work (`cuCtxSynchronize`, `on_sync`).
+/// `cuMemAddressFree`), inside that call (`on_free`); or inside a wait for device 0's work
+/// (`cuCtxSynchronize`, `on_sync`).
 struct Hooked {
     sim: SimDriver,
     on_free: Hook,
@@ -504,11 +504,49 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
     }
 }
 
+/// Another thread reserves and releases on device 0 (under the device's lock, as every miss)
+/// inside a call of `driver`'s hook `hook`, and has done so within 20 s (else it was blocked
+/// behind the lock): the bytes the pool reserved then, or what went wrong.
+fn meanwhile(
+    pool: &Arc<Pool>,
+    driver: &Hooked,
+    hook: fn(&Hooked) -> &Hook,
+) -> Arc<Mutex<Option<Result<u64, String>>>> {
+    let seen: Arc<Mutex<Option<Result<u64, String>>>> = Arc::default();
+    let (pool, out) = (Arc::downgrade(pool), seen.clone());
+    *hook(driver).lock().unwrap() = Some(Box::new(move || {
+        let pool = pool.upgrade().unwrap();
+        let (done, finished) = mpsc::channel();
+        std::thread::spawn(move || {
+            let p = pool.reserve(0, MIB, 0).unwrap();
+            pool.release(p).unwrap();
+            done.send(pool.stats(0).unwrap().reserved_bytes).unwrap();
+        });
+        *out.lock().unwrap() = Some(
+            finished
+                .recv_timeout(Duration::from_secs(20))
+                .map_err(|_| "blocked behind the device's lock".to_string()),
+        );
+    }));
+    seen
+}
+
+/// The bytes reserved while a hook of [`meanwhile`] ran, which must have run.
+fn seen(meanwhile: &Mutex<Option<Result<u64, String>>>, what: &str) -> u64 {
+    meanwhile
+        .lock()
+        .unwrap()
+        .take()
+        .unwrap_or_else(|| panic!("{what}: the hook did not run"))
+        .unwrap_or_else(|e| panic!("{what}: {e}"))
+}
+
 /// `free_reusable` waits for the device's queued work before it takes the device's lock: while
 /// it waits, another thread reserves and releases on the same device (under the lock, as every
 /// miss), which would block behind a wait made with the lock held. What that thread released
 /// after the wait began stays cached (its work may still be queued), and goes with the next
-/// `free_reusable`.
+/// `free_reusable`. Classic segments are freed (`cuMemFree`, which on a GPU may wait for the
+/// device's work too) without the lock as well.
 #[test]
 fn free_reusable_waits_for_the_device_without_the_lock() {
     for stitched in [false, true] {
@@ -521,31 +559,9 @@ fn free_reusable_waits_for_the_device_without_the_lock() {
         let pool = Arc::new(Pool::new(driver.clone(), config));
         let cached = pool.reserve(0, 64 * MIB, 0).unwrap();
         pool.release(cached).unwrap();
-        let meanwhile: Arc<Mutex<Option<Result<u64, String>>>> = Arc::default();
-        {
-            let (pool, meanwhile) = (Arc::downgrade(&pool), meanwhile.clone());
-            *driver.on_sync.lock().unwrap() = Some(Box::new(move || {
-                let pool = pool.upgrade().unwrap();
-                let (done, finished) = mpsc::channel();
-                std::thread::spawn(move || {
-                    let p = pool.reserve(0, MIB, 0).unwrap();
-                    pool.release(p).unwrap();
-                    done.send(pool.stats(0).unwrap().reserved_bytes).unwrap();
-                });
-                *meanwhile.lock().unwrap() = Some(
-                    finished
-                        .recv_timeout(Duration::from_secs(20))
-                        .map_err(|_| "blocked behind the wait".to_string()),
-                );
-            }));
-        }
+        let in_wait = meanwhile(&pool, &driver, |d| &d.on_sync);
         let returned = pool.free_reusable(Some(0)).unwrap();
-        let reserved = meanwhile
-            .lock()
-            .unwrap()
-            .take()
-            .expect("free_reusable waited for the device")
-            .unwrap_or_else(|e| panic!("stitched {stitched}: {e}"));
+        let reserved = seen(&in_wait, &format!("stitched {stitched}, in the wait"));
         let left = pool.stats(0).unwrap().reserved_bytes;
         if stitched {
             // The 1 MiB block's range borrowed a page of the cached segment's handle: the
@@ -555,6 +571,12 @@ fn free_reusable_waits_for_the_device_without_the_lock() {
         } else {
             // The 1 MiB block got a 2 MiB segment of its own, kept.
             assert_eq!((returned, reserved, left), (64 * MIB, 66 * MIB, 2 * MIB));
+            // The 2 MiB segment left goes back in the next sweep, and another thread reserves
+            // and releases inside its cuMemFree: a new 2 MiB segment, kept.
+            let in_free = meanwhile(&pool, &driver, |d| &d.on_free);
+            assert_eq!(pool.free_reusable(Some(0)).unwrap(), 2 * MIB);
+            assert_eq!(seen(&in_free, "in the free"), 4 * MIB);
+            assert_eq!(pool.stats(0).unwrap().reserved_bytes, 2 * MIB);
         }
         pool.check().unwrap();
         pool.free_reusable(None).unwrap();

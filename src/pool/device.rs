@@ -62,6 +62,7 @@ mod sweep;
 mod unstitch;
 use crate::driver::{DevicePtr, EventHandle, StreamHandle};
 use crate::error::{Error, Result};
+use sweep::Returning;
 pub use sweep::Sweep;
 
 /// Memory obtained from the driver in one allocation.
@@ -155,6 +156,9 @@ pub struct DevicePool {
     addresses: Addresses,
     /// Address ranges whose unmapping failed, to retry.
     stuck: Vec<Stuck>,
+    /// Classic segments a sweep took out of the books, which the driver is freeing without the
+    /// device's lock: still reserved until it answers (`sweep.rs`).
+    returning: Vec<Returning>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<SegId>,
     /// What sizes the headroom of the next stitched creation (`headroom.rs`).
@@ -191,6 +195,7 @@ impl DevicePool {
             addresses: Addresses::default(),
             holes: BTreeMap::new(),
             stuck: Vec::new(),
+            returning: Vec::new(),
             lending: Vec::new(),
             headroom: Headroom::default(),
             releases: 0,

@@ -27,8 +27,9 @@
 //!    does a release whose device the span map cannot tell;
 //! 2. the span map is written with atomic operations while a device's mutex is held (a segment
 //!    booked or forgotten) and read without a lock;
-//! 3. the driver is called with the device mutex held (save `free_reusable`'s first wait for
-//!    the device's work, made without it); the driver takes no lock of the pool and never calls
+//! 3. the driver is called with the device mutex held, save by `free_reusable`, which waits for
+//!    the device's work before it takes the mutex and frees classic segments after each batch
+//!    has let go of it (`device/sweep.rs`); the driver takes no lock of the pool and never calls
 //!    back into it (the simulator's own mutex is a leaf).
 //!
 //! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
@@ -287,9 +288,9 @@ impl Pool {
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
     /// The device's queued work is waited for first, without the device's lock; then the work
     /// goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a batch has
-    /// run for `BATCH_TIME`), the device's lock released between them, so that reserves and
-    /// releases on the device wait for one batch at most. Blocks released meanwhile may stay
-    /// cached.
+    /// run for `BATCH_TIME`), the device's lock released between them (and classic segments
+    /// freed while it is released), so that reserves and releases on the device wait for one
+    /// batch at most. Blocks released meanwhile may stay cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
         // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {
@@ -307,10 +308,22 @@ impl Pool {
                 let timing = probe::Holds::start(sweep.step_name());
                 let start = Instant::now();
                 let over = || start.elapsed() >= BATCH_TIME;
-                let (bytes, more) = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over)?;
+                let batch = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over);
                 #[cfg(feature = "hold-probe")]
                 holds.end(timing);
                 drop(pool);
+                // The classic segments the batch took out of the books, freed without the lock
+                // (the next batch books the driver's answers).
+                sweep.free_segments(&*self.driver, device);
+                let (bytes, more) = match batch {
+                    Ok(batch) => batch,
+                    Err(e) => {
+                        // What was freed is booked all the same; the first failure is told.
+                        let (mut pool, cx) = self.lock(device)?;
+                        let _ = pool.book_frees(&cx, &mut sweep);
+                        return Err(e);
+                    }
+                };
                 total += bytes;
                 if !more {
                     break;

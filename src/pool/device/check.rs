@@ -175,6 +175,11 @@ impl DevicePool {
                 ));
             }
         }
+        // Classic segments being freed without the lock: reserved until the driver answers.
+        if !self.returning.is_empty() && matches!(self.vmm, VmmMode::On(_)) {
+            return Err("a stitched pool is freeing classic segments".to_string());
+        }
+        reserved += self.returning.iter().map(|r| r.size).sum::<u64>();
         let s = &self.stats;
         let books = (
             s.reserved_bytes,

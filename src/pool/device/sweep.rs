@@ -13,9 +13,28 @@
 //! settled (see `streams.rs`), and leave cached what was released after it began, rather than
 //! wait for the device with the lock held. A sweep made with [`Sweep::default`] waits under the
 //! lock where it must.
+//!
+//! Classic segments are freed without the device's lock too: a batch takes them out of the
+//! books (and the span map) into `returning`, still counted as reserved; the caller frees them
+//! through the driver once it let go of the lock ([`Sweep::free_segments`]: a `cuMemFree` may
+//! wait for the device's work, and costs tens of microseconds on a GPU in any case), and the
+//! next batch books the driver's answers ([`DevicePool::book_frees`]): memory returned leaves the
+//! reserved count; a segment the driver did not take back is booked again, idle. Stitched
+//! segments' unmaps and handles' releases stay under the lock, bounded by the batch's time.
 
 use super::unstitch::Unsettled;
 use super::*;
+use crate::driver::{Driver, DriverResult};
+
+/// A classic segment taken out of the books by a sweep, which the driver is freeing without
+/// the device's lock: what booking it again takes, if the driver does not take it back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Returning {
+    pub(super) base: DevicePtr,
+    pub(super) size: u64,
+    class: Class,
+    stream: StreamHandle,
+}
 
 /// Parked blocks merged per batch, for each segment a batch returns: merging is a bin update,
 /// far cheaper than a driver call.
@@ -36,6 +55,10 @@ pub struct Sweep {
     /// The caller waited for all work on the device, without its lock, after this many releases
     /// (`None`: no wait was made; the batches wait where they must).
     settled: Option<u64>,
+    /// Classic segments the last batch took out of the books, for the caller to free.
+    to_free: Vec<DevicePtr>,
+    /// What the driver answered to those frees, for the next batch to book.
+    freed: Vec<(DevicePtr, DriverResult<()>)>,
 }
 
 impl Sweep {
@@ -48,6 +71,19 @@ impl Sweep {
             settled: Some(releases),
             ..Sweep::default()
         }
+    }
+
+    /// Free through `driver`, without `device`'s lock, the classic segments the last batch took
+    /// out of the books; the next batch (or [`DevicePool::book_frees`]) books the answers.
+    pub fn free_segments(&mut self, driver: &dyn Driver, device: i32) {
+        for base in self.to_free.drain(..) {
+            self.freed.push((base, driver.mem_free(device, base)));
+        }
+    }
+
+    /// Whether frees are left to make or to book: the sweep is not over until they are.
+    pub fn frees_left(&self) -> bool {
+        !self.to_free.is_empty() || !self.freed.is_empty()
     }
 
     /// What the batches do with a segment that is not settled.
@@ -104,6 +140,7 @@ impl DevicePool {
         over: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
         let segments = segments.max(1);
+        let booked = self.book_frees(cx, sweep)?;
         if let Some(releases) = sweep.settled {
             self.settled_at(releases);
         }
@@ -111,13 +148,13 @@ impl DevicePool {
         self.headroom.reset();
         if sweep.step == Step::Parked {
             if !self.flush_parked_upto(PARKED_PER_SEGMENT * segments) {
-                return Ok((0, true));
+                return Ok((booked, true));
             }
             sweep.step = Step::Pending;
         }
         if sweep.step == Step::Pending {
             if !self.wait_pending(cx, sweep, segments, over)? {
-                return Ok((0, true));
+                return Ok((booked, true));
             }
             sweep.below = None;
             sweep.step = Step::Stuck;
@@ -125,15 +162,53 @@ impl DevicePool {
         if sweep.step == Step::Stuck {
             // Ranges whose undoing failed first: once unmapped, their handles can go back too.
             if !self.retry_stuck(cx, segments)? {
-                return Ok((0, true));
+                return Ok((booked, true));
             }
             sweep.step = Step::Segments;
         }
         if matches!(self.vmm, VmmMode::On(_)) {
-            return self.sweep_stitched(cx, sweep, segments, over);
+            let (released, more) = self.sweep_stitched(cx, sweep, segments, over)?;
+            return Ok((booked + released, more));
         }
-        let released = self.release_idle_segments(cx, sweep, segments, over)?;
-        Ok((released, sweep.below != Some(0)))
+        self.take_idle_segments(cx, sweep, segments, over)?;
+        Ok((booked, sweep.below != Some(0) || sweep.frees_left()))
+    }
+
+    /// Book what the driver answered to the frees of the last batch (see the module's
+    /// documentation). Returns the bytes returned, or (after booking every answer) the first
+    /// failure.
+    pub fn book_frees(&mut self, cx: &Context<'_>, sweep: &mut Sweep) -> Result<u64> {
+        let mut returned = 0;
+        let mut failure = None;
+        for (base, answer) in sweep.freed.drain(..) {
+            let at = self
+                .returning
+                .iter()
+                .position(|r| r.base == base)
+                .expect("a segment freed by the sweep is returning");
+            let r = self.returning.swap_remove(at);
+            match answer {
+                Ok(()) => {
+                    self.stats.remove_reserved(r.size, 1);
+                    returned += r.size;
+                }
+                Err(e) => {
+                    // Still the driver's allocation, and ours: idle again.
+                    let id =
+                        self.install_segment(cx, r.base, r.size, r.class, r.stream, Vec::new());
+                    debug_assert_eq!(self.blocks[id].ptr, r.base);
+                    self.segments[self.blocks[id].segment].released = self.settled;
+                    failure.get_or_insert(Error::driver(
+                        &format!("returning segment {base:#x} to the driver"),
+                        &e,
+                    ));
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(returned),
+        }
     }
 
     /// Wait for the events of up to `count` pending blocks and free them, the last listed
@@ -167,20 +242,20 @@ impl DevicePool {
         Ok(at == 0)
     }
 
-    /// Return up to `count` idle classic segments to the driver, the last listed first, those
-    /// not settled waited for or skipped (as `sweep` says), stopping early once `over()`.
-    /// Returns the bytes returned.
-    fn release_idle_segments(
+    /// Take up to `count` idle classic segments out of the books for the caller to free (see
+    /// the module's documentation), the last listed first, those not settled waited for or
+    /// skipped (as `sweep` says), stopping early once `over()`.
+    fn take_idle_segments(
         &mut self,
         cx: &Context<'_>,
         sweep: &mut Sweep,
         count: usize,
         over: &dyn Fn() -> bool,
-    ) -> Result<u64> {
+    ) -> Result<()> {
         let unsettled = sweep.unsettled();
         let mut at = sweep.cursor(self.idle.len());
-        let (mut released, mut returned, mut looked) = (0, 0, 0);
-        while at > 0 && returned < count && looked < LOOKS_PER_SEGMENT * count {
+        let mut looked = 0;
+        while at > 0 && sweep.to_free.len() < count && looked < LOOKS_PER_SEGMENT * count {
             at -= 1;
             looked += 1;
             sweep.below = Some(at);
@@ -188,17 +263,25 @@ impl DevicePool {
             if !self.may_return(cx, seg, unsettled)? {
                 continue;
             }
-            // Returned, a segment leaves the idle list; the last one takes its place, looked at
+            // Taken out, a segment leaves the idle list; the last one takes its place, looked at
             // already (or idle since the sweep began).
-            let size = self.segments[seg].size;
-            self.free_segment(cx, seg)?;
-            released += size;
-            returned += 1;
+            let s = &self.segments[seg];
+            let r = Returning {
+                base: s.base,
+                size: s.size,
+                class: s.class,
+                stream: self.slots[s.slot].handle,
+            };
+            // Out of the span map before the driver can hand the addresses to another device.
+            cx.spans.remove(r.base, r.size);
+            self.forget_segment(seg);
+            self.returning.push(r);
+            sweep.to_free.push(r.base);
             if over() {
                 break;
             }
         }
-        Ok(released)
+        Ok(())
     }
 
     /// One batch of the virtual-memory mode: handles mapped nowhere, then the next segments
