@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The waits behind rm_free_reusable (benches/c/pairs.c `pauses`: 100k 2 MiB blocks released,
 # a segment each with classic segments, a few large ones with the default's headroom; and
-# `lent`, the default with 100k idle segments of two lent runs each), the same waits behind a plain pthread mutex held 20 us
+# `lent`, the default with 100k idle segments of two lent runs each; `classic-busy` and
+# `default-busy`, 1000 blocks with driver calls that take a real driver's time, BUSY in the
+# CUDA_SIM_DELAYS syntax), the same waits behind a plain pthread mutex held 20 us
 # at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
 # passes to the pool, from one thread and from two threads on two devices (`devices`), through
 # the shipped libresmem.so. With BASELINE_LIB=path/to/another/libresmem.so, every run does the
@@ -16,6 +18,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
+# The `-busy` cases: the driver's calls take this long (a device busy for 2 ms, a cuMemFree of
+# 50 us, virtual-memory calls of 19 us as measured on an H200), over this many segments.
+busy=${BUSY:-cuCtxSynchronize=2ms,cuMemFree_v2=50us,cuMemUnmap=19us,cuMemRelease=19us,cuMemAddressFree=19us}
+busy_segments=${BUSY_SEGMENTS:-1000}
 cargo build --release -q -p resmem -p libcuda-sim
 cargo build --release -q -p resmem --features hold-probe --target-dir target/hold-probe
 out=target/bench-pauses
@@ -44,6 +50,11 @@ for i in $(seq 1 "$runs"); do
       >> "$out/results"
     echo "$name $i classic $(CUDA_SIM_DEVICES=240GiB RESMEM_CONF=vmm:false "$out/$name/pairs" pauses)" \
       >> "$out/results"
+    # A driver that takes a real one's time (CUDA_SIM_DELAYS): a busy device to wait for.
+    echo "$name $i classic-busy $(CUDA_SIM_DEVICES=240GiB CUDA_SIM_DELAYS="$busy" \
+      RESMEM_CONF=vmm:false "$out/$name/pairs" pauses "$busy_segments")" >> "$out/results"
+    echo "$name $i default-busy $(CUDA_SIM_DEVICES=240GiB CUDA_SIM_DELAYS="$busy" \
+      "$out/$name/pairs" pauses "$busy_segments")" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
@@ -69,7 +80,11 @@ print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {p
       "`rm_free_reusable`: `default`, 100k 2 MiB blocks reserved and released (240 GiB device; "
       "the default's growth headroom packs them into a few large segments); `lent`, the default "
       "with 100k idle segments made of two lent 2 MiB pages each (`pairs pauses 100000 lent`, "
-      "960 GiB device); `classic`, classic segments, the 100k blocks a segment each; `mutex` is the same "
+      "960 GiB device); `classic`, classic segments, the 100k blocks a segment each; "
+      f"`classic-busy` and `default-busy`, {os.environ.get('BUSY_SEGMENTS', '1000')} blocks with "
+      "driver calls that take a real driver's time (`CUDA_SIM_DELAYS="
+      f"{os.environ.get('BUSY', 'cuCtxSynchronize=2ms,cuMemFree_v2=50us,cuMemUnmap=19us,cuMemRelease=19us,cuMemAddressFree=19us')}`: "
+      "a device busy for 2 ms at each wait for it); `mutex` is the same "
       "probe behind a pthread mutex held 20 µs at a time, 320 times, with the pool's hand-over "
       "between holds (the machine's share).\n")
 print("| library | run | policy | rm_free_reusable (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")

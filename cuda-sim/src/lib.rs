@@ -38,10 +38,12 @@ use std::ffi::OsString;
 use std::fmt;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+mod delays;
 mod faults;
 pub mod ledger;
 mod shared;
 mod vmm;
+use delays::Delays;
 use faults::Faults;
 pub use faults::{Call, Fault};
 pub use ledger::CallTally;
@@ -203,6 +205,8 @@ const ENV_VAR: &str = "CUDA_SIM_DEVICES";
 const FAULTS_VAR: &str = "CUDA_SIM_FAULTS";
 /// Names the file through which processes share the devices' capacity.
 const SHARED_VAR: &str = "CUDA_SIM_SHARED";
+/// The delays of driver calls (see `delays.rs`).
+const DELAYS_VAR: &str = "CUDA_SIM_DELAYS";
 /// The configuration used when `CUDA_SIM_DEVICES` is unset.
 const DEFAULT_DEVICES: &str = "24GiB";
 
@@ -575,6 +579,8 @@ impl State {
 pub struct Sim {
     state: Mutex<State>,
     config_error: Option<String>,
+    /// The time each call takes (`CUDA_SIM_DELAYS`), outside the lock.
+    delays: Delays,
 }
 
 impl Sim {
@@ -623,6 +629,7 @@ impl Sim {
                 instance,
             }),
             config_error: None,
+            delays: Delays::new(),
         }
     }
 
@@ -655,6 +662,10 @@ impl Sim {
         if let Some(name) = text(SHARED_VAR)? {
             sim.share_capacity(&name)
                 .map_err(|e| format!("{SHARED_VAR}={name:?}: {e}"))?;
+        }
+        if let Some(delays) = text(DELAYS_VAR)? {
+            sim.set_delays(&delays)
+                .map_err(|e| format!("{DELAYS_VAR}={delays:?}: {e}"))?;
         }
         if let Some(faults) = text(FAULTS_VAR)? {
             sim.inject_faults(&faults)
@@ -735,7 +746,29 @@ impl Sim {
     /// Counts a call of `call` that has no method of its own here (context
     /// functions of `libcuda_sim.so`) and fails it if a fault says so.
     pub fn fault_point(&self, call: Call) -> CuResult<()> {
-        self.lock().fault(call)
+        self.call(call).fault(call)
+    }
+
+    /// Makes every call of `call` take `delay` from now on (`Duration::ZERO`:
+    /// none), spent before the call takes the simulator's lock.
+    pub fn set_delay(&self, call: Call, delay: std::time::Duration) {
+        self.delays.set(call, delay);
+    }
+
+    /// Sets the delays of a list in the `CUDA_SIM_DELAYS` syntax, e.g.
+    /// `cuCtxSynchronize=2ms,cuMemFree_v2=50us` (see `delays.rs`).
+    pub fn set_delays(&self, spec: &str) -> Result<(), String> {
+        for (call, delay) in Delays::parse(spec)? {
+            self.set_delay(call, delay);
+        }
+        Ok(())
+    }
+
+    /// The state, locked, for a call of `call`, once the call's delay (if
+    /// any) has passed.
+    fn call(&self, call: Call) -> MutexGuard<'_, State> {
+        self.delays.wait(call);
+        self.lock()
     }
 
     /// The process-wide instance, created from the environment on first use
@@ -790,7 +823,7 @@ impl Sim {
     /// Fails with `CUDA_ERROR_INVALID_VALUE` for a malformed configuration and
     /// `CUDA_ERROR_NO_DEVICE` when there are no devices.
     pub fn init(&self) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::Init);
         st.fault(Call::Init)?;
         if self.config_error.is_some() {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
@@ -809,7 +842,7 @@ impl Sim {
 
     /// `cuDeviceGetCount`: the number of devices.
     pub fn device_count(&self) -> CuResult<i32> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::DeviceGetCount);
         st.fault(Call::DeviceGetCount)?;
         st.check_init()?;
         Ok(i32::try_from(st.devices.len()).unwrap_or(i32::MAX))
@@ -817,7 +850,7 @@ impl Sim {
 
     /// `cuDeviceGetName`: e.g. `"cuda-sim device 0 (24 GiB)"`.
     pub fn device_name(&self, dev: i32) -> CuResult<String> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::DeviceGetName);
         st.fault(Call::DeviceGetName)?;
         let capacity = st.device(dev)?.capacity;
         Ok(format!("cuda-sim device {dev} ({})", human_size(capacity)))
@@ -827,7 +860,7 @@ impl Sim {
     /// shares capacity under one name ([`Sim::share_capacity`]), and unique to this instance
     /// otherwise.
     pub fn device_uuid(&self, dev: i32) -> CuResult<[u8; 16]> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::DeviceGetUuid);
         st.fault(Call::DeviceGetUuid)?;
         st.device(dev)?;
         let text = format!("{} device {dev}", st.uuid_seed);
@@ -839,7 +872,7 @@ impl Sim {
 
     /// `cuDeviceTotalMem`: the device's capacity in bytes.
     pub fn total_mem(&self, dev: i32) -> CuResult<u64> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::DeviceTotalMem);
         st.fault(Call::DeviceTotalMem)?;
         Ok(st.device(dev)?.capacity)
     }
@@ -847,7 +880,7 @@ impl Sim {
     /// `cuMemGetInfo`: `(free, total)` bytes, where free is the capacity less
     /// the pages in use.
     pub fn mem_get_info(&self, dev: i32) -> CuResult<(u64, u64)> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemGetInfo);
         st.fault(Call::MemGetInfo)?;
         let capacity = st.device(dev)?.capacity;
         Ok((st.free_pages(dev)? * PAGE, capacity))
@@ -861,7 +894,7 @@ impl Sim {
     /// window starting at `0x7000_0000_0000 + dev * 2^40`, and the lowest gap
     /// that fits, so addresses are reused after a free as on the driver.
     pub fn mem_alloc(&self, dev: i32, bytes: u64) -> CuResult<u64> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemAlloc);
         st.fault(Call::MemAlloc)?;
         let d = st.device_mut(dev)?;
         if bytes == 0 {
@@ -896,7 +929,7 @@ impl Sim {
     /// address inside an allocation, a second free) fails with
     /// `CUDA_ERROR_INVALID_VALUE`.
     pub fn mem_free(&self, ptr: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemFree);
         st.fault(Call::MemFree)?;
         st.check_init()?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
@@ -927,7 +960,7 @@ impl Sim {
     /// Created streams do not synchronize implicitly with the default stream
     /// (they behave as `CU_STREAM_NON_BLOCKING` streams).
     pub fn stream_create(&self, dev: i32) -> CuResult<u64> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::StreamCreate);
         st.fault(Call::StreamCreate)?;
         st.device(dev)?;
         let handle = st.next_stream;
@@ -950,7 +983,7 @@ impl Sim {
     /// stay incomplete until then). Unknown handles and the default stream
     /// (0) fail with `CUDA_ERROR_INVALID_HANDLE`.
     pub fn stream_destroy(&self, stream: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::StreamDestroy);
         st.fault(Call::StreamDestroy)?;
         st.check_init()?;
         match st.streams.get_mut(&StreamKey::Created(stream)) {
@@ -964,7 +997,7 @@ impl Sim {
     /// `cuEventCreate`: a new event on `dev`; its handle is non-zero and
     /// unique among all devices' streams and events.
     pub fn event_create(&self, dev: i32) -> CuResult<u64> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::EventCreate);
         st.fault(Call::EventCreate)?;
         st.device(dev)?;
         let handle = st.next_event;
@@ -982,7 +1015,7 @@ impl Sim {
     /// `cuEventDestroy`: destroys an event (waits already issued on it keep
     /// their meaning).
     pub fn event_destroy(&self, event: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::EventDestroy);
         st.fault(Call::EventDestroy)?;
         st.event(event)?;
         st.events.remove(&event);
@@ -994,7 +1027,7 @@ impl Sim {
     /// recording again replaces the capture. An event or stream of another
     /// device fails with `CUDA_ERROR_INVALID_HANDLE`.
     pub fn event_record(&self, dev: i32, event: u64, stream: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::EventRecord);
         st.fault(Call::EventRecord)?;
         let key = st.stream_key(dev, stream)?;
         if st.event(event)?.device != dev {
@@ -1008,7 +1041,7 @@ impl Sim {
     /// `cuEventQuery`: whether the captured work has completed (`true`);
     /// events never recorded are complete.
     pub fn event_query(&self, event: u64) -> CuResult<bool> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::EventQuery);
         st.fault(Call::EventQuery)?;
         let e = st.event(event)?;
         Ok(e.captured.iter().all(|r| st.met(r)))
@@ -1017,7 +1050,7 @@ impl Sim {
     /// `cuEventSynchronize`: the host waits for the captured work, which
     /// therefore completes (with whatever it waits on).
     pub fn event_synchronize(&self, event: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::EventSynchronize);
         st.fault(Call::EventSynchronize)?;
         let reqs = st.event(event)?.captured.clone();
         st.complete(&reqs);
@@ -1028,7 +1061,7 @@ impl Sim {
     /// stream) after this call cannot complete before the work the event
     /// captured. The event may belong to another device, as on the driver.
     pub fn stream_wait_event(&self, dev: i32, stream: u64, event: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::StreamWaitEvent);
         st.fault(Call::StreamWaitEvent)?;
         let key = st.stream_key(dev, stream)?;
         let requires: Vec<Requirement> = st
@@ -1057,7 +1090,7 @@ impl Sim {
     /// `cuStreamSynchronize`: completes everything enqueued on the stream so
     /// far (0: `dev`'s default stream) and what it waits on.
     pub fn stream_synchronize(&self, dev: i32, stream: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::StreamSynchronize);
         st.fault(Call::StreamSynchronize)?;
         let key = st.stream_key(dev, stream)?;
         st.complete_stream(key);
@@ -1067,7 +1100,7 @@ impl Sim {
     /// `cuStreamQuery`: whether everything enqueued on the stream so far,
     /// including the waits issued on it, has completed.
     pub fn stream_query(&self, dev: i32, stream: u64) -> CuResult<bool> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::StreamQuery);
         st.fault(Call::StreamQuery)?;
         let key = st.stream_key(dev, stream)?;
         Ok(st.capture(key).is_empty())
@@ -1076,7 +1109,7 @@ impl Sim {
     /// `cuCtxSynchronize`: completes all work on all of the device's streams
     /// (destroyed ones with work left included).
     pub fn synchronize(&self, dev: i32) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::CtxSynchronize);
         st.fault(Call::CtxSynchronize)?;
         st.device(dev)?;
         let keys: Vec<StreamKey> = st

@@ -689,3 +689,36 @@ fn uuids_are_shared_by_name_and_unique_otherwise() {
     assert_eq!(sims[1].mem_get_info(0).unwrap().0, 4 * PAGE);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A delayed call takes its time outside the simulator's lock: another thread's calls go on
+/// meanwhile, and the delayed one returns after its time.
+#[test]
+fn a_delayed_call_takes_its_time_without_holding_the_other_calls() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let sim = Arc::new(Sim::new(&[8 * PAGE]));
+    sim.init().unwrap();
+    sim.set_delays("cuCtxSynchronize=2000ms").unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let waiter = {
+        let (sim, done) = (sim.clone(), done.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            sim.synchronize(0).unwrap();
+            done.store(true, Ordering::SeqCst);
+            start.elapsed()
+        })
+    };
+    // Inside the delay (the thread had time to begin it), calls go on.
+    std::thread::sleep(Duration::from_millis(200));
+    let ptr = sim.mem_alloc(0, PAGE).unwrap();
+    sim.mem_free(ptr).unwrap();
+    assert!(
+        !done.load(Ordering::SeqCst),
+        "the allocation waited for the delayed call"
+    );
+    assert!(waiter.join().unwrap() >= Duration::from_millis(2000));
+    sim.set_delay(Call::CtxSynchronize, Duration::ZERO);
+    assert!(sim.set_delays("cuCtxSynchronize=soon").is_err());
+}

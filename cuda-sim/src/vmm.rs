@@ -133,7 +133,7 @@ impl Sim {
     /// `cuDeviceGetAttribute`: only `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`
     /// (102) is simulated; other attributes give `CUDA_ERROR_INVALID_VALUE`.
     pub fn device_attribute(&self, dev: i32, attribute: i32) -> CuResult<i32> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::DeviceGetAttribute);
         st.fault(Call::DeviceGetAttribute)?;
         st.device(dev)?;
         match attribute {
@@ -151,7 +151,7 @@ impl Sim {
 
     /// `cuMemGetAllocationGranularity` for a pinned device allocation on `dev`.
     pub fn mem_granularity(&self, dev: i32) -> CuResult<u64> {
-        self.lock()
+        self.call(Call::MemGetAllocationGranularity)
             .vmm_check(Call::MemGetAllocationGranularity, Some(dev))?;
         Ok(GRANULARITY)
     }
@@ -159,7 +159,7 @@ impl Sim {
     /// `cuMemAddressReserve`: a range of `size` bytes (a multiple of the granularity) at the
     /// lowest free address aligned to `alignment` (0: the granularity).
     pub fn mem_address_reserve(&self, size: u64, alignment: u64) -> CuResult<u64> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemAddressReserve);
         st.vmm_check(Call::MemAddressReserve, None)?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         if size == 0 || size % GRANULARITY != 0 || (alignment != 0 && !alignment.is_power_of_two())
@@ -190,7 +190,7 @@ impl Sim {
     /// `cuMemAddressFree`: `ptr` and `size` must be exactly a reserved range with nothing
     /// mapped in it.
     pub fn mem_address_free(&self, ptr: u64, size: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemAddressFree);
         st.vmm_check(Call::MemAddressFree, None)?;
         match st.vmm.ranges.get(&ptr) {
             Some(range) if range.size == size && range.maps.is_empty() => {
@@ -204,7 +204,7 @@ impl Sim {
     /// `cuMemCreate`: `size` bytes (a multiple of the granularity) of physical memory on `dev`,
     /// counted against its capacity from now on.
     pub fn mem_create(&self, dev: i32, size: u64) -> CuResult<u64> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemCreate);
         st.vmm_check(Call::MemCreate, Some(dev))?;
         if size == 0 || size % GRANULARITY != 0 {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
@@ -227,7 +227,7 @@ impl Sim {
 
     /// `cuMemRelease`: the memory is freed now if unmapped, else when its last mapping goes.
     pub fn mem_release(&self, handle: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemRelease);
         st.vmm_check(Call::MemRelease, None)?;
         let physical = match st.vmm.handles.get_mut(&handle) {
             Some(p) if !p.released => p,
@@ -247,7 +247,7 @@ impl Sim {
     /// granularity multiples inside the allocation; one allocation may be mapped in any number
     /// of places at once, each mapping counted until it is unmapped.
     pub fn mem_map(&self, ptr: u64, size: u64, offset: u64, handle: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemMap);
         st.vmm_check(Call::MemMap, None)?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         match st.vmm.handles.get(&handle) {
@@ -284,7 +284,7 @@ impl Sim {
 
     /// `cuMemUnmap`: `[ptr, ptr + size)` must be exactly a run of whole mappings.
     pub fn mem_unmap(&self, ptr: u64, size: u64) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemUnmap);
         st.vmm_check(Call::MemUnmap, None)?;
         let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
         for addr in addrs {
@@ -308,7 +308,7 @@ impl Sim {
     /// `cuMemSetAccess` (read-write for `dev`): `[ptr, ptr + size)` must be exactly a run of
     /// whole mappings.
     pub fn mem_set_access(&self, ptr: u64, size: u64, dev: i32) -> CuResult<()> {
-        let mut st = self.lock();
+        let mut st = self.call(Call::MemSetAccess);
         st.vmm_check(Call::MemSetAccess, Some(dev))?;
         let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
         let range = st.vmm.ranges.get_mut(&base).expect("range found");
