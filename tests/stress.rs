@@ -343,11 +343,13 @@ fn one_thread_per_device_returning_memory_keeps_every_block_known() {
 type Hook = Mutex<Option<Box<dyn FnOnce() + Send>>>;
 
 /// A driver that, once armed, runs a hook right after device 0 frees memory (`cuMemFree` or
-/// `cuMemAddressFree`), inside that call (`on_free`); or inside a wait for device 0's work
-/// (`cuCtxSynchronize`, `on_sync`).
+/// `cuMemAddressFree`), inside that call (`on_free`); right after it unmaps a range
+/// (`cuMemUnmap`, `on_unmap`); or inside a wait for device 0's work (`cuCtxSynchronize`,
+/// `on_sync`).
 struct Hooked {
     sim: SimDriver,
     on_free: Hook,
+    on_unmap: Hook,
     on_sync: Hook,
 }
 
@@ -356,6 +358,7 @@ impl Hooked {
         Hooked {
             sim: SimDriver::new(sim).unwrap(),
             on_free: Mutex::new(None),
+            on_unmap: Mutex::new(None),
             on_sync: Mutex::new(None),
         }
     }
@@ -455,7 +458,9 @@ impl Driver for Hooked {
         self.sim.vmm_map(device, ptr, size, handle, offset)
     }
     fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.sim.vmm_unmap(device, ptr, size)
+        self.sim.vmm_unmap(device, ptr, size)?;
+        Hooked::run(&self.on_unmap, device);
+        Ok(())
     }
     fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
         self.sim.vmm_set_access(device, ptr, size)
@@ -567,6 +572,16 @@ fn free_reusable_waits_for_the_device_without_the_lock() {
             // The 1 MiB block's range borrowed a page of the cached segment's handle: the
             // segment was taken apart, but the handle stays mapped in that range, released
             // after the wait began and so kept.
+            assert_eq!((returned, reserved, left), (0, 64 * MIB, 64 * MIB));
+            // The next sweep takes that range apart and unmaps it without the lock: inside the
+            // unmap, another thread reserves and releases (its range may map pages of the
+            // handle still mapped in the range being unmapped).
+            let in_unmap = meanwhile(&pool, &driver, |d| &d.on_unmap);
+            let returned = pool.free_reusable(Some(0)).unwrap();
+            let reserved = seen(&in_unmap, "in the unmap");
+            let left = pool.stats(0).unwrap().reserved_bytes;
+            // Its new range took a page of the same handle (spare in the books since the range
+            // being unmapped was taken apart): the handle stays, mapped there.
             assert_eq!((returned, reserved, left), (0, 64 * MIB, 64 * MIB));
         } else {
             // The 1 MiB block got a 2 MiB segment of its own, kept.

@@ -7,6 +7,7 @@
 //! - `streams.rs`: stream slots, events, blocks pending on other streams;
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
+//!   `deferred.rs`: the driver calls a sweep makes without the device's lock;
 //! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
 //!   cached pages and new memory; `headroom.rs`: how much more than a request lacks such a
 //!   creation takes;
@@ -52,6 +53,7 @@ use unstitch::Stuck;
 
 mod addresses;
 mod check;
+mod deferred;
 mod headroom;
 mod parking;
 mod phys;
@@ -60,9 +62,9 @@ mod stitch;
 mod streams;
 mod sweep;
 mod unstitch;
-use crate::driver::{DevicePtr, EventHandle, StreamHandle};
+use crate::driver::{DevicePtr, EventHandle, PhysHandle, StreamHandle};
 use crate::error::{Error, Result};
-use sweep::Returning;
+use deferred::Returning;
 pub use sweep::Sweep;
 
 /// Memory obtained from the driver in one allocation.
@@ -157,8 +159,14 @@ pub struct DevicePool {
     /// Address ranges whose unmapping failed, to retry.
     stuck: Vec<Stuck>,
     /// Classic segments a sweep took out of the books, which the driver is freeing without the
-    /// device's lock: still reserved until it answers (`sweep.rs`).
+    /// device's lock: still reserved until it answers (`deferred.rs`).
     returning: Vec<Returning>,
+    /// Handles a sweep took out of the books, which the driver is releasing without the
+    /// device's lock, with their sizes: still reserved until it answers.
+    releasing: Vec<(PhysHandle, u64)>,
+    /// Emptied lists of the handles of stuck ranges, kept for the next (no allocation under the
+    /// lock, see `forget_segment`).
+    spare_handle_lists: Vec<Vec<PhysHandle>>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<SegId>,
     /// What sizes the headroom of the next stitched creation (`headroom.rs`).
@@ -196,6 +204,8 @@ impl DevicePool {
             holes: BTreeMap::new(),
             stuck: Vec::new(),
             returning: Vec::new(),
+            releasing: Vec::new(),
+            spare_handle_lists: Vec::new(),
             lending: Vec::new(),
             headroom: Headroom::default(),
             releases: 0,

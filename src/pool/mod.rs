@@ -28,9 +28,9 @@
 //! 2. the span map is written with atomic operations while a device's mutex is held (a segment
 //!    booked or forgotten) and read without a lock;
 //! 3. the driver is called with the device mutex held, save by `free_reusable`, which waits for
-//!    the device's work before it takes the mutex and frees classic segments after each batch
-//!    has let go of it (`device/sweep.rs`); the driver takes no lock of the pool and never calls
-//!    back into it (the simulator's own mutex is a leaf).
+//!    the device's work before it takes the mutex and makes the calls that return memory after
+//!    each batch has let go of it (`device/deferred.rs`); the driver takes no lock of the pool
+//!    and never calls back into it (the simulator's own mutex is a leaf).
 //!
 //! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
 //! poisoned by a panic is taken over (see `Pool::lock`).
@@ -288,9 +288,10 @@ impl Pool {
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
     /// The device's queued work is waited for first, without the device's lock; then the work
     /// goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a batch has
-    /// run for `BATCH_TIME`), the device's lock released between them (and classic segments
-    /// freed while it is released), so that reserves and releases on the device wait for one
-    /// batch at most. Blocks released meanwhile may stay cached.
+    /// run for `BATCH_TIME`), the device's lock released between them (and the driver calls
+    /// that return memory made while it is released), so that reserves and releases on the
+    /// device wait for one batch's bookkeeping at most. Blocks released meanwhile may stay
+    /// cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
         // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {
@@ -312,15 +313,15 @@ impl Pool {
                 #[cfg(feature = "hold-probe")]
                 holds.end(timing);
                 drop(pool);
-                // The classic segments the batch took out of the books, freed without the lock
-                // (the next batch books the driver's answers).
-                sweep.free_segments(&*self.driver, device);
+                // The driver calls that return what the batch took out of the books, made
+                // without the lock (the next batch books the answers).
+                sweep.make_calls(&*self.driver, device);
                 let (bytes, more) = match batch {
                     Ok(batch) => batch,
                     Err(e) => {
-                        // What was freed is booked all the same; the first failure is told.
+                        // What was returned is booked all the same; the first failure is told.
                         let (mut pool, cx) = self.lock(device)?;
-                        let _ = pool.book_frees(&cx, &mut sweep);
+                        let _ = pool.book_sweep_calls(&cx, &mut sweep);
                         return Err(e);
                     }
                 };

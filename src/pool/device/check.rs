@@ -175,11 +175,16 @@ impl DevicePool {
                 ));
             }
         }
-        // Classic segments being freed without the lock: reserved until the driver answers.
+        // Classic segments being freed and handles being released without the lock: reserved
+        // until the driver answers (`deferred.rs`).
         if !self.returning.is_empty() && matches!(self.vmm, VmmMode::On(_)) {
             return Err("a stitched pool is freeing classic segments".to_string());
         }
+        if let Some(&(handle, _)) = self.releasing.iter().find(|&&(h, _)| self.phys.holds(h)) {
+            return Err(format!("handle {handle:#x} is held and being released"));
+        }
         reserved += self.returning.iter().map(|r| r.size).sum::<u64>();
+        reserved += self.releasing.iter().map(|&(_, size)| size).sum::<u64>();
         let s = &self.stats;
         let books = (
             s.reserved_bytes,

@@ -2,9 +2,12 @@
 //! holds, and which of their pages are *spare*, owned by no address range.
 //!
 //! Every page of a held handle is owned by exactly one address range (where it is mapped and
-//! not a hole) or is spare. A spare page is mapped nowhere: a range's pages only become spare
-//! when the range is unmapped and no other range lent them. So a handle whose pages are all
-//! spare has no mapping left, and only such a handle goes back to the driver.
+//! not a hole) or is spare. A spare page is mapped in no segment: a range's pages only become
+//! spare when the range is taken apart and no other range lent them. Its range may still be
+//! mapped a while: being unmapped without the device's lock, or kept after a failed unmap (a
+//! *stuck* range, `unstitch.rs`), whose handles the pool does not release meanwhile. So a
+//! handle whose pages are all spare, and which no stuck range maps, has no mapping left, and
+//! only such a handle goes back to the driver.
 //!
 //! The handles are kept by handle, and the unused ones (all pages spare) in a set of their own,
 //! largest first, so that a lookup, a change and finding the next handle to return each take

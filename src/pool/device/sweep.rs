@@ -14,27 +14,15 @@
 //! wait for the device with the lock held. A sweep made with [`Sweep::default`] waits under the
 //! lock where it must.
 //!
-//! Classic segments are freed without the device's lock too: a batch takes them out of the
-//! books (and the span map) into `returning`, still counted as reserved; the caller frees them
-//! through the driver once it let go of the lock ([`Sweep::free_segments`]: a `cuMemFree` may
-//! wait for the device's work, and costs tens of microseconds on a GPU in any case), and the
-//! next batch books the driver's answers ([`DevicePool::book_frees`]): memory returned leaves the
-//! reserved count; a segment the driver did not take back is booked again, idle. Stitched
-//! segments' unmaps and handles' releases stay under the lock, bounded by the batch's time.
+//! The driver calls that return memory are made without the device's lock too: a batch takes
+//! the memory out of the books and queues the calls, the caller makes them once it let go of the
+//! lock ([`Sweep::make_calls`]), and the next batch books the answers (`deferred.rs`). So a
+//! batch's hold of the lock is bookkeeping only.
 
+use super::deferred::Deferred;
 use super::unstitch::Unsettled;
 use super::*;
-use crate::driver::{Driver, DriverResult};
-
-/// A classic segment taken out of the books by a sweep, which the driver is freeing without
-/// the device's lock: what booking it again takes, if the driver does not take it back.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Returning {
-    pub(super) base: DevicePtr,
-    pub(super) size: u64,
-    class: Class,
-    stream: StreamHandle,
-}
+use crate::driver::Driver;
 
 /// Parked blocks merged per batch, for each segment a batch returns: merging is a bin update,
 /// far cheaper than a driver call.
@@ -55,10 +43,8 @@ pub struct Sweep {
     /// The caller waited for all work on the device, without its lock, after this many releases
     /// (`None`: no wait was made; the batches wait where they must).
     settled: Option<u64>,
-    /// Classic segments the last batch took out of the books, for the caller to free.
-    to_free: Vec<DevicePtr>,
-    /// What the driver answered to those frees, for the next batch to book.
-    freed: Vec<(DevicePtr, DriverResult<()>)>,
+    /// The driver calls the last batch queued, and their answers.
+    deferred: Deferred,
 }
 
 impl Sweep {
@@ -73,17 +59,10 @@ impl Sweep {
         }
     }
 
-    /// Free through `driver`, without `device`'s lock, the classic segments the last batch took
-    /// out of the books; the next batch (or [`DevicePool::book_frees`]) books the answers.
-    pub fn free_segments(&mut self, driver: &dyn Driver, device: i32) {
-        for base in self.to_free.drain(..) {
-            self.freed.push((base, driver.mem_free(device, base)));
-        }
-    }
-
-    /// Whether frees are left to make or to book: the sweep is not over until they are.
-    pub fn frees_left(&self) -> bool {
-        !self.to_free.is_empty() || !self.freed.is_empty()
+    /// Make through `driver`, without `device`'s lock, the driver calls the last batch queued;
+    /// the next batch (or [`DevicePool::book_sweep_calls`]) books the answers.
+    pub fn make_calls(&mut self, driver: &dyn Driver, device: i32) {
+        self.deferred.make(driver, device);
     }
 
     /// What the batches do with a segment that is not settled.
@@ -140,7 +119,7 @@ impl DevicePool {
         over: &dyn Fn() -> bool,
     ) -> Result<(u64, bool)> {
         let segments = segments.max(1);
-        let booked = self.book_frees(cx, sweep)?;
+        let booked = self.book_calls(cx, &mut sweep.deferred)?;
         if let Some(releases) = sweep.settled {
             self.settled_at(releases);
         }
@@ -166,49 +145,19 @@ impl DevicePool {
             }
             sweep.step = Step::Segments;
         }
-        if matches!(self.vmm, VmmMode::On(_)) {
-            let (released, more) = self.sweep_stitched(cx, sweep, segments, over)?;
-            return Ok((booked + released, more));
-        }
-        self.take_idle_segments(cx, sweep, segments, over)?;
-        Ok((booked, sweep.below != Some(0) || sweep.frees_left()))
+        let more = if matches!(self.vmm, VmmMode::On(_)) {
+            self.sweep_stitched(cx, sweep, segments, over)?
+        } else {
+            self.take_idle_segments(cx, sweep, segments, over)?;
+            sweep.below != Some(0)
+        };
+        Ok((booked, more || !sweep.deferred.is_empty()))
     }
 
-    /// Book what the driver answered to the frees of the last batch (see the module's
-    /// documentation). Returns the bytes returned, or (after booking every answer) the first
-    /// failure.
-    pub fn book_frees(&mut self, cx: &Context<'_>, sweep: &mut Sweep) -> Result<u64> {
-        let mut returned = 0;
-        let mut failure = None;
-        for (base, answer) in sweep.freed.drain(..) {
-            let at = self
-                .returning
-                .iter()
-                .position(|r| r.base == base)
-                .expect("a segment freed by the sweep is returning");
-            let r = self.returning.swap_remove(at);
-            match answer {
-                Ok(()) => {
-                    self.stats.remove_reserved(r.size, 1);
-                    returned += r.size;
-                }
-                Err(e) => {
-                    // Still the driver's allocation, and ours: idle again.
-                    let id =
-                        self.install_segment(cx, r.base, r.size, r.class, r.stream, Vec::new());
-                    debug_assert_eq!(self.blocks[id].ptr, r.base);
-                    self.segments[self.blocks[id].segment].released = self.settled;
-                    failure.get_or_insert(Error::driver(
-                        &format!("returning segment {base:#x} to the driver"),
-                        &e,
-                    ));
-                }
-            }
-        }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok(returned),
-        }
+    /// Book the answers to the calls a failed batch queued and the caller made: the books are
+    /// exact again. Returns the bytes returned, or the first failure.
+    pub fn book_sweep_calls(&mut self, cx: &Context<'_>, sweep: &mut Sweep) -> Result<u64> {
+        self.book_calls(cx, &mut sweep.deferred)
     }
 
     /// Wait for the events of up to `count` pending blocks and free them, the last listed
@@ -242,9 +191,9 @@ impl DevicePool {
         Ok(at == 0)
     }
 
-    /// Take up to `count` idle classic segments out of the books for the caller to free (see
-    /// the module's documentation), the last listed first, those not settled waited for or
-    /// skipped (as `sweep` says), stopping early once `over()`.
+    /// Take up to `count` idle classic segments out of the books for the caller to free
+    /// (`deferred.rs`), the last listed first, those not settled waited for or skipped (as
+    /// `sweep` says), stopping early once `over()`.
     fn take_idle_segments(
         &mut self,
         cx: &Context<'_>,
@@ -255,7 +204,7 @@ impl DevicePool {
         let unsettled = sweep.unsettled();
         let mut at = sweep.cursor(self.idle.len());
         let mut looked = 0;
-        while at > 0 && sweep.to_free.len() < count && looked < LOOKS_PER_SEGMENT * count {
+        while at > 0 && sweep.deferred.queued() < count && looked < LOOKS_PER_SEGMENT * count {
             at -= 1;
             looked += 1;
             sweep.below = Some(at);
@@ -265,18 +214,7 @@ impl DevicePool {
             }
             // Taken out, a segment leaves the idle list; the last one takes its place, looked at
             // already (or idle since the sweep began).
-            let s = &self.segments[seg];
-            let r = Returning {
-                base: s.base,
-                size: s.size,
-                class: s.class,
-                stream: self.slots[s.slot].handle,
-            };
-            // Out of the span map before the driver can hand the addresses to another device.
-            cx.spans.remove(r.base, r.size);
-            self.forget_segment(seg);
-            self.returning.push(r);
-            sweep.to_free.push(r.base);
+            self.take_out_to_free(cx, seg, &mut sweep.deferred);
             if over() {
                 break;
             }
@@ -285,17 +223,22 @@ impl DevicePool {
     }
 
     /// One batch of the virtual-memory mode: handles mapped nowhere, then the next segments
-    /// from the cursor, those with no block in use taken apart, then the handles that left
-    /// mapped nowhere, each within its bound and stopping early once `over()` (after one at
-    /// least: a handle left goes back in the next batch).
+    /// from the cursor, those with no block in use taken apart, each within its bound and
+    /// stopping early once `over()` (after one at least), their calls queued (`deferred.rs`).
+    /// The handles a range taken apart leaves mapped nowhere go once its unmap is booked, by a
+    /// later batch. Returns whether another batch is needed.
     fn sweep_stitched(
         &mut self,
         cx: &Context<'_>,
         sweep: &mut Sweep,
         count: usize,
         over: &dyn Fn() -> bool,
-    ) -> Result<(u64, bool)> {
-        let mut released = self.release_unused_upto(cx, count, over)?;
+    ) -> Result<bool> {
+        while sweep.deferred.queued() < count && self.take_out_to_release(&mut sweep.deferred) {
+            if over() {
+                break;
+            }
+        }
         let unsettled = sweep.unsettled();
         let (mut taken, mut looked) = (0, 0);
         while sweep.next < self.segments.len()
@@ -305,40 +248,23 @@ impl DevicePool {
             let seg = SegId::at(sweep.next);
             sweep.next += 1;
             looked += 1;
-            if !self.dismantle_if_unused(cx, seg, unsettled)? {
+            if !self.is_unused(seg) || !self.may_return(cx, seg, unsettled)? {
                 continue;
             }
+            self.take_apart_later(cx, seg, &mut sweep.deferred);
             taken += 1;
             if over() {
                 break;
             }
         }
-        released += self.release_unused_upto(cx, count, over)?;
-        let more = sweep.next < self.segments.len() || self.has_unused_handles();
+        let more = sweep.next < self.segments.len()
+            || self.has_unused_handles()
+            || !sweep.deferred.is_empty();
         if !more {
             // Last, the address chunks left unused: a few calls at most.
             self.release_unused_chunks(cx)?;
         }
-        Ok((released, more))
-    }
-
-    /// Release up to `count` handles mapped nowhere, largest first, stopping early once
-    /// `over()` (after one at least). Returns the bytes returned.
-    fn release_unused_upto(
-        &mut self,
-        cx: &Context<'_>,
-        count: usize,
-        over: &dyn Fn() -> bool,
-    ) -> Result<u64> {
-        let mut released = 0;
-        for _ in 0..count {
-            let bytes = self.release_unused(cx, u64::MAX, 1)?;
-            released += bytes;
-            if bytes == 0 || over() {
-                break;
-            }
-        }
-        Ok(released)
+        Ok(more)
     }
 }
 

@@ -23,8 +23,9 @@
 //! handles mapped in those segments, and no address chunk that no segment uses.
 //!
 //! A range that could not be unmapped is kept with the handles mapped in it, which are not
-//! released meanwhile, and retried by `free_reusable`; a chunk whose reservation could not be
-//! freed is kept and freed by a later `free_reusable`.
+//! released meanwhile, and retried by `free_reusable`; so is a range a sweep is unmapping
+//! without the device's lock (`deferred.rs`), until the answer is booked. A chunk whose
+//! reservation could not be freed is kept and freed by a later `free_reusable`.
 
 use super::phys::Pages;
 use super::stitch::VmmMode;
@@ -43,7 +44,8 @@ pub(super) enum Unsettled {
     Skip,
 }
 
-/// An address range whose unmapping failed: kept, retried by `free_reusable`.
+/// An address range in no segment, still mapped: its unmapping failed (kept, retried by
+/// `free_reusable`), or a sweep is unmapping it without the device's lock (*in flight*).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Stuck {
     base: DevicePtr,
@@ -52,6 +54,8 @@ pub(super) struct Stuck {
     mapped: u64,
     /// The handles mapped in it, which must not be released meanwhile.
     handles: Vec<PhysHandle>,
+    /// A sweep is unmapping it: nobody else retries it.
+    in_flight: bool,
 }
 
 impl Stuck {
@@ -71,6 +75,58 @@ impl DevicePool {
         cx.driver
             .vmm_unmap(self.device, base, size)
             .map_err(|e| Error::driver(&format!("unmapping cached segment {base:#x}"), &e))?;
+        self.take_apart(cx, seg);
+        self.addresses.give(base, size);
+        Ok(())
+    }
+
+    /// Take apart a stitched segment with no block in use, its range to be unmapped without
+    /// the device's lock (a sweep's, see `sweep.rs`): its books as [`DevicePool::dismantle`]
+    /// leaves them, but the range, still mapped, kept as stuck and *in flight* (not retried by
+    /// others), its handles not released meanwhile, until the driver's answer is booked.
+    /// Returns the range.
+    pub(super) fn take_apart_to_unmap(&mut self, cx: &Context<'_>, seg: SegId) -> (DevicePtr, u64) {
+        let (base, size) = (self.segments[seg].base, self.segments[seg].size);
+        let mut handles = self.spare_handle_lists.pop().unwrap_or_default();
+        for r in &self.segments[seg].runs {
+            if !handles.contains(&r.pages.handle) {
+                handles.push(r.pages.handle);
+            }
+        }
+        self.take_apart(cx, seg);
+        self.stuck.push(Stuck {
+            base,
+            size,
+            mapped: size,
+            handles,
+            in_flight: true,
+        });
+        (base, size)
+    }
+
+    /// The driver answered the unmap of `[base, base + size)`, in flight since
+    /// [`DevicePool::take_apart_to_unmap`]: unmapped, its addresses go back to their chunk and
+    /// its handles may be released; else it stays, kept to retry.
+    pub(super) fn unmapped(&mut self, base: DevicePtr, size: u64, unmapped: bool) {
+        let at = self
+            .stuck
+            .iter()
+            .position(|k| k.in_flight && k.base == base)
+            .expect("an unmap in flight is kept");
+        if !unmapped {
+            self.stuck[at].in_flight = false;
+            return;
+        }
+        let mut done = self.stuck.swap_remove(at);
+        done.handles.clear();
+        self.spare_handle_lists.push(done.handles);
+        self.addresses.give(base, size);
+    }
+
+    /// The books' part of taking `seg` apart: its pages back where they came from, the segment
+    /// forgotten and out of the span map. Its address range is the caller's.
+    fn take_apart(&mut self, cx: &Context<'_>, seg: SegId) {
+        let (base, size) = (self.segments[seg].base, self.segments[seg].size);
         // Out of the segment while its lenders and borrowers change (none of which is `seg`),
         // put back before it is forgotten.
         let runs = std::mem::take(&mut self.segments[seg].runs);
@@ -134,8 +190,6 @@ impl DevicePool {
         s.borrowers = borrowers;
         self.forget_segment(seg);
         cx.spans.remove(base, size);
-        self.addresses.give(base, size);
-        Ok(())
     }
 
     /// Lent pages `[ptr, ptr + size)` of `seg`, inside one hole, came back: free memory again,
@@ -306,6 +360,13 @@ impl DevicePool {
         self.phys.unused().any(|(handle, _)| !self.is_stuck(handle))
     }
 
+    /// The largest handle mapped nowhere, and in no range being unmapped or kept to retry.
+    pub(super) fn next_unused_handle(&self) -> Option<(PhysHandle, u64)> {
+        self.phys
+            .unused()
+            .find(|&(handle, _)| !self.is_stuck(handle))
+    }
+
     fn is_stuck(&self, handle: PhysHandle) -> bool {
         self.stuck.iter().any(|s| s.handles.contains(&handle))
     }
@@ -325,11 +386,7 @@ impl DevicePool {
             if released >= needed {
                 break;
             }
-            let next = self
-                .phys
-                .unused()
-                .find(|&(handle, _)| !self.is_stuck(handle));
-            let Some((handle, size)) = next else {
+            let Some((handle, size)) = self.next_unused_handle() else {
                 break;
             };
             cx.driver
@@ -357,6 +414,7 @@ impl DevicePool {
             size,
             mapped,
             handles,
+            in_flight: false,
         };
         if let Err(later) = self.unstick(cx, &mut stuck) {
             self.log(format_args!("{}; kept to retry", later.message));
@@ -396,17 +454,22 @@ impl DevicePool {
         Ok(())
     }
 
-    /// Retry up to `count` of the ranges kept after a failure; whether none is left.
+    /// Retry up to `count` of the ranges kept after a failure (not those a sweep is unmapping);
+    /// whether none is left.
     pub(super) fn retry_stuck(&mut self, cx: &Context<'_>, count: usize) -> Result<bool> {
+        let mut at = self.stuck.len();
         for _ in 0..count {
-            let Some(mut stuck) = self.stuck.pop() else {
+            let Some(i) = self.stuck[..at].iter().rposition(|k| !k.in_flight) else {
                 break;
             };
+            at = i;
+            // Unmapped, it leaves the list; the last one takes its place, looked at already.
+            let mut stuck = self.stuck.swap_remove(i);
             if let Err(err) = self.unstick(cx, &mut stuck) {
                 self.stuck.push(stuck);
                 return Err(err);
             }
         }
-        Ok(self.stuck.is_empty())
+        Ok(self.stuck.iter().all(|k| k.in_flight))
     }
 }

@@ -140,8 +140,8 @@ fn sweep_batches(pool: &Pool, count: usize, over: &dyn Fn() -> bool) -> Vec<(u64
             .free_reusable_batch(&cx, &mut sweep, count, over)
             .unwrap();
         drop(device);
-        // As `Pool::free_reusable`: classic segments freed without the lock, booked next.
-        sweep.free_segments(&**pool.driver(), 0);
+        // As `Pool::free_reusable`: the driver calls made without the lock, booked next.
+        sweep.make_calls(&**pool.driver(), 0);
         batches.push((bytes, more));
         pool.check().unwrap();
         if !more {
@@ -189,22 +189,24 @@ fn a_sweep_bounds_every_batch_on_both_policies_and_ends_with_exact_books() {
         // One segment a batch. The parked blocks (16: the most a stream keeps; the small
         // blocks merged with each other as they were released) are merged by the first batch
         // before it returns a segment, the pending block is waited for, and each segment goes
-        // back in a batch of its own (a lender's pages with its last borrower). A classic
-        // segment taken out by one batch is freed after it and counted by the next: one batch
-        // more, which returns the last.
+        // back in a batch of its own (a lender's pages with its last borrower). The driver's
+        // calls follow each batch and the next books them: a classic segment taken out by one
+        // batch is counted by the next (one batch more, which counts the last); a stitched
+        // segment's range is unmapped after one batch, and its handle, mapped nowhere once
+        // that is booked, released after the next (two more).
         let batches = sweep_batches(&pool, 1, &|| false);
-        let extra = usize::from(!config.vmm);
+        let extra = if config.vmm { 2 } else { 1 };
         assert_eq!(batches.len(), segments + extra, "{config:?}");
         assert_eq!(
             batches.iter().map(|&(bytes, _)| bytes).sum::<u64>(),
             reserved,
             "{config:?}"
         );
+        assert!(
+            batches[..extra].iter().all(|&(bytes, _)| bytes == 0),
+            "the first batches' segments are counted by later ones"
+        );
         if !config.vmm {
-            assert_eq!(
-                batches[0].0, 0,
-                "the first batch's segment is counted by the second"
-            );
             let mut sizes: Vec<u64> = batches[1..].iter().map(|&(bytes, _)| bytes).collect();
             sizes.sort_unstable();
             let mut expected = vec![20 * MIB; n + 1];
@@ -232,15 +234,20 @@ fn a_batch_stops_after_one_segment_once_its_time_is_up() {
         let (pool, sim) = pool_with(&[24 * GIB], config);
         let n = 2 * FREE_BATCH;
         let (_, segments, reserved) = cache_to_sweep(&pool, sim, n, config.vmm);
+        let handles = sim.physical_allocations(0);
         let batches = sweep_batches(&pool, FREE_BATCH, &|| true);
         // Parked blocks all merged and the pending block freed in the first, then one segment
-        // a batch (classic: and one batch more, which counts the last, freed after the one
-        // before).
-        assert_eq!(
-            batches.len(),
-            segments + usize::from(!config.vmm),
-            "{config:?}"
-        );
+        // a batch, counted by the next (classic: one batch more, which counts the last, freed
+        // after the one before). Stitched: 61 segments over 59 handles, one taken apart and one
+        // handle released a batch, a handle once the unmaps of all the ranges mapping it were
+        // booked; where two handles come free in one batch, the second waits a batch more.
+        let expected = if config.vmm {
+            assert_eq!((segments, handles), (61, 59));
+            65
+        } else {
+            segments + 1
+        };
+        assert_eq!(batches.len(), expected, "{config:?}");
         let total: u64 = batches.iter().map(|&(bytes, _)| bytes).sum();
         assert_eq!(total, reserved, "{config:?}");
         assert_nothing_held(sim);
@@ -258,30 +265,35 @@ fn a_batch_returns_handles_left_mapped_nowhere_a_few_at_a_time_once_its_time_is_
     for p in blocks {
         pool.release(p).unwrap();
     }
-    // A batch with time to spare takes every segment apart, then fails to return the first
-    // handle: all are left mapped nowhere, with exact books (and their address chunk, unused,
-    // for the sweep that finishes).
-    sim.inject_faults("cuMemRelease@1=999").unwrap();
+    // Batches with time to spare: the first takes every segment apart, the second (once
+    // their unmaps are booked) takes every handle out to release, and the third books the
+    // releases, which all failed: all are held again, mapped nowhere, with exact books (and
+    // their address chunk, unused, for the sweep that finishes).
+    sim.inject_faults("cuMemRelease@1+=999").unwrap();
     {
-        let (mut device, cx) = pool.lock(0).unwrap();
         let mut sweep = Sweep::default();
-        let failed = device.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &|| false);
-        assert!(failed.is_err());
+        let mut results = Vec::new();
+        while results.len() < 3 {
+            let (mut device, cx) = pool.lock(0).unwrap();
+            results.push(device.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &|| false));
+            drop(device);
+            sweep.make_calls(&**pool.driver(), 0);
+        }
+        assert_eq!(results[0].as_ref().unwrap(), &(0, true));
+        assert_eq!(results[1].as_ref().unwrap(), &(0, true));
+        let e = results[2].as_ref().unwrap_err();
+        assert!(e.message.contains("cuMemRelease"), "{e}");
     }
+    sim.clear_faults();
     pool.check().unwrap();
     assert_eq!((sim.physical_allocations(0), sim.reserved_ranges()), (n, 1));
-    // Once their time is up, batches return them one before the segments are looked at and
-    // one after: two a batch, not all in the first.
+    // Once their time is up, batches take them out one at a time, each counted by the next:
+    // one a batch, not all in the first.
     let batches = sweep_batches(&pool, FREE_BATCH, &|| true);
-    assert_eq!(
-        batches,
-        vec![
-            (40 * MIB, true),
-            (40 * MIB, true),
-            (40 * MIB, true),
-            (40 * MIB, false)
-        ]
-    );
+    let mut expected = vec![(0, true)];
+    expected.extend(std::iter::repeat_n((20 * MIB, true), n - 1));
+    expected.push((20 * MIB, false));
+    assert_eq!(batches, expected);
     assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
@@ -299,12 +311,19 @@ fn a_sweep_takes_apart_a_lender_before_its_borrower_with_exact_books() {
     }
     assert_eq!(pool.stats(0).unwrap().reserved_bytes, 92 * MIB);
     let batches = sweep_batches(&pool, 1, &|| false);
-    // Taken apart first, the lender returns nothing: the borrower still maps 48 MiB of its
-    // handle. Then the borrower goes, and with it the last mappings of both handles, returned
-    // one a batch, the larger first.
+    // Taken apart first (its range unmapped after the batch), the lender returns nothing: the
+    // borrower still maps 48 MiB of its handle. Then the borrower goes (unmapped after the
+    // second batch), and with it the last mappings of both handles, released one a batch, the
+    // larger first, each counted by the batch after.
     assert_eq!(
         batches,
-        vec![(0, true), (80 * MIB, true), (12 * MIB, false)]
+        vec![
+            (0, true),
+            (0, true),
+            (0, true),
+            (80 * MIB, true),
+            (12 * MIB, false)
+        ]
     );
     assert_nothing_held(sim);
     assert_books(&pool, sim);
