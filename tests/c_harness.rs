@@ -358,3 +358,31 @@ fn a_forked_child_gets_a_clear_error_and_the_parent_goes_on() {
         assert!(out.contains("ok   child after start: rm_reserve"), "{out}");
     }
 }
+
+#[test]
+fn logging_says_once_how_the_front_caches_hits_fence() {
+    let exe = compile("quickstart", false, false);
+    let out = spawn(
+        &exe,
+        &[],
+        Driver::InProcess,
+        &[("RESMEM_CONF", OsStr::new("logging:true"))],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("resmem: front caches: "))
+        .collect();
+    // Which of the two depends on whether the kernel lets the process register for membarrier.
+    assert_eq!(lines.len(), 1, "{err}");
+    assert!(
+        [
+            "resmem: front caches: no fence on a hit (membarrier: the drains fence every thread)",
+            "resmem: front caches: a full fence on every hit (membarrier is refused here: kernels \
+             before 4.14, a seccomp filter, valgrind)"
+        ]
+        .contains(&lines[0]),
+        "{err}"
+    );
+}

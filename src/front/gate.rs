@@ -61,6 +61,16 @@ impl Gate {
         }
     }
 
+    /// How the owners fence, in words (for `logging:true`).
+    pub fn describe(&self) -> &'static str {
+        if self.fenced {
+            "a full fence on every hit (membarrier is refused here: kernels before 4.14, a \
+             seccomp filter, valgrind)"
+        } else {
+            "no fence on a hit (membarrier: the drains fence every thread)"
+        }
+    }
+
     /// Enter as the owner of the cache whose flag is `busy` (owner only); `None`, with the
     /// flag down, while a drain is in flight.
     #[inline(always)]

@@ -118,6 +118,11 @@ impl Front {
         }
     }
 
+    /// How a hit fences against the drains, in words (see `gate.rs`).
+    pub fn gate_mode(&self) -> &'static str {
+        self.inner.gate.describe()
+    }
+
     /// The pool underneath (calls on it bypass the front caches).
     pub fn pool(&self) -> &Pool {
         &self.inner.pool
