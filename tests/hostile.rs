@@ -212,10 +212,28 @@ fn a_forced_panic_is_internal_and_the_library_stays_usable() {
     assert_eq!(unsafe { rm_release(p) }, rm_status::RM_SUCCESS);
 }
 
-/// The simulated driver, panicking in `mem_alloc` and `vmm_create` while armed.
+/// The simulated driver, panicking in `mem_alloc` and `vmm_create` while armed, and in
+/// `mem_free` and `vmm_unmap` while `frees_armed`.
 struct PanickingDriver {
     inner: SimDriver,
     armed: AtomicBool,
+    frees_armed: AtomicBool,
+}
+
+impl PanickingDriver {
+    fn new(sim: &'static Sim) -> PanickingDriver {
+        PanickingDriver {
+            inner: SimDriver::new(sim).unwrap(),
+            armed: AtomicBool::new(false),
+            frees_armed: AtomicBool::new(false),
+        }
+    }
+
+    fn explode_if(&self, armed: &AtomicBool) {
+        if armed.load(Ordering::SeqCst) {
+            panic!("driver exploded");
+        }
+    }
 }
 
 impl Driver for PanickingDriver {
@@ -232,12 +250,11 @@ impl Driver for PanickingDriver {
         self.inner.device_uuid(d)
     }
     fn mem_alloc(&self, d: i32, bytes: u64) -> DriverResult<DevicePtr> {
-        if self.armed.load(Ordering::SeqCst) {
-            panic!("driver exploded");
-        }
+        self.explode_if(&self.armed);
         self.inner.mem_alloc(d, bytes)
     }
     fn mem_free(&self, d: i32, p: DevicePtr) -> DriverResult<()> {
+        self.explode_if(&self.frees_armed);
         self.inner.mem_free(d, p)
     }
     fn event_create(&self, d: i32) -> DriverResult<EventHandle> {
@@ -271,9 +288,7 @@ impl Driver for PanickingDriver {
         self.inner.vmm_free(d, p, size)
     }
     fn vmm_create(&self, d: i32, size: u64) -> DriverResult<PhysHandle> {
-        if self.armed.load(Ordering::SeqCst) {
-            panic!("driver exploded");
-        }
+        self.explode_if(&self.armed);
         self.inner.vmm_create(d, size)
     }
     fn vmm_release(&self, d: i32, h: PhysHandle) -> DriverResult<()> {
@@ -290,6 +305,7 @@ impl Driver for PanickingDriver {
         self.inner.vmm_map(d, p, size, h, offset)
     }
     fn vmm_unmap(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
+        self.explode_if(&self.frees_armed);
         self.inner.vmm_unmap(d, p, size)
     }
     fn vmm_set_access(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
@@ -300,10 +316,7 @@ impl Driver for PanickingDriver {
 #[test]
 fn a_lock_poisoned_by_a_panic_is_taken_over() {
     let sim = leaked_sim(&[4 * GIB]);
-    let driver = Arc::new(PanickingDriver {
-        inner: SimDriver::new(sim).unwrap(),
-        armed: AtomicBool::new(false),
-    });
+    let driver = Arc::new(PanickingDriver::new(sim));
     let pool = Arc::new(Pool::new(driver.clone(), PoolConfig::default()));
     let a = pool.reserve(0, 4096, 0).unwrap();
     driver.armed.store(true, Ordering::SeqCst);
@@ -319,6 +332,41 @@ fn a_lock_poisoned_by_a_panic_is_taken_over() {
     pool.free_reusable(None).unwrap();
     assert_eq!(sim.used_bytes(0), 0);
     pool.check().unwrap();
+}
+
+/// `free_reusable` makes the calls that return memory without the device's lock, after the
+/// memory left the books: a driver that panics in one of them fails the call with an error, and
+/// the books take the memory back (the rest of the batch's calls unmade), exact; the next
+/// `free_reusable` returns it.
+#[test]
+fn a_driver_panicking_while_memory_goes_back_leaves_exact_books() {
+    for vmm in [false, true] {
+        let sim = leaked_sim(&[4 * GIB]);
+        let driver = Arc::new(PanickingDriver::new(sim));
+        let config = PoolConfig {
+            vmm,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::new(driver.clone(), config);
+        let blocks: Vec<u64> = (0..3)
+            .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
+            .collect();
+        for p in blocks {
+            pool.release(p).unwrap();
+        }
+        let reserved = pool.stats(0).unwrap().reserved_bytes;
+        driver.frees_armed.store(true, Ordering::SeqCst);
+        let e = pool.free_reusable(None).unwrap_err();
+        driver.frees_armed.store(false, Ordering::SeqCst);
+        assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "vmm {vmm}");
+        assert!(e.message.contains("the driver panicked"), "vmm {vmm}: {e}");
+        pool.check().unwrap();
+        assert_eq!(pool.stats(0).unwrap().reserved_bytes, reserved, "vmm {vmm}");
+        assert_eq!(sim.used_bytes(0), reserved, "vmm {vmm}");
+        assert_eq!(pool.free_reusable(None).unwrap(), reserved, "vmm {vmm}");
+        assert_eq!(sim.used_bytes(0), 0, "vmm {vmm}");
+        pool.check().unwrap();
+    }
 }
 
 #[test]

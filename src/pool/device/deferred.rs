@@ -21,8 +21,10 @@
 //! Pages of a range being unmapped may be mapped into another range meanwhile: one handle may be
 //! mapped in several places at once, and the range's own mapping goes with its unmap.
 
+use std::panic::AssertUnwindSafe;
+
 use super::*;
-use crate::driver::{Driver, DriverResult};
+use crate::driver::{Driver, DriverError, DriverResult};
 
 /// A call a sweep makes without the device's lock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,13 +55,32 @@ pub struct Deferred {
 }
 
 impl Deferred {
-    /// Make the queued calls through `driver` on `device`, without its lock.
+    /// Make the queued calls through `driver` on `device`, without its lock. A call that
+    /// panics (a driver wrapper's bug) fails, and so do the calls after it, unmade: the books
+    /// take all of them back, as a lock poisoned by a panic is taken over.
     pub fn make(&mut self, driver: &dyn Driver, device: i32) {
+        let mut panicked = false;
         for call in self.calls.drain(..) {
-            let answer = match call {
-                Call::Free(base) => driver.mem_free(device, base),
-                Call::Unmap(base, size) => driver.vmm_unmap(device, base, size),
-                Call::Release(handle) => driver.vmm_release(device, handle),
+            let name = match call {
+                Call::Free(_) => "cuMemFree_v2",
+                Call::Unmap(..) => "cuMemUnmap",
+                Call::Release(_) => "cuMemRelease",
+            };
+            let answer = if panicked {
+                Err(not_made(
+                    name,
+                    "not made: the driver panicked in an earlier call",
+                ))
+            } else {
+                std::panic::catch_unwind(AssertUnwindSafe(|| match call {
+                    Call::Free(base) => driver.mem_free(device, base),
+                    Call::Unmap(base, size) => driver.vmm_unmap(device, base, size),
+                    Call::Release(handle) => driver.vmm_release(device, handle),
+                }))
+                .unwrap_or_else(|_| {
+                    panicked = true;
+                    Err(not_made(name, "the driver panicked"))
+                })
             };
             self.answers.push((call, answer));
         }
@@ -73,6 +94,16 @@ impl Deferred {
     /// Whether calls are left to make or to book.
     pub(super) fn is_empty(&self) -> bool {
         self.calls.is_empty() && self.answers.is_empty()
+    }
+}
+
+/// The answer of a call the driver did not complete: `CUDA_ERROR_UNKNOWN`.
+fn not_made(call: &'static str, why: &str) -> DriverError {
+    DriverError {
+        call,
+        code: 999,
+        name: "CUDA_ERROR_UNKNOWN".to_string(),
+        description: why.to_string(),
     }
 }
 
