@@ -467,6 +467,19 @@ impl Driver for Hooked {
     }
 }
 
+/// Two simulated 2 GiB devices behind a [`Hooked`] driver, and a pool over them, stitched or
+/// with classic segments.
+fn hooked_pool(stitched: bool) -> (&'static Sim, Arc<Hooked>, Arc<Pool>) {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
+    let driver = Arc::new(Hooked::new(sim));
+    let config = PoolConfig {
+        vmm: stitched,
+        ..PoolConfig::default()
+    };
+    let pool = Arc::new(Pool::new(driver.clone(), config));
+    (sim, driver, pool)
+}
+
 /// The interleaving behind the lost block, forced: device 1 grows inside the driver call in
 /// which device 0 frees its segment, so (with stitching, whose address ranges all devices
 /// share) device 1's new segment gets the very base device 0 just freed. Device 1's block must
@@ -474,13 +487,7 @@ impl Driver for Hooked {
 #[test]
 fn a_device_growing_while_another_frees_keeps_its_block_known() {
     for stitched in [false, true] {
-        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
-        let driver = Arc::new(Hooked::new(sim));
-        let config = PoolConfig {
-            vmm: stitched,
-            ..PoolConfig::default()
-        };
-        let pool = Arc::new(Pool::new(driver.clone(), config));
+        let (sim, driver, pool) = hooked_pool(stitched);
         let freed = pool.reserve(0, 64 * MIB, 0).unwrap();
         pool.release(freed).unwrap();
         let grown: Arc<Mutex<Option<u64>>> = Arc::default();
@@ -555,13 +562,7 @@ fn seen(meanwhile: &Mutex<Option<Result<u64, String>>>, what: &str) -> u64 {
 #[test]
 fn free_reusable_waits_for_the_device_without_the_lock() {
     for stitched in [false, true] {
-        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
-        let driver = Arc::new(Hooked::new(sim));
-        let config = PoolConfig {
-            vmm: stitched,
-            ..PoolConfig::default()
-        };
-        let pool = Arc::new(Pool::new(driver.clone(), config));
+        let (sim, driver, pool) = hooked_pool(stitched);
         let cached = pool.reserve(0, 64 * MIB, 0).unwrap();
         pool.release(cached).unwrap();
         let in_wait = meanwhile(&pool, &driver, |d| &d.on_sync);
