@@ -201,9 +201,7 @@ impl DevicePool {
                     Call::Unmap(base, _) => format!("unmapping cached segment {base:#x}"),
                     Call::Release(_) => "returning cached memory to the driver".to_string(),
                 };
-                if !matches!(call, Call::Free(_)) {
-                    self.log(format_args!("{what} failed ({e}); kept to retry"));
-                }
+                self.log(format_args!("{what} failed ({e}); kept"));
                 failure.get_or_insert(Error::driver(&what, &e));
             }
         }
