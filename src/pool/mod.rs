@@ -342,11 +342,11 @@ impl Pool {
     /// the last wait and cached memory is left), so that no reserve or release on the device
     /// waits behind that work. The sweep returns only what this wait settled.
     fn settle(&self, device: i32) -> Result<Sweep> {
-        let (releases, unsettled) = {
+        let (releases, needs_wait) = {
             let (pool, _) = self.lock(device)?;
-            (pool.releases(), pool.unsettled())
+            (pool.releases(), pool.needs_wait())
         };
-        if !unsettled {
+        if !needs_wait {
             // Settled up to the last wait already (0 moves nothing).
             return Ok(Sweep::settled_at(0));
         }

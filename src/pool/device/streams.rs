@@ -170,7 +170,7 @@ impl DevicePool {
 
     /// Whether a block was released since the last wait for the device's queued work began,
     /// and cached memory is left that may need one before it goes back.
-    pub fn unsettled(&self) -> bool {
+    pub fn needs_wait(&self) -> bool {
         self.releases > self.settled && self.stats.reusable() > 0
     }
 
