@@ -558,7 +558,7 @@ fn seen(meanwhile: &Mutex<Option<Result<u64, String>>>, what: &str) -> u64 {
 /// miss), which would block behind a wait made with the lock held. What that thread released
 /// after the wait began stays cached (its work may still be queued), and goes with the next
 /// `free_reusable`. Classic segments are freed (`cuMemFree`, which on a GPU may wait for the
-/// device's work too) without the lock as well.
+/// device's work too) without the lock as well, and `trim` waits for the device without it.
 #[test]
 fn free_reusable_waits_for_the_device_without_the_lock() {
     for stitched in [false, true] {
@@ -592,6 +592,15 @@ fn free_reusable_waits_for_the_device_without_the_lock() {
             let in_free = meanwhile(&pool, &driver, |d| &d.on_free);
             assert_eq!(pool.free_reusable(Some(0)).unwrap(), 2 * MIB);
             assert_eq!(seen(&in_free, "in the free"), 4 * MIB);
+            assert_eq!(pool.stats(0).unwrap().reserved_bytes, 2 * MIB);
+            // `trim` (another process asks) waits for the device without the lock too: the
+            // other thread's 1 MiB block reuses the idle 2 MiB segment meanwhile, and the 64 MiB
+            // segment released before the wait goes back.
+            let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+            pool.release(p).unwrap();
+            let in_trim = meanwhile(&pool, &driver, |d| &d.on_sync);
+            assert_eq!(pool.trim(0, 64 * MIB).unwrap(), 64 * MIB);
+            assert_eq!(seen(&in_trim, "in trim's wait"), 66 * MIB);
             assert_eq!(pool.stats(0).unwrap().reserved_bytes, 2 * MIB);
         }
         pool.check().unwrap();

@@ -27,10 +27,11 @@
 //!    does a release whose device the span map cannot tell;
 //! 2. the span map is written with atomic operations while a device's mutex is held (a segment
 //!    booked or forgotten) and read without a lock;
-//! 3. the driver is called with the device mutex held, save by `free_reusable`, which waits for
-//!    the device's work before it takes the mutex and makes the calls that return memory after
-//!    each batch has let go of it (`device/deferred.rs`); the driver takes no lock of the pool
-//!    and never calls back into it (the simulator's own mutex is a leaf).
+//! 3. the driver is called with the device mutex held, save by `free_reusable` and `trim`,
+//!    which wait for the device's work before they take the mutex, and by `free_reusable`'s
+//!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`);
+//!    the driver takes no lock of the pool and never calls back into it (the simulator's own
+//!    mutex is a leaf).
 //!
 //! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
 //! poisoned by a panic is taken over (see `Pool::lock`).
@@ -337,23 +338,29 @@ impl Pool {
         Ok(total)
     }
 
-    /// The start of a sweep of `device`: the device's queued work, which may still use blocks
-    /// released before, waited for without the device's lock (where a block was released since
-    /// the last wait and cached memory is left), so that no reserve or release on the device
-    /// waits behind that work. The sweep returns only what this wait settled.
+    /// The start of a sweep of `device`: see [`Pool::wait_unlocked`]. The sweep returns only
+    /// what that wait settled.
     fn settle(&self, device: i32) -> Result<Sweep> {
+        Ok(Sweep::settled_at(self.wait_unlocked(device)?))
+    }
+
+    /// Before memory of `device` goes back to the driver: the device's queued work, which may
+    /// still use blocks released before, waited for without the device's lock (where a block was
+    /// released since the last wait and cached memory is left), so that no reserve or release
+    /// on the device waits behind that work. Returns the count of releases the wait settled (0:
+    /// no wait was needed).
+    fn wait_unlocked(&self, device: i32) -> Result<u64> {
         let (releases, needs_wait) = {
             let (pool, _) = self.lock(device)?;
             (pool.releases(), pool.needs_wait())
         };
         if !needs_wait {
-            // Settled up to the last wait already (0 moves nothing).
-            return Ok(Sweep::settled_at(0));
+            return Ok(0);
         }
         self.driver.synchronize(device).map_err(|e| {
             Error::driver("waiting for the device before returning cached memory", &e)
         })?;
-        Ok(Sweep::settled_at(releases))
+        Ok(releases)
     }
 
     /// Between two batches of a long operation on `device`: give the threads blocked on its
@@ -374,12 +381,17 @@ impl Pool {
 
     /// Return idle cached memory of `device` to the driver, up to `bytes` of it (whole idle
     /// segments, so possibly a little more), never a block in use: what another process asks
-    /// for when it runs short. Returns the bytes returned.
+    /// for when it runs short. Returns the bytes returned. The device's queued work is waited
+    /// for first, without the device's lock; the driver calls are made under it (one hold,
+    /// bounded by the bytes asked).
     pub fn trim(&self, device: i32, bytes: u64) -> Result<u64> {
-        let (mut pool, cx) = self.lock(device)?;
         if bytes == 0 {
-            return Ok(0);
+            // The ordinal is checked all the same.
+            return self.lock(device).map(|_| 0);
         }
+        let settled = self.wait_unlocked(device)?;
+        let (mut pool, cx) = self.lock(device)?;
+        pool.settled_at(settled);
         pool.trim(&cx, bytes)
     }
 
