@@ -59,13 +59,14 @@ use device::{DevicePool, Sweep};
 use spans::{Owner, Spans};
 pub use stats::Stats;
 
-/// The most idle segments [`Pool::free_reusable`] returns to the driver per hold of a device's
-/// lock.
+/// The most idle segments (and handles) [`Pool::free_reusable`] takes out of the books per hold
+/// of a device's lock, for the driver calls made after it.
 pub const FREE_BATCH: usize = 32;
 
 /// The time after which a batch of [`Pool::free_reusable`] stops early (checked after each
-/// segment), so that the batches fit the driver's speed: a slow driver gets fewer segments per
-/// hold of the lock.
+/// segment), so that no hold of the lock runs long however much bookkeeping a segment takes
+/// (a lender's pages merging back, a pending block's events asked about): the calls that
+/// return memory are made between batches.
 const BATCH_TIME: Duration = Duration::from_micros(20);
 
 /// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
