@@ -304,7 +304,7 @@ impl Pool {
         #[cfg(feature = "hold-probe")]
         let mut holds = probe::Holds::default();
         for device in devices {
-            let mut sweep = self.settle(device)?;
+            let mut sweep = Sweep::settled_at(self.wait_unlocked(device)?);
             loop {
                 let (mut pool, cx) = self.lock(device)?;
                 #[cfg(feature = "hold-probe")]
@@ -337,12 +337,6 @@ impl Pool {
         #[cfg(feature = "hold-probe")]
         holds.print();
         Ok(total)
-    }
-
-    /// The start of a sweep of `device`: see [`Pool::wait_unlocked`]. The sweep returns only
-    /// what that wait settled.
-    fn settle(&self, device: i32) -> Result<Sweep> {
-        Ok(Sweep::settled_at(self.wait_unlocked(device)?))
     }
 
     /// Before memory of `device` goes back to the driver: the device's queued work, which may

@@ -11,8 +11,7 @@
 //! `Pool::free_reusable` waits for the device's queued work before its first batch, without
 //! the device's lock ([`Sweep::settled_at`]); its batches then return only memory that wait
 //! settled (see `streams.rs`), and leave cached what was released after it began, rather than
-//! wait for the device with the lock held. A sweep made with [`Sweep::default`] waits under the
-//! lock where it must.
+//! wait for the device with the lock held.
 //!
 //! The driver calls that return memory are made without the device's lock too: a batch takes
 //! the memory out of the books and queues the calls, the caller makes them once it let go of the
@@ -32,7 +31,7 @@ const PARKED_PER_SEGMENT: usize = 16;
 const LOOKS_PER_SEGMENT: usize = 8;
 
 /// How far a sweep has come between its batches. Start each sweep with a fresh one.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Sweep {
     step: Step,
     /// Virtual-memory mode: the next segment to look at.
@@ -41,8 +40,8 @@ pub struct Sweep {
     /// at already (`None`: from the end of the list when the step begins).
     below: Option<usize>,
     /// The caller waited for all work on the device, without its lock, after this many releases
-    /// (`None`: no wait was made; the batches wait where they must).
-    settled: Option<u64>,
+    /// (0: no wait was needed).
+    settled: u64,
     /// The driver calls the last batch queued, and their answers.
     deferred: Deferred,
 }
@@ -54,8 +53,11 @@ impl Sweep {
     /// lock held.
     pub fn settled_at(releases: u64) -> Sweep {
         Sweep {
-            settled: Some(releases),
-            ..Sweep::default()
+            step: Step::default(),
+            next: 0,
+            below: None,
+            settled: releases,
+            deferred: Deferred::default(),
         }
     }
 
@@ -63,14 +65,6 @@ impl Sweep {
     /// the next batch (or [`DevicePool::book_sweep_calls`]) books the answers.
     pub fn make_calls(&mut self, driver: &dyn Driver, device: i32) {
         self.deferred.make(driver, device);
-    }
-
-    /// What the batches do with a segment that is not settled.
-    fn unsettled(&self) -> Unsettled {
-        match self.settled {
-            Some(_) => Unsettled::Skip,
-            None => Unsettled::Wait,
-        }
     }
 
     /// The place to look at next, before `below` (once a step begins: the end of a list of
@@ -120,9 +114,7 @@ impl DevicePool {
     ) -> Result<(u64, bool)> {
         let segments = segments.max(1);
         let booked = self.book_calls(cx, &mut sweep.deferred)?;
-        if let Some(releases) = sweep.settled {
-            self.settled_at(releases);
-        }
+        self.settled_at(sweep.settled);
         // Memory going back to the driver: growth after it starts afresh, with no headroom.
         self.headroom.reset();
         if sweep.step == Step::Parked {
@@ -161,10 +153,10 @@ impl DevicePool {
     }
 
     /// Wait for the events of up to `count` pending blocks and free them, the last listed
-    /// first, stopping early once `over()`. A sweep that waited for the device without the lock
-    /// waits only for the events of blocks released before, which that wait completed: of the
-    /// others it only asks whether they completed, and leaves pending those that did not.
-    /// Returns whether every pending block was looked at.
+    /// first, stopping early once `over()`: only for the events of blocks released before the
+    /// sweep's wait for the device, which that wait completed; of the others it only asks whether
+    /// they completed, and leaves pending those that did not. Returns whether every pending
+    /// block was looked at.
     fn wait_pending(
         &mut self,
         cx: &Context<'_>,
@@ -181,8 +173,7 @@ impl DevicePool {
             sweep.below = Some(at);
             // Freed, a block leaves the list; the last one takes its place, looked at already
             // (or pending since the sweep began).
-            let wait =
-                sweep.unsettled() == Unsettled::Wait || self.pending[at].released <= self.settled;
+            let wait = self.pending[at].released <= self.settled;
             self.free_pending_if_done(cx, at, wait)?;
             if over() {
                 break;
@@ -192,8 +183,8 @@ impl DevicePool {
     }
 
     /// Take up to `count` idle classic segments out of the books for the caller to free
-    /// (`deferred.rs`), the last listed first, those not settled waited for or skipped (as
-    /// `sweep` says), stopping early once `over()`.
+    /// (`deferred.rs`), the last listed first, those not settled skipped, stopping early once
+    /// `over()`.
     fn take_idle_segments(
         &mut self,
         cx: &Context<'_>,
@@ -201,7 +192,6 @@ impl DevicePool {
         count: usize,
         over: &dyn Fn() -> bool,
     ) -> Result<()> {
-        let unsettled = sweep.unsettled();
         let mut at = sweep.cursor(self.idle.len());
         let mut looked = 0;
         while at > 0 && sweep.deferred.queued() < count && looked < LOOKS_PER_SEGMENT * count {
@@ -209,7 +199,7 @@ impl DevicePool {
             looked += 1;
             sweep.below = Some(at);
             let seg = self.idle[IdleAt::at(at)];
-            if !self.may_return(cx, seg, unsettled)? {
+            if !self.may_return(cx, seg, Unsettled::Skip)? {
                 continue;
             }
             // Taken out, a segment leaves the idle list; the last one takes its place, looked at
@@ -239,7 +229,6 @@ impl DevicePool {
                 break;
             }
         }
-        let unsettled = sweep.unsettled();
         let (mut taken, mut looked) = (0, 0);
         while sweep.next < self.segments.len()
             && taken < count
@@ -248,7 +237,7 @@ impl DevicePool {
             let seg = SegId::at(sweep.next);
             sweep.next += 1;
             looked += 1;
-            if !self.is_unused(seg) || !self.may_return(cx, seg, unsettled)? {
+            if !self.is_unused(seg) || !self.may_return(cx, seg, Unsettled::Skip)? {
                 continue;
             }
             self.take_apart_later(cx, seg, &mut sweep.deferred);

@@ -132,7 +132,8 @@ fn free_reusable_takes_stitched_segments_apart_in_batches_with_exact_books() {
 
 /// Every batch of a sweep of device 0, `count` segments at most each, as (bytes, more).
 fn sweep_batches(pool: &Pool, count: usize, over: &dyn Fn() -> bool) -> Vec<(u64, bool)> {
-    let mut sweep = Sweep::default();
+    // As `Pool::free_reusable`: the device waited for first, without the lock.
+    let mut sweep = Sweep::settled_at(pool.wait_unlocked(0).unwrap());
     let mut batches = Vec::new();
     loop {
         let (mut device, cx) = pool.lock(0).unwrap();
@@ -271,7 +272,7 @@ fn a_batch_returns_handles_left_mapped_nowhere_a_few_at_a_time_once_its_time_is_
     // their address chunk, unused, for the sweep that finishes).
     sim.inject_faults("cuMemRelease@1+=999").unwrap();
     {
-        let mut sweep = Sweep::default();
+        let mut sweep = Sweep::settled_at(pool.wait_unlocked(0).unwrap());
         let mut results = Vec::new();
         while results.len() < 3 {
             let (mut device, cx) = pool.lock(0).unwrap();
