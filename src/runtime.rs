@@ -181,16 +181,15 @@ fn start() -> Result<&'static Front, Error> {
         // SAFETY: the handler only stores to an atomic, which is safe in a forked child; it is
         // registered once, here, for the life of the process.
         unsafe { libc::pthread_atfork(None, None, Some(note_fork)) };
-        let settings = settings();
-        let pool = settings.clone().and_then(build).map(Front::new);
-        if let (Ok(settings), Ok(front)) = (settings, &pool) {
-            if settings.pool.logging {
-                eprintln!("resmem: front caches: {}", front.gate_mode());
-            }
-        }
         Started {
             pid: std::process::id(),
-            pool,
+            pool: settings().and_then(|settings| {
+                let front = Front::new(build(settings)?);
+                if settings.pool.logging {
+                    eprintln!("resmem: front caches: {}", front.gate_mode());
+                }
+                Ok(front)
+            }),
         }
     });
     // One atomic load on every call: the child learns of the fork from `note_fork`, not from a

@@ -6,17 +6,18 @@
 //! by device, stream and block size; the next reserve of that key on the same thread takes it
 //! back with plain loads and stores inside the front's gate (`gate.rs`). Only the same stream
 //! gets it, so stream-ordered reuse holds as in the pool: a block released on one stream
-//! reaches another only through the pool, after that stream's work. A block released on another thread than the one that reserved it goes
-//! to the reserving thread's remote list (as mimalloc does). Blocks up to [`MAX_BLOCK`] are
-//! cached, up to a bound of bytes and blocks per bin (see `thread.rs`); others go straight
-//! to the pool; so do blocks beyond the `entries::CAPACITY` the front can know at once.
+//! reaches another only through the pool, after that stream's work. A block released on
+//! another thread than the one that reserved it goes to the reserving thread's remote list (as
+//! mimalloc does). Blocks up to [`MAX_BLOCK`] are cached, up to a bound of bytes and blocks per
+//! bin (see `thread.rs`); others go straight to the pool; so do blocks beyond the
+//! `entries::CAPACITY` the front can know at once.
 //!
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange while
 //! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`,
-//! `set_memory_limit`, `reset_peak_stats` and `trim` (another process sharing the device asks), before a reserve that the pool could
-//! serve only from the driver (so the pool grows only after the caches gave back what they held,
-//! and another stream's need is met from it), after an out-of-memory with blocks cached, and
-//! when a thread exits (its cache is handed back).
+//! `set_memory_limit`, `reset_peak_stats` and `trim` (another process sharing the device asks),
+//! before a reserve that the pool could serve only from the driver (so the pool grows only
+//! after the caches gave back what they held, and another stream's need is met from it), after
+//! an out-of-memory with blocks cached, and when a thread exits (its cache is handed back).
 //!
 //! Pointer checks stay as strict as the pool's: every block the front knows is in an
 //! `map::AddressMap` read without a lock; a release of a block waiting in a cache is refused

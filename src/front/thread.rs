@@ -8,8 +8,9 @@
 //! last cached in, so that its next release by the same thread finds the bin from the tag
 //! alone (no key compared) while the bin still holds that key. Only the owner pushes to and
 //! pops from its bins, with plain loads and stores, inside the front's gate (`gate.rs`): a
-//! drain takes a bin's list (an exchange of the word) only while the owner is outside. Other threads push to
-//! the remote list with a compare-and-swap and the owner takes it whole with an exchange.
+//! drain takes a bin's list (an exchange of the word) only while the owner is outside. Other
+//! threads push to the remote list with a compare-and-swap and the owner takes it whole with an
+//! exchange.
 //!
 //! A cache outlives its thread: at exit its blocks go back to the pool and the record is marked
 //! dead, to be adopted by a later thread; blocks released to it after that wait in its remote
