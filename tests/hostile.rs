@@ -10,8 +10,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use cuda_sim::Sim;
 use resmem::capi::*;
 use resmem::driver::sim::SimDriver;
-use resmem::driver::{DevicePtr, DriverResult, EventHandle, PhysHandle, StreamHandle};
-use resmem::{rm_status, Driver, Pool, PoolConfig};
+use resmem::{rm_status, Pool, PoolConfig};
+
+mod common;
+use common::spy::{Spy, Watch};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -212,119 +214,49 @@ fn a_forced_panic_is_internal_and_the_library_stays_usable() {
     assert_eq!(unsafe { rm_release(p) }, rm_status::RM_SUCCESS);
 }
 
-/// The simulated driver, panicking in `mem_alloc` and `vmm_create` while armed, and in
-/// `mem_free` and `vmm_unmap` while `frees_armed`.
-struct PanickingDriver {
-    inner: SimDriver,
+/// What panics in the simulated driver: `cuMemAlloc_v2` and `cuMemCreate` while `armed`,
+/// `cuMemFree_v2` and `cuMemUnmap` while `frees_armed`.
+#[derive(Default)]
+struct Explode {
     armed: AtomicBool,
     frees_armed: AtomicBool,
 }
 
-impl PanickingDriver {
-    fn new(sim: &'static Sim) -> PanickingDriver {
-        PanickingDriver {
-            inner: SimDriver::new(sim).unwrap(),
-            armed: AtomicBool::new(false),
-            frees_armed: AtomicBool::new(false),
-        }
-    }
-
-    fn explode_if(&self, armed: &AtomicBool) {
+impl Watch for Explode {
+    fn before(&self, call: &'static str, _device: i32) {
+        let armed = match call {
+            "cuMemAlloc_v2" | "cuMemCreate" => &self.armed,
+            "cuMemFree_v2" | "cuMemUnmap" => &self.frees_armed,
+            _ => return,
+        };
         if armed.load(Ordering::SeqCst) {
             panic!("driver exploded");
         }
     }
 }
 
-impl Driver for PanickingDriver {
-    fn describe(&self) -> String {
-        self.inner.describe()
-    }
-    fn device_count(&self) -> i32 {
-        self.inner.device_count()
-    }
-    fn mem_get_info(&self, d: i32) -> DriverResult<(u64, u64)> {
-        self.inner.mem_get_info(d)
-    }
-    fn device_uuid(&self, d: i32) -> DriverResult<[u8; 16]> {
-        self.inner.device_uuid(d)
-    }
-    fn mem_alloc(&self, d: i32, bytes: u64) -> DriverResult<DevicePtr> {
-        self.explode_if(&self.armed);
-        self.inner.mem_alloc(d, bytes)
-    }
-    fn mem_free(&self, d: i32, p: DevicePtr) -> DriverResult<()> {
-        self.explode_if(&self.frees_armed);
-        self.inner.mem_free(d, p)
-    }
-    fn event_create(&self, d: i32) -> DriverResult<EventHandle> {
-        self.inner.event_create(d)
-    }
-    fn event_destroy(&self, d: i32, e: EventHandle) -> DriverResult<()> {
-        self.inner.event_destroy(d, e)
-    }
-    fn event_record(&self, d: i32, e: EventHandle, s: StreamHandle) -> DriverResult<()> {
-        self.inner.event_record(d, e, s)
-    }
-    fn event_query(&self, d: i32, e: EventHandle) -> DriverResult<bool> {
-        self.inner.event_query(d, e)
-    }
-    fn event_synchronize(&self, d: i32, e: EventHandle) -> DriverResult<()> {
-        self.inner.event_synchronize(d, e)
-    }
-    fn stream_wait_event(&self, d: i32, s: StreamHandle, e: EventHandle) -> DriverResult<()> {
-        self.inner.stream_wait_event(d, s, e)
-    }
-    fn synchronize(&self, d: i32) -> DriverResult<()> {
-        self.inner.synchronize(d)
-    }
-    fn vmm_granularity(&self, d: i32) -> Option<u64> {
-        self.inner.vmm_granularity(d)
-    }
-    fn vmm_reserve(&self, d: i32, size: u64) -> DriverResult<DevicePtr> {
-        self.inner.vmm_reserve(d, size)
-    }
-    fn vmm_free(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.vmm_free(d, p, size)
-    }
-    fn vmm_create(&self, d: i32, size: u64) -> DriverResult<PhysHandle> {
-        self.explode_if(&self.armed);
-        self.inner.vmm_create(d, size)
-    }
-    fn vmm_release(&self, d: i32, h: PhysHandle) -> DriverResult<()> {
-        self.inner.vmm_release(d, h)
-    }
-    fn vmm_map(
-        &self,
-        d: i32,
-        p: DevicePtr,
-        size: u64,
-        h: PhysHandle,
-        offset: u64,
-    ) -> DriverResult<()> {
-        self.inner.vmm_map(d, p, size, h, offset)
-    }
-    fn vmm_unmap(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
-        self.explode_if(&self.frees_armed);
-        self.inner.vmm_unmap(d, p, size)
-    }
-    fn vmm_set_access(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
-        self.inner.vmm_set_access(d, p, size)
+/// The simulated driver, panicking as [`Explode`] says.
+type PanickingDriver = Spy<Explode>;
+
+fn panicking_driver(sim: &'static Sim) -> PanickingDriver {
+    Spy {
+        sim: SimDriver::new(sim).unwrap(),
+        watch: Explode::default(),
     }
 }
 
 #[test]
 fn a_lock_poisoned_by_a_panic_is_taken_over() {
     let sim = leaked_sim(&[4 * GIB]);
-    let driver = Arc::new(PanickingDriver::new(sim));
+    let driver = Arc::new(panicking_driver(sim));
     let pool = Arc::new(Pool::new(driver.clone(), PoolConfig::default()));
     let a = pool.reserve(0, 4096, 0).unwrap();
-    driver.armed.store(true, Ordering::SeqCst);
+    driver.watch.armed.store(true, Ordering::SeqCst);
     // The panic unwinds out of the device's lock, poisoning it.
     let p = pool.clone();
     let outcome = std::thread::spawn(move || p.reserve(0, 64 * MIB, 0)).join();
     assert!(outcome.is_err(), "the driver panicked");
-    driver.armed.store(false, Ordering::SeqCst);
+    driver.watch.armed.store(false, Ordering::SeqCst);
     pool.check().unwrap();
     let b = pool.reserve(0, 64 * MIB, 0).unwrap();
     pool.release(a).unwrap();
@@ -342,7 +274,7 @@ fn a_lock_poisoned_by_a_panic_is_taken_over() {
 fn a_driver_panicking_while_memory_goes_back_leaves_exact_books() {
     for vmm in [false, true] {
         let sim = leaked_sim(&[4 * GIB]);
-        let driver = Arc::new(PanickingDriver::new(sim));
+        let driver = Arc::new(panicking_driver(sim));
         let config = PoolConfig {
             vmm,
             ..PoolConfig::default()
@@ -355,9 +287,9 @@ fn a_driver_panicking_while_memory_goes_back_leaves_exact_books() {
             pool.release(p).unwrap();
         }
         let reserved = pool.stats(0).unwrap().reserved_bytes;
-        driver.frees_armed.store(true, Ordering::SeqCst);
+        driver.watch.frees_armed.store(true, Ordering::SeqCst);
         let e = pool.free_reusable(None).unwrap_err();
-        driver.frees_armed.store(false, Ordering::SeqCst);
+        driver.watch.frees_armed.store(false, Ordering::SeqCst);
         assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "vmm {vmm}");
         assert!(e.message.contains("the driver panicked"), "vmm {vmm}: {e}");
         pool.check().unwrap();

@@ -22,10 +22,10 @@ use std::time::Duration;
 
 use cuda_sim::Sim;
 use resmem::driver::sim::SimDriver;
-use resmem::driver::{DevicePtr, Driver, DriverResult, EventHandle, PhysHandle, StreamHandle};
 use resmem::{rm_status, Front, Pool, PoolConfig};
 
 mod common;
+use common::spy::{Spy, Watch};
 use common::under::Under;
 
 const MIB: u64 = 1 << 20;
@@ -342,27 +342,18 @@ fn one_thread_per_device_returning_memory_keeps_every_block_known() {
 /// A hook a [`Hooked`] driver runs once, inside a driver call.
 type Hook = Mutex<Option<Box<dyn FnOnce() + Send>>>;
 
-/// A driver that, once armed, runs a hook right after device 0 frees memory (`cuMemFree` or
+/// Hooks that, once armed, run right after device 0 frees memory (`cuMemFree` or
 /// `cuMemAddressFree`), inside that call (`on_free`); right after it unmaps a range
 /// (`cuMemUnmap`, `on_unmap`); or inside a wait for device 0's work (`cuCtxSynchronize`,
 /// `on_sync`).
-struct Hooked {
-    sim: SimDriver,
+#[derive(Default)]
+struct Hooks {
     on_free: Hook,
     on_unmap: Hook,
     on_sync: Hook,
 }
 
-impl Hooked {
-    fn new(sim: &'static Sim) -> Hooked {
-        Hooked {
-            sim: SimDriver::new(sim).unwrap(),
-            on_free: Mutex::new(None),
-            on_unmap: Mutex::new(None),
-            on_sync: Mutex::new(None),
-        }
-    }
-
+impl Hooks {
     fn run(hook: &Hook, device: i32) {
         if device == 0 {
             let hook = hook.lock().unwrap().take();
@@ -371,107 +362,35 @@ impl Hooked {
             }
         }
     }
+}
 
-    fn after_free(&self, device: i32) {
-        Hooked::run(&self.on_free, device);
+impl Watch for Hooks {
+    fn before(&self, call: &'static str, device: i32) {
+        if call == "cuCtxSynchronize" {
+            Hooks::run(&self.on_sync, device);
+        }
+    }
+
+    fn after(&self, call: &'static str, device: i32) {
+        match call {
+            "cuMemFree_v2" | "cuMemAddressFree" => Hooks::run(&self.on_free, device),
+            "cuMemUnmap" => Hooks::run(&self.on_unmap, device),
+            _ => {}
+        }
     }
 }
 
-impl Driver for Hooked {
-    fn describe(&self) -> String {
-        self.sim.describe()
-    }
-    fn device_count(&self) -> i32 {
-        self.sim.device_count()
-    }
-    fn mem_get_info(&self, device: i32) -> DriverResult<(u64, u64)> {
-        self.sim.mem_get_info(device)
-    }
-    fn device_uuid(&self, device: i32) -> DriverResult<[u8; 16]> {
-        self.sim.device_uuid(device)
-    }
-    fn mem_alloc(&self, device: i32, bytes: u64) -> DriverResult<DevicePtr> {
-        self.sim.mem_alloc(device, bytes)
-    }
-    fn mem_free(&self, device: i32, ptr: DevicePtr) -> DriverResult<()> {
-        self.sim.mem_free(device, ptr)?;
-        self.after_free(device);
-        Ok(())
-    }
-    fn event_create(&self, device: i32) -> DriverResult<EventHandle> {
-        self.sim.event_create(device)
-    }
-    fn event_destroy(&self, device: i32, event: EventHandle) -> DriverResult<()> {
-        self.sim.event_destroy(device, event)
-    }
-    fn event_record(
-        &self,
-        device: i32,
-        event: EventHandle,
-        stream: StreamHandle,
-    ) -> DriverResult<()> {
-        self.sim.event_record(device, event, stream)
-    }
-    fn event_query(&self, device: i32, event: EventHandle) -> DriverResult<bool> {
-        self.sim.event_query(device, event)
-    }
-    fn event_synchronize(&self, device: i32, event: EventHandle) -> DriverResult<()> {
-        self.sim.event_synchronize(device, event)
-    }
-    fn stream_wait_event(
-        &self,
-        device: i32,
-        stream: StreamHandle,
-        event: EventHandle,
-    ) -> DriverResult<()> {
-        self.sim.stream_wait_event(device, stream, event)
-    }
-    fn synchronize(&self, device: i32) -> DriverResult<()> {
-        Hooked::run(&self.on_sync, device);
-        self.sim.synchronize(device)
-    }
-    fn vmm_granularity(&self, device: i32) -> Option<u64> {
-        self.sim.vmm_granularity(device)
-    }
-    fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr> {
-        self.sim.vmm_reserve(device, size)
-    }
-    fn vmm_free(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.sim.vmm_free(device, ptr, size)?;
-        self.after_free(device);
-        Ok(())
-    }
-    fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle> {
-        self.sim.vmm_create(device, size)
-    }
-    fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()> {
-        self.sim.vmm_release(device, handle)
-    }
-    fn vmm_map(
-        &self,
-        device: i32,
-        ptr: DevicePtr,
-        size: u64,
-        handle: PhysHandle,
-        offset: u64,
-    ) -> DriverResult<()> {
-        self.sim.vmm_map(device, ptr, size, handle, offset)
-    }
-    fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.sim.vmm_unmap(device, ptr, size)?;
-        Hooked::run(&self.on_unmap, device);
-        Ok(())
-    }
-    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        self.sim.vmm_set_access(device, ptr, size)
-    }
-}
+/// The simulated driver with [`Hooks`].
+type Hooked = Spy<Hooks>;
 
 /// Two simulated 2 GiB devices behind a [`Hooked`] driver, and a pool over them, stitched or
 /// with classic segments.
 fn hooked_pool(stitched: bool) -> (&'static Sim, Arc<Hooked>, Arc<Pool>) {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB, 2 * GIB])));
-    let driver = Arc::new(Hooked::new(sim));
+    let driver = Arc::new(Spy {
+        sim: SimDriver::new(sim).unwrap(),
+        watch: Hooks::default(),
+    });
     let config = PoolConfig {
         vmm: stitched,
         ..PoolConfig::default()
@@ -493,7 +412,7 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
         let grown: Arc<Mutex<Option<u64>>> = Arc::default();
         {
             let (pool, grown) = (Arc::downgrade(&pool), grown.clone());
-            *driver.on_free.lock().unwrap() = Some(Box::new(move || {
+            *driver.watch.on_free.lock().unwrap() = Some(Box::new(move || {
                 let pool = pool.upgrade().unwrap();
                 *grown.lock().unwrap() = Some(pool.reserve(1, 64 * MIB, 0).unwrap());
             }));
@@ -522,11 +441,11 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
 fn meanwhile(
     pool: &Arc<Pool>,
     driver: &Hooked,
-    hook: fn(&Hooked) -> &Hook,
+    hook: fn(&Hooks) -> &Hook,
 ) -> Arc<Mutex<Option<Result<u64, String>>>> {
     let seen: Arc<Mutex<Option<Result<u64, String>>>> = Arc::default();
     let (pool, out) = (Arc::downgrade(pool), seen.clone());
-    *hook(driver).lock().unwrap() = Some(Box::new(move || {
+    *hook(&driver.watch).lock().unwrap() = Some(Box::new(move || {
         let pool = pool.upgrade().unwrap();
         let (done, finished) = mpsc::channel();
         std::thread::spawn(move || {
