@@ -215,11 +215,12 @@ fn a_forced_panic_is_internal_and_the_library_stays_usable() {
 }
 
 /// What panics in the simulated driver: `cuMemAlloc_v2` and `cuMemCreate` while `armed`,
-/// `cuMemFree_v2` and `cuMemUnmap` while `frees_armed`.
+/// `cuMemFree_v2` and `cuMemUnmap` while `frees_armed`, `cuMemGetInfo_v2` while `info_armed`.
 #[derive(Default)]
 struct Explode {
     armed: AtomicBool,
     frees_armed: AtomicBool,
+    info_armed: AtomicBool,
 }
 
 impl Watch for Explode {
@@ -227,6 +228,7 @@ impl Watch for Explode {
         let armed = match call {
             "cuMemAlloc_v2" | "cuMemCreate" => &self.armed,
             "cuMemFree_v2" | "cuMemUnmap" => &self.frees_armed,
+            "cuMemGetInfo_v2" => &self.info_armed,
             _ => return,
         };
         if armed.load(Ordering::SeqCst) {
@@ -251,12 +253,13 @@ fn a_lock_poisoned_by_a_panic_is_taken_over() {
     let driver = Arc::new(panicking_driver(sim));
     let pool = Arc::new(Pool::new(driver.clone(), PoolConfig::default()));
     let a = pool.reserve(0, 4096, 0).unwrap();
-    driver.watch.armed.store(true, Ordering::SeqCst);
-    // The panic unwinds out of the device's lock, poisoning it.
+    driver.watch.info_armed.store(true, Ordering::SeqCst);
+    // Growth asks for the driver's free memory under the device's lock: the panic unwinds out
+    // of it, poisoning it.
     let p = pool.clone();
     let outcome = std::thread::spawn(move || p.reserve(0, 64 * MIB, 0)).join();
     assert!(outcome.is_err(), "the driver panicked");
-    driver.watch.armed.store(false, Ordering::SeqCst);
+    driver.watch.info_armed.store(false, Ordering::SeqCst);
     pool.check().unwrap();
     let b = pool.reserve(0, 64 * MIB, 0).unwrap();
     pool.release(a).unwrap();
@@ -264,6 +267,36 @@ fn a_lock_poisoned_by_a_panic_is_taken_over() {
     pool.free_reusable(None).unwrap();
     assert_eq!(sim.used_bytes(0), 0);
     pool.check().unwrap();
+}
+
+/// Growth creates memory without the device's lock (`cuMemAlloc`, `cuMemCreate`): a driver
+/// that panics there fails the reserve with an error instead, nothing stays counted in flight
+/// (a cap is not shrunk by it), the books are exact, and the next reserve grows.
+#[test]
+fn a_driver_panicking_while_it_creates_memory_fails_the_reserve() {
+    for vmm in [false, true] {
+        let sim = leaked_sim(&[4 * GIB]);
+        let driver = Arc::new(panicking_driver(sim));
+        let config = PoolConfig {
+            vmm,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::new(driver.clone(), config);
+        pool.set_memory_limit(Some(0), Some(64 * MIB)).unwrap();
+        driver.watch.armed.store(true, Ordering::SeqCst);
+        let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
+        driver.watch.armed.store(false, Ordering::SeqCst);
+        assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "vmm {vmm}");
+        assert!(e.message.contains("the driver panicked"), "vmm {vmm}: {e}");
+        pool.check().unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.driver_allocs), (0, 0), "vmm {vmm}");
+        let p = pool.reserve(0, 64 * MIB, 0).expect("the whole cap is left");
+        assert_eq!(sim.used_bytes(0), 64 * MIB, "vmm {vmm}");
+        pool.release(p).unwrap();
+        assert_eq!(pool.free_reusable(None).unwrap(), 64 * MIB, "vmm {vmm}");
+        pool.check().unwrap();
+    }
 }
 
 /// `free_reusable` makes the calls that return memory without the device's lock, after the

@@ -348,6 +348,7 @@ type Hook = Mutex<Option<Box<dyn FnOnce() + Send>>>;
 /// `on_sync`).
 #[derive(Default)]
 struct Hooks {
+    on_create: Hook,
     on_free: Hook,
     on_unmap: Hook,
     on_sync: Hook,
@@ -373,6 +374,7 @@ impl Watch for Hooks {
 
     fn after(&self, call: &'static str, device: i32) {
         match call {
+            "cuMemAlloc_v2" | "cuMemCreate" => Hooks::run(&self.on_create, device),
             "cuMemFree_v2" | "cuMemAddressFree" => Hooks::run(&self.on_free, device),
             "cuMemUnmap" => Hooks::run(&self.on_unmap, device),
             _ => {}
@@ -462,6 +464,16 @@ fn meanwhile(
     seen
 }
 
+/// What `f` returns, run on another thread within 20 s (else it was blocked behind the device's
+/// lock, and this panics).
+fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (done, finished) = mpsc::channel();
+    std::thread::spawn(move || done.send(f()).unwrap());
+    finished
+        .recv_timeout(Duration::from_secs(20))
+        .expect("blocked behind the device's lock")
+}
+
 /// The bytes reserved while a hook of [`meanwhile`] ran, which must have run.
 fn seen(meanwhile: &Mutex<Option<Result<u64, String>>>, what: &str) -> u64 {
     meanwhile
@@ -523,6 +535,146 @@ fn free_reusable_waits_for_the_device_without_the_lock() {
             assert_eq!(pool.stats(0).unwrap().reserved_bytes, 2 * MIB);
         }
         pool.check().unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_returned(&*pool, sim);
+    }
+}
+
+/// A reserve that needs new memory makes the driver call that creates it (`cuMemAlloc`,
+/// `cuMemCreate`) without the device's lock: inside it, another thread reserves and releases a
+/// block the cache holds. The new memory is booked after the call, and the books are exact.
+#[test]
+fn growth_creates_memory_without_the_lock() {
+    for stitched in [false, true] {
+        let (sim, driver, pool) = hooked_pool(stitched);
+        let small = pool.reserve(0, MIB, 0).unwrap();
+        pool.release(small).unwrap();
+        let cached = pool.stats(0).unwrap().reserved_bytes;
+        let in_create = meanwhile(&pool, &driver, |d| &d.on_create);
+        let big = pool.reserve(0, 64 * MIB, 0).unwrap();
+        // The other thread saw only the cache: the new memory was not booked yet.
+        assert_eq!(seen(&in_create, &format!("stitched {stitched}")), cached);
+        let s = pool.stats(0).unwrap();
+        assert_eq!(
+            (
+                s.reserved_bytes,
+                s.allocated_bytes,
+                s.driver_allocs,
+                s.reserve_calls
+            ),
+            (cached + 64 * MIB, 64 * MIB, 2, 3),
+            "stitched {stitched}: one creation each, and three reserves counted once each"
+        );
+        assert_eq!(sim.used_bytes(0), s.reserved_bytes);
+        pool.check().unwrap();
+        pool.release(big).unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_returned(&*pool, sim);
+    }
+}
+
+/// While a thread creates memory without the lock, the books move on: another thread releases
+/// a block that serves the request. The second pass takes the cached block, and the memory just
+/// created is kept as cache (an idle segment, or spare pages), reusable and returned as any.
+#[test]
+fn memory_created_meanwhile_but_not_needed_stays_as_cache() {
+    for stitched in [false, true] {
+        let (sim, driver, pool) = hooked_pool(stitched);
+        let held = pool.reserve(0, 64 * MIB, 0).unwrap();
+        let cached = pool.stats(0).unwrap().reserved_bytes;
+        {
+            let pool = Arc::downgrade(&pool);
+            *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
+                let pool = pool.upgrade().unwrap();
+                within(move || pool.release(held).unwrap());
+            }));
+        }
+        let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+        assert_eq!(p, held, "stitched {stitched}: the block released meanwhile");
+        let s = pool.stats(0).unwrap();
+        assert_eq!(
+            (s.reserved_bytes, s.allocated_bytes, s.driver_allocs),
+            (2 * cached, 64 * MIB, 2),
+            "stitched {stitched}: the memory made meanwhile is cached"
+        );
+        assert_eq!(s.reusable_bytes, cached);
+        assert_eq!(sim.used_bytes(0), s.reserved_bytes);
+        pool.check().unwrap();
+        // Reusable: the next request of its size takes it, creating nothing.
+        let q = pool.reserve(0, 64 * MIB, 0).unwrap();
+        assert_eq!(
+            pool.stats(0).unwrap().driver_allocs,
+            2,
+            "stitched {stitched}"
+        );
+        pool.release(p).unwrap();
+        pool.release(q).unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_returned(&*pool, sim);
+    }
+}
+
+/// Memory being created without the lock counts against the cap: a second thread growing
+/// meanwhile is refused, naming the cap, and the pool never reserves past it.
+#[test]
+fn growth_in_flight_counts_against_the_cap() {
+    for stitched in [false, true] {
+        let (sim, driver, pool) = hooked_pool(stitched);
+        pool.set_memory_limit(Some(0), Some(100 * MIB)).unwrap();
+        let refused: Arc<Mutex<Option<String>>> = Arc::default();
+        {
+            let (pool, refused) = (Arc::downgrade(&pool), refused.clone());
+            *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
+                let pool = pool.upgrade().unwrap();
+                let e = within(move || pool.reserve(0, 64 * MIB, 0).unwrap_err());
+                assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+                *refused.lock().unwrap() = Some(e.message);
+            }));
+        }
+        let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+        let message = refused.lock().unwrap().take().expect("the hook ran");
+        assert!(
+            message.contains("memory limit"),
+            "stitched {stitched}: {message}"
+        );
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.driver_allocs), (64 * MIB, 1));
+        pool.check().unwrap();
+        pool.release(p).unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_returned(&*pool, sim);
+    }
+}
+
+/// A cap lowered while memory is being created without the lock: the memory, not needed any
+/// more (the cache serves the request), goes back to the driver instead of past the cap.
+#[test]
+fn memory_created_meanwhile_goes_back_under_a_cap_lowered_meanwhile() {
+    for stitched in [false, true] {
+        let (sim, driver, pool) = hooked_pool(stitched);
+        let held = pool.reserve(0, 64 * MIB, 0).unwrap();
+        let cached = pool.stats(0).unwrap().reserved_bytes;
+        {
+            let pool = Arc::downgrade(&pool);
+            *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
+                let pool = pool.upgrade().unwrap();
+                within(move || {
+                    pool.release(held).unwrap();
+                    pool.set_memory_limit(Some(0), Some(cached)).unwrap();
+                });
+            }));
+        }
+        let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+        assert_eq!(p, held, "stitched {stitched}");
+        let s = pool.stats(0).unwrap();
+        assert_eq!(
+            (s.reserved_bytes, s.driver_allocs, s.driver_frees),
+            (cached, 2, 1),
+            "stitched {stitched}: made, then returned"
+        );
+        assert_eq!(sim.used_bytes(0), cached);
+        pool.check().unwrap();
+        pool.release(p).unwrap();
         pool.free_reusable(None).unwrap();
         assert_returned(&*pool, sim);
     }

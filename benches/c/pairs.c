@@ -24,6 +24,8 @@
  * (scripts/bench-c.sh does this). `pairs quick` measures only the pairs with nothing else cached, from
  * 1 and 2 threads. `pairs scaling [ROUNDS]` times the pairs from 1 and 2 threads in alternation,
  * ROUNDS (5) rounds of each case: `scaling <impl> <threads> <size> <cached> <wall ns> <CPU ns>`.
+ * `pairs growth [COUNT] [SIZE]` measures the waits behind a thread whose reserves make the pool
+ * grow: COUNT (200) blocks of SIZE (256 MiB) bytes, each kept (see growth_pauses).
  */
 #define _GNU_SOURCE
 #include <alloca.h>
@@ -346,6 +348,29 @@ static void free_reusable_pauses(size_t segments, int lent) {
   probe_end(t, head);
 }
 
+/* `count` reserves of `size` bytes, each kept, so that the pool grows (the driver creates memory:
+ * with CUDA_SIM_DELAYS, as long as a real driver takes), while the probe times the calls that
+ * take the device's lock. Then everything is released and returned, untimed. Prints:
+ * growth <count> <ms> <driver allocations> then the probe's waits, as free_reusable. */
+static void growth_pauses(size_t count, size_t size) {
+  void **blocks = malloc(sizeof(void *) * count);
+  rm_stats before, after;
+  check(rm_get_stats(0, &before), "rm_get_stats");
+  pthread_t t = probe_begin(probe);
+  double start = now_ns();
+  for (size_t i = 0; i < count; i++) blocks[i] = reserve(size, NULL);
+  double took = now_ns() - start;
+  char head[96];
+  check(rm_get_stats(0, &after), "rm_get_stats");
+  snprintf(head, sizeof head, "growth %zu %.2f %llu", count, took / 1e6,
+           (unsigned long long)(after.driver_allocs - before.driver_allocs));
+  probe_end(t, head);
+  for (size_t i = 0; i < count; i++) check(rm_release(blocks[i]), "rm_release");
+  size_t released = 0;
+  check(rm_free_reusable(0, &released), "rm_free_reusable");
+  free(blocks);
+}
+
 /* ----- the same waits behind a plain mutex, for reference ----- */
 
 static pthread_mutex_t ref_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -601,6 +626,11 @@ int main(int argc, char **argv) {
   }
   if (argc > 1 && strcmp(argv[1], "work") == 0) {
     fixed_work_reference(argc > 2 ? atoi(argv[2]) : 500, argc > 3 ? atof(argv[3]) : 25);
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "growth") == 0) {
+    growth_pauses(argc > 2 ? (size_t)atol(argv[2]) : 200,
+                  argc > 3 ? (size_t)atol(argv[3]) : (size_t)256 << 20);
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "streams") == 0) {

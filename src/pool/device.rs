@@ -8,6 +8,7 @@
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
 //!   `deferred.rs`: the driver calls a sweep makes without the device's lock;
+//! - `growing.rs`: growth's memory-creating call, made without the device's lock;
 //! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
 //!   cached pages and new memory; `headroom.rs`: how much more than a request lacks such a
 //!   creation takes;
@@ -54,6 +55,7 @@ use unstitch::Stuck;
 mod addresses;
 mod check;
 mod deferred;
+mod growing;
 mod headroom;
 mod parking;
 mod phys;
@@ -65,6 +67,8 @@ mod unstitch;
 use crate::driver::{DevicePtr, EventHandle, PhysHandle, StreamHandle};
 use crate::error::{Error, Result};
 use deferred::Returning;
+use growing::{Backing, Fresh, Prepared};
+pub use growing::{Pass, Plan};
 pub use sweep::Sweep;
 
 /// Memory obtained from the driver in one allocation.
@@ -176,6 +180,16 @@ pub struct DevicePool {
     /// Every release up to this count was followed by a wait for the device's queued work:
     /// the work that used those blocks is done (see `streams.rs`).
     settled: u64,
+    /// Growth's creating call is deferred, to be made without the lock (`growing.rs`).
+    defer: bool,
+    /// The creation deferred by this pass.
+    plan: Option<Plan>,
+    /// Memory made without the lock, for this pass to take.
+    prepared: Option<Prepared>,
+    /// Bytes being created without the lock: counted against the cap.
+    growing: u64,
+    /// The device's total memory, as the driver last gave it.
+    driver_total: u64,
 }
 
 impl DevicePool {
@@ -210,6 +224,11 @@ impl DevicePool {
             headroom: Headroom::default(),
             releases: 0,
             settled: 0,
+            defer: false,
+            plan: None,
+            prepared: None,
+            growing: 0,
+            driver_total: 0,
         }
     }
 
@@ -517,10 +536,16 @@ impl DevicePool {
         requested: u64,
         mode: Grow,
     ) -> Result<BlockId> {
-        let (free, total) = cx
-            .driver
-            .mem_get_info(self.device)
-            .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
+        // Memory made for this growth without the lock was asked for with the driver's figures
+        // of the pass that deferred it: decided on them again, the pass decides the same.
+        let (free, total) = match &self.prepared {
+            Some(p) => p.driver_info,
+            None => cx
+                .driver
+                .mem_get_info(self.device)
+                .map_err(|e| Error::driver("asking the driver for free memory", &e))?,
+        };
+        self.driver_total = total;
         if segment > total {
             self.stats.ooms += 1;
             return Err(Error::out_of_memory(format!(
@@ -536,45 +561,69 @@ impl DevicePool {
             let size = runs.iter().map(|r| r.pages.size).sum();
             return Ok(self.install_segment(cx, base, size, class, stream, runs));
         }
-        let device = self.device;
-        let ptr = self.obtain(cx, segment, requested, mode, free, |driver| {
-            driver.mem_alloc(device, segment)
-        })?;
+        let backing = Backing::Segment(class, stream);
+        let Fresh::Segment(ptr) = self.obtain(cx, segment, requested, mode, free, backing)? else {
+            unreachable!("a classic segment asked for")
+        };
         self.stats.add_reserved(segment, 1);
         Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
     }
 
-    /// The growth policy, for every backing: `bytes` of new memory from `alloc`, within the cap
+    /// The growth policy, for every backing: `bytes` of new memory of `backing`, within the cap
     /// (returning idle cache to stay under it, if `mode` allows); if the driver's free memory
     /// (`driver_free`) is short, idle cache goes back first; on out-of-memory, everything
-    /// reusable goes back and `alloc` is tried once more.
-    fn obtain<T>(
+    /// reusable goes back and the driver is asked once more. In a first pass that needs none of
+    /// this, the call is deferred, to be made without the lock (`growing.rs`); in the second
+    /// pass, the memory it made is taken.
+    fn obtain(
         &mut self,
         cx: &Context<'_>,
         bytes: u64,
         requested: u64,
         mode: Grow,
         driver_free: u64,
-        alloc: impl Fn(&dyn crate::driver::Driver) -> crate::driver::DriverResult<T>,
-    ) -> Result<T> {
-        self.make_room_under_limit(cx, bytes, requested, mode)?;
-        if mode == Grow::MayRelease && driver_free < bytes && self.config.release_before_grow {
-            // Classic segments: all idle ones, as PyTorch returns every cached segment when the
-            // driver refuses. Stitched: only the shortfall, since the cache's pages can be
-            // mapped into the new range instead.
-            let needed = match self.vmm {
-                VmmMode::On(_) => bytes - driver_free,
-                _ => u64::MAX,
-            };
-            let released = self.release_idle(cx, needed)?;
-            self.log(format_args!(
-                "driver has {} free, {} needed: returned {} of idle cache first",
-                human(driver_free),
-                human(bytes),
-                human(released)
+        backing: Backing,
+    ) -> Result<Fresh> {
+        let prepared = self.take_prepared(cx, backing, bytes);
+        if prepared.is_none() && self.defer_growth(backing, bytes, driver_free) {
+            // Unwinds the pass through its failure path; the caller sees the plan, not this.
+            return Err(Error::internal(
+                "growth deferred until the device's lock is free",
             ));
         }
-        match alloc(cx.driver) {
+        if let Err(err) = self.make_room_under_limit(cx, bytes, requested, mode) {
+            self.prepared = prepared;
+            return Err(err);
+        }
+        let device = self.device;
+        let alloc = |driver: &dyn crate::driver::Driver| backing.create(driver, device, bytes);
+        // The first try: made without the lock (its answer prepared), or now.
+        let first = match prepared {
+            Some(p) => p.made,
+            None => {
+                if mode == Grow::MayRelease
+                    && driver_free < bytes
+                    && self.config.release_before_grow
+                {
+                    // Classic segments: all idle ones, as PyTorch returns every cached segment
+                    // when the driver refuses. Stitched: only the shortfall, since the cache's
+                    // pages can be mapped into the new range instead.
+                    let needed = match self.vmm {
+                        VmmMode::On(_) => bytes - driver_free,
+                        _ => u64::MAX,
+                    };
+                    let released = self.release_idle(cx, needed)?;
+                    self.log(format_args!(
+                        "driver has {} free, {} needed: returned {} of idle cache first",
+                        human(driver_free),
+                        human(bytes),
+                        human(released)
+                    ));
+                }
+                alloc(cx.driver)
+            }
+        };
+        match first {
             Ok(got) => Ok(got),
             Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease => {
                 self.stats.oom_retries += 1;
@@ -603,12 +652,13 @@ impl DevicePool {
         let Some(limit) = self.limit else {
             return Ok(());
         };
-        let allowed = limit.saturating_sub(self.stats.reserved_bytes);
+        // Memory other threads are creating without the lock counts as reserved.
+        let allowed = limit.saturating_sub(self.stats.reserved_bytes + self.growing);
         if bytes > allowed && mode == Grow::MayRelease {
             // Under a cap, returning idle cache is the only way to grow.
             self.release_idle(cx, bytes - allowed)?;
         }
-        let allowed = limit.saturating_sub(self.stats.reserved_bytes);
+        let allowed = limit.saturating_sub(self.stats.reserved_bytes + self.growing);
         if bytes <= allowed {
             return Ok(());
         }

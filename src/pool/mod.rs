@@ -28,9 +28,10 @@
 //! 2. the span map is written with atomic operations while a device's mutex is held (a segment
 //!    booked or forgotten) and read without a lock;
 //! 3. the driver is called with the device mutex held, save by `free_reusable` and `trim`,
-//!    which wait for the device's work before they take the mutex, and by `free_reusable`'s
-//!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`);
-//!    the driver takes no lock of the pool and never calls back into it (the simulator's own
+//!    which wait for the device's work before they take the mutex, by `free_reusable`'s
+//!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`),
+//!    and by `reserve` and `warmup`, whose call that creates memory is made between two passes
+//!    under the mutex (`device/growing.rs`); the driver takes no lock of the pool and never calls back into it (the simulator's own
 //!    mutex is a leaf).
 //!
 //! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
@@ -55,7 +56,7 @@ use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
-use device::{DevicePool, Sweep};
+use device::{DevicePool, Pass, Sweep};
 use spans::{Owner, Spans};
 pub use stats::Stats;
 
@@ -190,11 +191,29 @@ impl Pool {
 
     /// A block of at least `size` bytes on `device` for use on `stream`; `0` for size 0.
     pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
-        let (mut pool, cx) = self.lock(device)?;
         if size == 0 {
-            return Ok(0);
+            return self.lock(device).map(|_| 0);
         }
-        pool.reserve(&cx, size, stream)
+        self.unlocked_growth(device, |pool, cx| pool.reserve(cx, size, stream))
+    }
+
+    /// Run `f` on `device`'s pool, making any new memory it needs without the device's lock:
+    /// a first pass defers the driver's call, which is made once the lock is let go, and a
+    /// second pass takes its memory (`device/growing.rs`).
+    fn unlocked_growth<T>(
+        &self,
+        device: i32,
+        f: impl Fn(&mut DevicePool, &Context<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let (mut pool, cx) = self.lock(device)?;
+        let plan = match pool.deferring(|pool| f(pool, &cx)) {
+            Pass::Done(done) => return done,
+            Pass::Grow(plan) => plan,
+        };
+        drop(pool);
+        let made = plan.make(&*self.driver);
+        let (mut pool, cx) = self.lock(device)?;
+        pool.prepared(&cx, plan, made, |pool| f(pool, &cx))
     }
 
     /// Like [`Pool::reserve`], but only from memory the pool already holds: `None` (and nothing
@@ -392,8 +411,7 @@ impl Pool {
 
     /// Ensure at least `bytes` are reusable on `device`. Returns the bytes newly allocated.
     pub fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
-        let (mut pool, cx) = self.lock(device)?;
-        pool.warmup(&cx, bytes)
+        self.unlocked_growth(device, |pool, cx| pool.warmup(cx, bytes))
     }
 
     /// The figures of `device`, read without changing anything.

@@ -37,7 +37,7 @@
 
 use super::addresses;
 use super::phys::Pages;
-use super::{BlockId, Context, DevicePool, Grow, SegId, State};
+use super::{Backing, BlockId, Context, DevicePool, Fresh, Grow, SegId, State};
 use crate::driver::DevicePtr;
 use crate::error::rm_status;
 use crate::error::{Error, Result};
@@ -267,10 +267,7 @@ impl DevicePool {
                     0
                 })
                 .next_multiple_of(granularity);
-            let device = self.device;
-            let mut created = self.obtain(cx, sized, requested, mode, driver_free, |driver| {
-                driver.vmm_create(device, sized)
-            });
+            let mut created = self.obtain(cx, sized, requested, mode, driver_free, Backing::Handle);
             let mut made = sized;
             if sized > need
                 && created
@@ -278,11 +275,11 @@ impl DevicePool {
                     .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY)
             {
                 made = need;
-                created = self.obtain(cx, need, requested, mode, driver_free, |driver| {
-                    driver.vmm_create(device, need)
-                });
+                created = self.obtain(cx, need, requested, mode, driver_free, Backing::Handle);
             }
-            let handle = created?;
+            let Fresh::Handle(handle) = created? else {
+                unreachable!("a handle asked for")
+            };
             self.headroom.created(made, need);
             self.phys.add(handle, made);
             self.stats.add_reserved(made, 1);

@@ -1,0 +1,240 @@
+//! Growth's memory-creating driver call, made without the device's lock.
+//!
+//! `cuMemAlloc` and `cuMemCreate` take tens of microseconds on a GPU, more for large sizes (a
+//! page table to fill), and `cuMemAlloc` may wait for the device. Made under the device's lock,
+//! each held every other thread's reserve and release on the device behind it, even those the
+//! cache serves: one stream's growth serialized another stream's work on other memory. So
+//! `Pool::reserve` and `Pool::warmup` take two passes over the usual path (`DevicePool::reserve`,
+//! `DevicePool::warmup`):
+//!
+//! 1. Under the lock, with growth *deferred*: where the growth policy (`obtain`) would call the
+//!    driver for new memory and has nothing to do first (the cap, counting other threads'
+//!    growth in flight, and the driver's free memory both leave room for it), it notes a
+//!    [`Plan`] and the pass unwinds through its usual failure path (cached pages lent to the new
+//!    range go back; the headroom's state and the count of reserve calls are restored).
+//! 2. Without the lock, the plan's call ([`Plan::make`]).
+//! 3. Under the lock, the usual path again, the call's answer *prepared*: where the growth
+//!    policy asks for the same bytes of the same kind, it takes the new memory instead of
+//!    calling the driver, or goes on from the driver's refusal as from its own first try (out
+//!    of memory: pending blocks waited for, the cache returned, one more try; any other error
+//!    reported), so a growth makes the driver calls a single pass would. It decides with the
+//!    driver's free memory as pass 1 saw it. With the books unchanged meanwhile, pass 3 decides
+//!    as pass 1 did, but for the steps before growth, which may find more to do the second
+//!    time (an idle range whose lent pages came back in pass 1 gives its own back): on the
+//!    replays of `scripts/policy-check.py`, peaks, creating calls and out-of-memory failures are
+//!    those of a single pass. Where other threads changed the books meanwhile and pass 3 does
+//!    not take the new memory, it is booked as cache (an idle segment, or spare pages),
+//!    reusable and returned as any; above a cap lowered meanwhile, it goes back to the driver.
+//!
+//! The memory in flight counts against the cap (`growing`) from pass 1 to pass 3, so two threads
+//! growing at once never take the pool past it.
+
+use std::panic::AssertUnwindSafe;
+
+use super::phys::Pages;
+use super::*;
+use crate::driver::{Driver, DriverError, DriverResult};
+
+/// What the growth policy creates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Backing {
+    /// A classic segment (`cuMemAlloc`) of this class, for this stream.
+    Segment(Class, StreamHandle),
+    /// A physical handle (`cuMemCreate`), for a stitched range.
+    Handle,
+}
+
+/// New memory from the driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fresh {
+    /// A classic segment.
+    Segment(DevicePtr),
+    /// A physical handle.
+    Handle(PhysHandle),
+}
+
+impl Backing {
+    /// Ask `driver` for `bytes` of this kind on `device`.
+    pub(super) fn create(
+        self,
+        driver: &dyn Driver,
+        device: i32,
+        bytes: u64,
+    ) -> DriverResult<Fresh> {
+        match self {
+            Backing::Segment(..) => driver.mem_alloc(device, bytes).map(Fresh::Segment),
+            Backing::Handle => driver.vmm_create(device, bytes).map(Fresh::Handle),
+        }
+    }
+}
+
+/// A creation the first pass deferred, to make without the device's lock.
+#[derive(Debug)]
+pub struct Plan {
+    device: i32,
+    backing: Backing,
+    bytes: u64,
+    /// The driver's `(free, total)` as the first pass saw them.
+    driver_info: (u64, u64),
+}
+
+impl Plan {
+    /// Make the call through `driver`, without the device's lock. A driver that panics fails
+    /// the call (`CUDA_ERROR_UNKNOWN`) instead of unwinding past the memory counted in flight.
+    pub fn make(&self, driver: &dyn Driver) -> DriverResult<Fresh> {
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.backing.create(driver, self.device, self.bytes)
+        }))
+        .unwrap_or_else(|_| {
+            Err(DriverError {
+                call: match self.backing {
+                    Backing::Segment(..) => "cuMemAlloc_v2",
+                    Backing::Handle => "cuMemCreate",
+                },
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".to_string(),
+                description: "the driver panicked".to_string(),
+            })
+        })
+    }
+}
+
+/// Memory the call of a [`Plan`] made, for the second pass.
+#[derive(Debug)]
+pub(super) struct Prepared {
+    backing: Backing,
+    bytes: u64,
+    /// The call's answer: the memory, or why the driver refused it (then the second pass goes
+    /// on from that failure, as the usual path from its first try).
+    pub(super) made: DriverResult<Fresh>,
+    /// The driver's `(free, total)` as the first pass saw them.
+    pub(super) driver_info: (u64, u64),
+}
+
+/// What the first pass came to.
+pub enum Pass<T> {
+    /// Done (or failed) under the lock.
+    Done(Result<T>),
+    /// New memory is to be made first, without the lock.
+    Grow(Plan),
+}
+
+impl DevicePool {
+    /// Run `f`, one of the usual paths, with growth deferred (the first pass).
+    pub fn deferring<T>(&mut self, f: impl FnOnce(&mut DevicePool) -> Result<T>) -> Pass<T> {
+        let (headroom, reserve_calls) = (self.headroom, self.stats.reserve_calls);
+        self.defer = true;
+        let done = f(self);
+        self.defer = false;
+        match self.plan.take() {
+            Some(plan) => {
+                debug_assert!(done.is_err(), "a deferred growth unwinds its pass");
+                self.headroom = headroom;
+                self.stats.reserve_calls = reserve_calls;
+                Pass::Grow(plan)
+            }
+            None => Pass::Done(done),
+        }
+    }
+
+    /// Run `f` again (the second pass) with what `plan`'s call made prepared for it; what `f`
+    /// does not take is booked as cache afterwards.
+    pub fn prepared<T>(
+        &mut self,
+        cx: &Context<'_>,
+        plan: Plan,
+        made: DriverResult<Fresh>,
+        f: impl FnOnce(&mut DevicePool) -> Result<T>,
+    ) -> Result<T> {
+        self.growing -= plan.bytes;
+        self.prepared = Some(Prepared {
+            backing: plan.backing,
+            bytes: plan.bytes,
+            made,
+            driver_info: plan.driver_info,
+        });
+        let done = f(self);
+        if let Some(unused) = self.prepared.take() {
+            self.book_fresh(cx, unused);
+        }
+        done
+    }
+
+    /// In the first pass, whether to defer creating `bytes` of `backing` (then noted as the
+    /// plan): nothing need go back first, to the cap or for the driver's `driver_free` bytes.
+    pub(super) fn defer_growth(&mut self, backing: Backing, bytes: u64, driver_free: u64) -> bool {
+        let room = self.limit.map_or(u64::MAX, |limit| {
+            limit.saturating_sub(self.stats.reserved_bytes + self.growing)
+        });
+        if !self.defer || self.plan.is_some() || bytes > room || bytes > driver_free {
+            return false;
+        }
+        self.growing += bytes;
+        self.plan = Some(Plan {
+            device: self.device,
+            backing,
+            bytes,
+            driver_info: (driver_free, self.driver_total),
+        });
+        true
+    }
+
+    /// In the second pass, the prepared memory if it is `bytes` of `backing`; other prepared
+    /// memory is booked as cache now, before the policy looks at the cache or the cap.
+    pub(super) fn take_prepared(
+        &mut self,
+        cx: &Context<'_>,
+        backing: Backing,
+        bytes: u64,
+    ) -> Option<Prepared> {
+        let p = self.prepared.take()?;
+        if p.backing == backing && p.bytes == bytes {
+            return Some(p);
+        }
+        self.book_fresh(cx, p);
+        None
+    }
+
+    /// Keep prepared memory the second pass did not take: as cache, or back to the driver where
+    /// a cap lowered meanwhile leaves no room for it.
+    fn book_fresh(&mut self, cx: &Context<'_>, p: Prepared) {
+        let Ok(fresh) = p.made else {
+            return;
+        };
+        let room = self.limit.map_or(u64::MAX, |limit| {
+            limit.saturating_sub(self.stats.reserved_bytes + self.growing)
+        });
+        if p.bytes > room {
+            let gone = match fresh {
+                Fresh::Segment(ptr) => cx.driver.mem_free(self.device, ptr),
+                Fresh::Handle(handle) => cx.driver.vmm_release(self.device, handle),
+            };
+            if gone.is_ok() {
+                // Made and returned: counted as calls, never as reserved.
+                self.stats.driver_allocs += 1;
+                self.stats.driver_frees += 1;
+                self.log(format_args!(
+                    "returned {} made meanwhile: the cap leaves no room for it",
+                    human(p.bytes)
+                ));
+                return;
+            }
+            // Kept, as the driver would not take it: reserved, and above the cap until returned.
+        }
+        self.stats.add_reserved(p.bytes, 1);
+        match (fresh, p.backing) {
+            (Fresh::Segment(ptr), Backing::Segment(class, stream)) => {
+                self.install_segment(cx, ptr, p.bytes, class, stream, Vec::new());
+            }
+            (Fresh::Handle(handle), _) => {
+                self.phys.add(handle, p.bytes);
+                self.phys.give(Pages {
+                    handle,
+                    offset: 0,
+                    size: p.bytes,
+                });
+            }
+            (Fresh::Segment(_), Backing::Handle) => unreachable!("a segment made for a handle"),
+        }
+    }
+}
