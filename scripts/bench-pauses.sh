@@ -3,7 +3,9 @@
 # a segment each with classic segments, a few large ones with the default's headroom; and
 # `lent`, the default with 100k idle segments of two lent runs each; `classic-busy` and
 # `default-busy`, 1000 blocks with driver calls that take a real driver's time, BUSY in the
-# CUDA_SIM_DELAYS syntax), the same waits behind a plain pthread mutex held 20 us
+# CUDA_SIM_DELAYS syntax; `classic-growth` and `default-growth`, the waits behind a thread whose
+# 200 reserves of 256 MiB make the pool grow, with creations of 1 ms, GROW in the same syntax),
+# the same waits behind a plain pthread mutex held 20 us
 # at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
 # passes to the pool, from one thread and from two threads on two devices (`devices`), through
 # the shipped libresmem.so. With BASELINE_LIB=path/to/another/libresmem.so, every run does the
@@ -22,6 +24,9 @@ runs=${RUNS:-3}
 # 50 us, virtual-memory calls of 19 us as measured on an H200), over this many segments.
 busy=${BUSY:-cuCtxSynchronize=2ms,cuMemFree_v2=50us,cuMemUnmap=19us,cuMemRelease=19us,cuMemAddressFree=19us}
 busy_segments=${BUSY_SEGMENTS:-1000}
+# The `-growth` cases: creating memory takes 1 ms (an assumption for a large allocation), the
+# virtual-memory calls that map it 19 us (the H200's).
+grow=${GROW:-cuMemAlloc_v2=1ms,cuMemCreate=1ms,cuMemMap=19us,cuMemSetAccess=19us,cuMemAddressReserve=19us}
 cargo build --release -q -p resmem -p libcuda-sim
 cargo build --release -q -p resmem --features hold-probe --target-dir target/hold-probe
 out=target/bench-pauses
@@ -41,6 +46,8 @@ for entry in "${libs[@]}" "${probes[@]}"; do
     -L"$PWD/$out/$name" -l:libresmem.so.0 -Wl,-rpath,"$PWD/$out/$name" -lpthread -ldl
 done
 export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
+# Only this run's files are read back (no holds of an earlier run's libraries).
+rm -f "$out"/holds-* "$out"/work-*
 : > "$out/results"
 for i in $(seq 1 "$runs"); do
   for entry in "${libs[@]}"; do
@@ -55,6 +62,11 @@ for i in $(seq 1 "$runs"); do
       RESMEM_CONF=vmm:false "$out/$name/pairs" pauses "$busy_segments")" >> "$out/results"
     echo "$name $i default-busy $(CUDA_SIM_DEVICES=240GiB CUDA_SIM_DELAYS="$busy" \
       "$out/$name/pairs" pauses "$busy_segments")" >> "$out/results"
+    # Another thread's reserves make the pool grow, each creation taking a real driver's time.
+    echo "$name $i classic-growth $(CUDA_SIM_DEVICES=240GiB CUDA_SIM_DELAYS="$grow" \
+      RESMEM_CONF=vmm:false "$out/$name/pairs" growth)" >> "$out/results"
+    echo "$name $i default-growth $(CUDA_SIM_DEVICES=240GiB CUDA_SIM_DELAYS="$grow" \
+      "$out/$name/pairs" growth)" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
@@ -84,10 +96,14 @@ print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {p
       f"`classic-busy` and `default-busy`, {os.environ.get('BUSY_SEGMENTS', '1000')} blocks with "
       "driver calls that take a real driver's time (`CUDA_SIM_DELAYS="
       f"{os.environ.get('BUSY', 'cuCtxSynchronize=2ms,cuMemFree_v2=50us,cuMemUnmap=19us,cuMemRelease=19us,cuMemAddressFree=19us')}`: "
-      "a device busy for 2 ms at each wait for it); `mutex` is the same "
+      "a device busy for 2 ms at each wait for it); `classic-growth` and `default-growth`, "
+      "while another thread reserves 200 blocks of 256 MiB, each kept, so that the pool grows, "
+      "creating memory as a real driver would (`CUDA_SIM_DELAYS="
+      f"{os.environ.get('GROW', 'cuMemAlloc_v2=1ms,cuMemCreate=1ms,cuMemMap=19us,cuMemSetAccess=19us,cuMemAddressReserve=19us')}`; "
+      "the time column is then the 200 reserves'); `mutex` is the same "
       "probe behind a pthread mutex held 20 µs at a time, 320 times, with the pool's hand-over "
       "between holds (the machine's share).\n")
-print("| library | run | policy | rm_free_reusable (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")
+print("| library | run | policy | timed call (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")
 print("| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
 pairs = []
 for line in open(path):
