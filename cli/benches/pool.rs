@@ -271,6 +271,55 @@ fn stitch(c: &mut Criterion) {
     group.finish();
 }
 
+/// A pool over a fresh simulated device holding `n` free 4 MiB blocks, each between two live
+/// ones (so none merges), and no larger free block: what a long run leaves cached.
+fn free_blocks_device(n: usize) -> resmem::Pool {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[4 << 40])));
+    let driver = Arc::new(SimDriver::new(sim).expect("the simulator starts"));
+    let pool = resmem::Pool::new(driver, resmem::PoolConfig::default());
+    let blocks: Vec<u64> = (0..2 * n + 1)
+        .map(|_| pool.reserve(0, 4 << 20, 0).unwrap())
+        .collect();
+    for p in blocks.iter().skip(1).step_by(2) {
+        pool.release(*p).unwrap();
+    }
+    // The growth headroom's free tails, taken, so that only the 4 MiB blocks are left.
+    loop {
+        let largest = pool.stats(0).unwrap().largest_reusable_block;
+        if largest <= 4 << 20 {
+            break;
+        }
+        pool.reserve(0, largest, 0).unwrap();
+    }
+    // A cap 4 GiB above what it reserves: the next growth's headroom (which grows with what the
+    // pool reserves) is then alike for every `n`, and so is the work of booking its range.
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    pool.set_memory_limit(Some(0), Some(reserved + (4 << 30)))
+        .unwrap();
+    pool
+}
+
+/// A 1 GiB request the cache cannot cover (the default creates it), with 1,000 and 100,000
+/// free 4 MiB blocks cached: the search for pieces to map again looks at a bounded number of
+/// them, so the growth should cost the same with both.
+fn growth_among_free_blocks(c: &mut Criterion) {
+    let mut group = c.benchmark_group("growth-among-free-blocks");
+    group.sample_size(10);
+    for n in [1_000, 100_000] {
+        group.bench_function(BenchmarkId::from_parameter(n), |b| {
+            b.iter_batched(
+                || free_blocks_device(n),
+                |pool| {
+                    black_box(pool.reserve(0, 1 << 30, 0).unwrap());
+                    pool
+                },
+                criterion::BatchSize::PerIteration,
+            )
+        });
+    }
+    group.finish();
+}
+
 fn config() -> Criterion {
     Criterion::default()
         .warm_up_time(Duration::from_millis(500))
@@ -281,6 +330,6 @@ fn config() -> Criterion {
 criterion_group! {
     name = benches;
     config = config();
-    targets = pairs, pairs_two_threads, mem_get_info, stitch
+    targets = pairs, pairs_two_threads, mem_get_info, stitch, growth_among_free_blocks
 }
 criterion_main!(benches);

@@ -53,8 +53,8 @@ impl Bins {
             .map(|&(_, _, id)| id)
     }
 
-    /// The free blocks of at least `size` bytes, smallest first.
-    pub fn from(&self, size: u64) -> impl Iterator<Item = BlockId> + '_ {
+    /// The free blocks of at least `size` bytes, smallest first (`.rev()`: largest first).
+    pub fn from(&self, size: u64) -> impl DoubleEndedIterator<Item = BlockId> + '_ {
         self.set
             .range((size, 0, BlockId::at(0))..)
             .map(|&(_, _, id)| id)

@@ -66,6 +66,11 @@ pub(super) enum VmmMode {
 /// The most pieces of cached memory one new segment is stitched from.
 const MAX_PIECES: usize = 32;
 
+/// How many free blocks the search for the smallest piece that covers an amount looks at, at
+/// most, and the search for the largest pieces past the first [`MAX_PIECES`] (see
+/// `DevicePool::lendable`).
+const COVER_WALK: usize = 64;
+
 /// A piece of cached memory for a new segment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Piece {
@@ -318,7 +323,7 @@ impl DevicePool {
                 block: BlockId::NIL,
             })
             .collect();
-        let lendable = self.lendable(granularity);
+        let lendable = self.lendable(granularity, size, &spare);
         let chosen = choose(&spare, &lendable, size);
         let have: u64 = chosen.iter().map(|p| p.pages.size).sum();
         if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
@@ -340,52 +345,128 @@ impl DevicePool {
         Ok(chosen)
     }
 
-    /// Every granularity-aligned interior of a free block of a large stitched segment, split
-    /// along its segment's runs. Found through the streams' bins of large blocks, from the
-    /// granularity up: the free blocks too small to hold an aligned page, and the blocks in
-    /// use, are never looked at.
-    fn lendable(&self, granularity: u64) -> Vec<Piece> {
+    /// The pieces of free blocks [`choose`] may take for `need` bytes, after `spare` (taken
+    /// first): per stream, the largest (walked from its largest free block down, until
+    /// [`MAX_PIECES`] are found and no smaller block can hold a larger one), and for every amount
+    /// those could leave to cover, the smallest that covers it (walked from that amount up,
+    /// until a block two pages larger than the best found, which holds no smaller piece unless
+    /// its segment's runs split it). Found through the streams' bins of large blocks, and each
+    /// walk looks at [`COVER_WALK`] blocks past what it needs at most: with 100k free blocks
+    /// cached, listing every piece made one growth take 22 ms under the device's lock. Ties of
+    /// size are broken by the bins' order (size, then address), so among many equal blocks only
+    /// the first few are looked at; and the largest pieces are always among those listed.
+    fn lendable(&self, granularity: u64, need: u64, spare: &[Piece]) -> Vec<Piece> {
+        // What the spare pieces leave, taken first as `choose` takes them.
+        let mut sizes: Vec<u64> = spare.iter().map(|p| p.pages.size).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let mut left = need;
+        let mut count = 0;
+        for size in sizes {
+            if left == 0 || count == MAX_PIECES {
+                break;
+            }
+            left -= size.min(left);
+            count += 1;
+        }
+        if left == 0 || count == MAX_PIECES {
+            return Vec::new();
+        }
         let mut pieces = Vec::new();
-        let free = self
-            .slots
-            .iter()
-            .flat_map(|slot| slot.bins[Class::Large as usize].from(granularity));
-        for id in free {
-            let b = &self.blocks[id];
-            let seg = b.segment;
-            let s = &self.segments[seg];
-            // Small segments' pages stay for small requests, as PyTorch keeps its small pool
-            // (their blocks are in the small bins): lent to larger ranges, they left small
-            // requests to create new ones.
-            if !s.stitched {
-                continue;
-            }
-            let start = b.ptr.next_multiple_of(granularity);
-            let end = (b.ptr + b.size) / granularity * granularity;
-            if end <= start {
-                continue;
-            }
-            let first = s
-                .runs
-                .partition_point(|r| s.base + r.offset + r.pages.size <= start);
-            for r in &s.runs[first..] {
-                let (run_start, run_end) = (s.base + r.offset, s.base + r.offset + r.pages.size);
-                if run_start >= end {
+        let mut top = Vec::new();
+        for slot in &self.slots {
+            let bins = &slot.bins[Class::Large as usize];
+            let mut found = Vec::new();
+            for (looked, id) in bins.from(granularity).rev().enumerate() {
+                // Blocks whose pages all straddle their ends hold no piece: not walked forever.
+                if looked == MAX_PIECES + COVER_WALK {
                     break;
                 }
-                let (from, to) = (start.max(run_start), end.min(run_end));
-                pieces.push(Piece {
-                    pages: Pages {
-                        handle: r.pages.handle,
-                        offset: r.pages.offset + (from - run_start),
-                        size: to - from,
-                    },
-                    lender: Some((seg, from)),
-                    block: id,
-                });
+                if found.len() >= MAX_PIECES {
+                    // The smallest of the largest so far; a block no larger holds no larger piece.
+                    found.sort_unstable_by(|a: &u64, b| b.cmp(a));
+                    found.truncate(MAX_PIECES);
+                    if self.blocks[id].size <= found[MAX_PIECES - 1] {
+                        break;
+                    }
+                }
+                let from = pieces.len();
+                self.pieces_of(id, granularity, &mut pieces);
+                found.extend(pieces[from..].iter().map(|p| p.pages.size));
+                top.extend(pieces[from..].iter().map(|p| p.pages.size));
             }
         }
+        // The amounts left to cover after each of the largest pieces, as `choose` takes them.
+        top.sort_unstable_by(|a, b| b.cmp(a));
+        let mut amounts = vec![left];
+        for size in top.iter().take(MAX_PIECES - count) {
+            if left <= *size {
+                break;
+            }
+            left -= size;
+            amounts.push(left);
+        }
+        for slot in &self.slots {
+            let bins = &slot.bins[Class::Large as usize];
+            for &amount in &amounts {
+                let mut best = u64::MAX;
+                for (looked, id) in bins.from(amount.max(granularity)).enumerate() {
+                    // A block of `best` + two pages or more holds only pieces no smaller than
+                    // `best`, unless its segment's runs split it.
+                    if self.blocks[id].size >= best.saturating_add(2 * granularity)
+                        || looked == COVER_WALK
+                    {
+                        break;
+                    }
+                    let from = pieces.len();
+                    self.pieces_of(id, granularity, &mut pieces);
+                    let covering = pieces[from..].iter().map(|p| p.pages.size);
+                    if let Some(size) = covering.filter(|&size| size >= amount).min() {
+                        best = best.min(size);
+                    }
+                }
+            }
+        }
+        pieces.sort_unstable_by_key(|p| p.lender);
+        pieces.dedup_by_key(|p| p.lender);
         pieces
+    }
+
+    /// The granularity-aligned interior of free block `id`, split along its segment's runs, as
+    /// pieces to lend, added to `out`; none where its segment is not stitched.
+    fn pieces_of(&self, id: BlockId, granularity: u64, out: &mut Vec<Piece>) {
+        let b = &self.blocks[id];
+        let seg = b.segment;
+        let s = &self.segments[seg];
+        // Small segments' pages stay for small requests, as PyTorch keeps its small pool (their
+        // blocks are in the small bins): lent to larger ranges, they left small requests to
+        // create new ones.
+        if !s.stitched {
+            return;
+        }
+        let start = b.ptr.next_multiple_of(granularity);
+        let end = (b.ptr + b.size) / granularity * granularity;
+        if end <= start {
+            return;
+        }
+        let first = s
+            .runs
+            .partition_point(|r| s.base + r.offset + r.pages.size <= start);
+        for r in &s.runs[first..] {
+            let (run_start, run_end) = (s.base + r.offset, s.base + r.offset + r.pages.size);
+            if run_start >= end {
+                break;
+            }
+            let (from, to) = (start.max(run_start), end.min(run_end));
+            out.push(Piece {
+                pages: Pages {
+                    handle: r.pages.handle,
+                    offset: r.pages.offset + (from - run_start),
+                    size: to - from,
+                },
+                lender: Some((seg, from)),
+                block: id,
+            });
+        }
     }
 
     /// Put pieces taken for a segment that was not made back where they came from.

@@ -332,3 +332,74 @@ fn a_large_request_lacking_under_1_mib_creates_a_large_segment_for_the_next() {
     }
     assert_books(&pool, sim);
 }
+
+/// Among many free blocks, a new range still finds its pieces: the largest first, then the
+/// smallest that covers what is left, found through the bins without a look at every free block
+/// (ties of size broken by the bins' order). 500 free 4 MiB blocks between live ones, and one
+/// free 12 MiB block.
+#[test]
+fn vmm_pieces_are_found_among_many_free_blocks() {
+    let (pool, sim) = pool_with(&[64 * GIB], vmm());
+    let mut released = Vec::new();
+    let mut kept = Vec::new();
+    for i in 0..1000 {
+        let p = pool.reserve(0, 4 * MIB, 0).unwrap();
+        if i % 2 == 1 {
+            released.push(p);
+        } else {
+            kept.push(p);
+        }
+    }
+    kept.push(pool.reserve(0, 4 * MIB, 0).unwrap());
+    let twelve = pool.reserve(0, 12 * MIB, 0).unwrap();
+    kept.push(pool.reserve(0, 4 * MIB, 0).unwrap());
+    for p in released {
+        pool.release(p).unwrap();
+    }
+    pool.release(twelve).unwrap();
+    // The free tail of the growth's headroom, taken: the largest free block is the 12 MiB one.
+    while pool.stats(0).unwrap().largest_reusable_block > 12 * MIB {
+        let tail = pool.stats(0).unwrap().largest_reusable_block;
+        kept.push(pool.reserve(0, tail, 0).unwrap());
+    }
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.reusable_bytes, 500 * 4 * MIB + 12 * MIB);
+    let (maps, allocs) = (sim.mappings(0).len(), s.driver_allocs);
+    // 14 MiB, which no free block holds: the 12 MiB block, then 2 MiB of a 4 MiB one; nothing
+    // created.
+    let p = pool.reserve(0, 14 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (sim.mappings(0).len() - maps, s.driver_allocs - allocs),
+        (2, 0)
+    );
+    assert_eq!(s.reusable_bytes, 500 * 4 * MIB + 12 * MIB - 14 * MIB);
+    pool.check().unwrap();
+    // Released, the 14 MiB range gives its two lent pieces back first (unmapped: two mappings
+    // fewer). Then 200 MiB: the 12 MiB block and 31 of the 4 MiB ones, the largest first and
+    // 32 pieces at most (136 MiB, over half of it), and the 64 MiB lacking created as one handle
+    // (with headroom).
+    pool.release(p).unwrap();
+    let (maps, allocs) = (sim.mappings(0).len(), pool.stats(0).unwrap().driver_allocs);
+    let q = pool.reserve(0, 200 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        s.driver_allocs - allocs,
+        1,
+        "one handle for what the cache lacks"
+    );
+    assert_eq!(
+        sim.mappings(0).len() + 2 - maps,
+        33,
+        "32 cached pieces and the new handle, less the two unmapped"
+    );
+
+    assert_eq!(sim.is_accessible(q + 200 * MIB - 1), Some(true));
+    pool.release(q).unwrap();
+    for p in kept {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(Some(0)).unwrap();
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
