@@ -11,7 +11,7 @@
 //!   apart; `device/phys.rs`: its physical handles);
 //! - `stats`: the figures `rm_get_stats` reports;
 //! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
-//!   touch it, which finds a pointer's device for `release`;
+//!   touch it, which finds a pointer's device for `release` (kept with several devices only);
 //! - `probe` (only with the cargo feature `hold-probe`, for `scripts/bench-pauses.sh`): the
 //!   timing of each hold of a device's lock by [`Pool::free_reusable`];
 //! - this module: the multi-device [`Pool`], one lock per device.
@@ -134,8 +134,13 @@ impl Pool {
         Pool {
             driver,
             waiting: devices.iter().map(|_| AtomicU32::new(0)).collect(),
+            // One device is every pointer's device: the map would never be read.
+            spans: if devices.len() > 1 {
+                Spans::default()
+            } else {
+                Spans::unused()
+            },
             devices,
-            spans: Spans::default(),
         }
     }
 

@@ -13,6 +13,10 @@
 //!
 //! A segment leaves the map *before* the driver frees its addresses (which may be handed to
 //! another device at once) and is entered again if the free fails.
+//!
+//! A pool of one device never reads the map (every pointer is that device's to judge), so it
+//! keeps none ([`Spans::unused`]): booking a segment then costs nothing per 2 MiB span, where a
+//! 24 GiB segment's 12,288 entries took 200 µs under the device's lock.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -51,15 +55,29 @@ fn level<T>() -> Level<T> {
 
 /// The map. An entry is `(device + 1) << 32 | segments`, or 0 for no segment.
 pub struct Spans {
+    /// Kept: written and checked (not in a pool of one device).
+    kept: bool,
     top: Level<Level<Leaf>>,
     /// Entries that are not 0, and the sum of their counts (for the check).
     occupied: AtomicUsize,
     total: AtomicU64,
 }
 
+impl Spans {
+    /// A map that is not kept, for a pool of one device: nothing is written, and nothing may be
+    /// read (`owner` says nobody holds anything).
+    pub fn unused() -> Spans {
+        Spans {
+            kept: false,
+            ..Spans::default()
+        }
+    }
+}
+
 impl Default for Spans {
     fn default() -> Self {
         Spans {
+            kept: true,
             top: level(),
             occupied: AtomicUsize::new(0),
             total: AtomicU64::new(0),
@@ -95,6 +113,9 @@ fn spans(base: DevicePtr, size: u64) -> impl Iterator<Item = u64> {
 impl Spans {
     /// Note `device`'s new segment `[base, base + size)`.
     pub fn add(&self, base: DevicePtr, size: u64, device: i32) {
+        if !self.kept {
+            return;
+        }
         let code = u64::from(device as u32) + 1;
         for span in spans(base, size) {
             let [a, b, c] = parts(span);
@@ -117,6 +138,9 @@ impl Spans {
 
     /// Forget the segment `[base, base + size)`, added before.
     pub fn remove(&self, base: DevicePtr, size: u64) {
+        if !self.kept {
+            return;
+        }
         for span in spans(base, size) {
             let Some(entry) = self.entry(span) else {
                 debug_assert!(false, "a segment at {base:#x} that was never added");
@@ -171,6 +195,9 @@ impl Spans {
     /// entry and the sum of the entries' counts are those of the segments' spans, so that no
     /// span is counted twice or left out and no other span has an entry.
     pub fn check(&self, segments: &[(DevicePtr, u64, i32)]) -> Result<(), String> {
+        if !self.kept {
+            return Ok(());
+        }
         let mut ends: BTreeMap<u64, (BTreeSet<i32>, u64)> = BTreeMap::new();
         let mut spans_touched = 0u64;
         for &(base, size, device) in segments {
