@@ -339,4 +339,17 @@ mod tests {
         spans.add(LIMIT + 8 * MIB, 2 * MIB, 0);
         spans.remove(LIMIT + 8 * MIB, 2 * MIB);
     }
+
+    #[test]
+    fn a_map_not_kept_writes_nothing() {
+        let spans = Spans::unused();
+        let base = 0x7f00_0000_0000;
+        spans.add(base, 1 << 30, 0);
+        assert_eq!(spans.owner(base), Owner::Nobody);
+        assert_eq!(spans.occupied.load(Ordering::Relaxed), 0);
+        // Its check has nothing to compare: the pool's books are checked without it.
+        assert_eq!(spans.check(&[(base, 1 << 30, 0)]), Ok(()));
+        spans.remove(base, 1 << 30);
+        assert_eq!(spans.total.load(Ordering::Relaxed), 0);
+    }
 }
