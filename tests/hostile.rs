@@ -215,12 +215,14 @@ fn a_forced_panic_is_internal_and_the_library_stays_usable() {
 }
 
 /// What panics in the simulated driver: `cuMemAlloc_v2` and `cuMemCreate` while `armed`,
-/// `cuMemFree_v2` and `cuMemUnmap` while `frees_armed`, `cuMemGetInfo_v2` while `info_armed`.
+/// `cuMemFree_v2` and `cuMemUnmap` while `frees_armed`, `cuMemGetInfo_v2` while `info_armed`,
+/// `cuMemMap` while `map_armed`.
 #[derive(Default)]
 struct Explode {
     armed: AtomicBool,
     frees_armed: AtomicBool,
     info_armed: AtomicBool,
+    map_armed: AtomicBool,
 }
 
 impl Watch for Explode {
@@ -229,6 +231,7 @@ impl Watch for Explode {
             "cuMemAlloc_v2" | "cuMemCreate" => &self.armed,
             "cuMemFree_v2" | "cuMemUnmap" => &self.frees_armed,
             "cuMemGetInfo_v2" => &self.info_armed,
+            "cuMemMap" => &self.map_armed,
             _ => return,
         };
         if armed.load(Ordering::SeqCst) {
@@ -297,6 +300,37 @@ fn a_driver_panicking_while_it_creates_memory_fails_the_reserve() {
         assert_eq!(pool.free_reusable(None).unwrap(), 64 * MIB, "vmm {vmm}");
         pool.check().unwrap();
     }
+}
+
+/// With stitching, a range of new memory alone is mapped without the device's lock too: a
+/// driver that panics in that `cuMemMap` fails the reserve with an error naming the mapping; the
+/// handle just created stays as reusable cache with exact books, and serves the next reserve.
+#[test]
+fn a_driver_panicking_while_it_maps_a_new_range_fails_the_reserve() {
+    let sim = leaked_sim(&[4 * GIB]);
+    let driver = Arc::new(panicking_driver(sim));
+    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    driver.watch.map_armed.store(true, Ordering::SeqCst);
+    let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
+    driver.watch.map_armed.store(false, Ordering::SeqCst);
+    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER);
+    assert!(e.message.contains("mapping new memory"), "{e}");
+    assert!(e.message.contains("the driver panicked"), "{e}");
+    pool.check().unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.driver_allocs), (0, 1));
+    assert_eq!(s.reusable_bytes, s.reserved_bytes);
+    assert_eq!(sim.used_bytes(0), s.reserved_bytes);
+    let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().driver_allocs,
+        1,
+        "made from the handle kept"
+    );
+    pool.release(p).unwrap();
+    pool.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    pool.check().unwrap();
 }
 
 /// `free_reusable` makes the calls that return memory without the device's lock, after the

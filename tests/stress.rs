@@ -349,6 +349,7 @@ type Hook = Mutex<Option<Box<dyn FnOnce() + Send>>>;
 #[derive(Default)]
 struct Hooks {
     on_create: Hook,
+    on_access: Hook,
     on_free: Hook,
     on_unmap: Hook,
     on_sync: Hook,
@@ -375,6 +376,7 @@ impl Watch for Hooks {
     fn after(&self, call: &'static str, device: i32) {
         match call {
             "cuMemAlloc_v2" | "cuMemCreate" => Hooks::run(&self.on_create, device),
+            "cuMemSetAccess" => Hooks::run(&self.on_access, device),
             "cuMemFree_v2" | "cuMemAddressFree" => Hooks::run(&self.on_free, device),
             "cuMemUnmap" => Hooks::run(&self.on_unmap, device),
             _ => {}
@@ -571,6 +573,28 @@ fn growth_creates_memory_without_the_lock() {
         pool.free_reusable(None).unwrap();
         assert_returned(&*pool, sim);
     }
+}
+
+/// With stitching, a range made of new memory alone is also mapped without the device's lock:
+/// inside its `cuMemSetAccess` (after its `cuMemMap`), another thread reserves and releases a
+/// cached block and finishes.
+#[test]
+fn a_range_of_new_memory_is_mapped_without_the_lock() {
+    let (sim, driver, pool) = hooked_pool(true);
+    let small = pool.reserve(0, MIB, 0).unwrap();
+    pool.release(small).unwrap();
+    let cached = pool.stats(0).unwrap().reserved_bytes;
+    let in_access = meanwhile(&pool, &driver, |d| &d.on_access);
+    let big = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(
+        seen(&in_access, "in the new range's cuMemSetAccess"),
+        cached
+    );
+    assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
+    pool.check().unwrap();
+    pool.release(big).unwrap();
+    pool.free_reusable(None).unwrap();
+    assert_returned(&*pool, sim);
 }
 
 /// While a thread creates memory without the lock, the books move on: another thread releases

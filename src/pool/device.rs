@@ -585,7 +585,7 @@ impl DevicePool {
         backing: Backing,
     ) -> Result<Fresh> {
         let prepared = self.take_prepared(cx, backing, bytes);
-        if prepared.is_none() && self.defer_growth(backing, bytes, driver_free) {
+        if prepared.is_none() && self.defer_growth(cx, backing, bytes, driver_free)? {
             // Unwinds the pass through its failure path; the caller sees the plan, not this.
             return Err(Error::internal(
                 "growth deferred until the device's lock is free",

@@ -1,4 +1,4 @@
-//! Growth's memory-creating driver call, made without the device's lock.
+//! Growth's memory-creating driver calls, made without the device's lock.
 //!
 //! `cuMemAlloc` and `cuMemCreate` take tens of microseconds on a GPU, more for large sizes (a
 //! page table to fill), and `cuMemAlloc` may wait for the device. Made under the device's lock,
@@ -12,7 +12,12 @@
 //!    growth in flight, and the driver's free memory both leave room for it), it notes a
 //!    [`Plan`] and the pass unwinds through its usual failure path (cached pages lent to the new
 //!    range go back; the headroom's state and the count of reserve calls are restored).
-//! 2. Without the lock, the plan's call ([`Plan::make`]).
+//! 2. Without the lock, the plan's call ([`Plan::make`]). A stitched range made of new memory
+//!    alone (nothing cached to map into it) is also mapped and made accessible there
+//!    (`cuMemMap`, `cuMemSetAccess`, 19 µs each on an H200), into addresses pass 1 took; a
+//!    mapping that fails is undone under the lock in pass 3 (the handle kept as spare pages)
+//!    and reported, as a mapping that fails under the lock is. A range that maps cached pages
+//!    is mapped under the lock, in pass 3: its pages are lent out of other ranges' books.
 //! 3. Under the lock, the usual path again, the call's answer *prepared*: where the growth
 //!    policy asks for the same bytes of the same kind, it takes the new memory instead of
 //!    calling the driver, or goes on from the driver's refusal as from its own first try (out
@@ -23,8 +28,9 @@
 //!    time (an idle range whose lent pages came back in pass 1 gives its own back): on the
 //!    replays of `scripts/policy-check.py`, peaks, creating calls and out-of-memory failures are
 //!    those of a single pass. Where other threads changed the books meanwhile and pass 3 does
-//!    not take the new memory, it is booked as cache (an idle segment, or spare pages),
-//!    reusable and returned as any; above a cap lowered meanwhile, it goes back to the driver.
+//!    not take the new memory, it is booked as cache (an idle segment, or spare pages: a range
+//!    is unmapped), reusable and returned as any; above a cap lowered meanwhile, idle cache goes
+//!    back to the driver until the pool is under it.
 //!
 //! The memory in flight counts against the cap (`growing`) from pass 1 to pass 3, so two threads
 //! growing at once never take the pool past it.
@@ -42,6 +48,10 @@ pub(super) enum Backing {
     Segment(Class, StreamHandle),
     /// A physical handle (`cuMemCreate`), for a stitched range.
     Handle,
+    /// A physical handle that is a stitched range alone: made without the lock, it is also
+    /// mapped (`cuMemMap`, `cuMemSetAccess`) into addresses the first pass took; under the lock,
+    /// only created, as a handle.
+    Range,
 }
 
 /// New memory from the driver.
@@ -51,6 +61,16 @@ pub enum Fresh {
     Segment(DevicePtr),
     /// A physical handle.
     Handle(PhysHandle),
+    /// A physical handle mapped at this address, accessible.
+    Range(PhysHandle, DevicePtr),
+}
+
+/// What the call of a [`Plan`] made.
+#[derive(Debug)]
+pub struct Made {
+    result: DriverResult<Fresh>,
+    /// For a range that failed after its handle was created: the handle, and the bytes mapped.
+    leftover: Option<(PhysHandle, u64)>,
 }
 
 impl Backing {
@@ -63,7 +83,7 @@ impl Backing {
     ) -> DriverResult<Fresh> {
         match self {
             Backing::Segment(..) => driver.mem_alloc(device, bytes).map(Fresh::Segment),
-            Backing::Handle => driver.vmm_create(device, bytes).map(Fresh::Handle),
+            Backing::Handle | Backing::Range => driver.vmm_create(device, bytes).map(Fresh::Handle),
         }
     }
 }
@@ -74,28 +94,45 @@ pub struct Plan {
     device: i32,
     backing: Backing,
     bytes: u64,
+    /// For a range: the addresses the first pass took for it.
+    base: Option<DevicePtr>,
     /// The driver's `(free, total)` as the first pass saw them.
     driver_info: (u64, u64),
 }
 
 impl Plan {
-    /// Make the call through `driver`, without the device's lock. A driver that panics fails
+    /// Make the calls through `driver`, without the device's lock. A driver that panics fails
     /// the call (`CUDA_ERROR_UNKNOWN`) instead of unwinding past the memory counted in flight.
-    pub fn make(&self, driver: &dyn Driver) -> DriverResult<Fresh> {
-        std::panic::catch_unwind(AssertUnwindSafe(|| {
-            self.backing.create(driver, self.device, self.bytes)
+    pub fn make(&self, driver: &dyn Driver) -> Made {
+        let (device, bytes) = (self.device, self.bytes);
+        let mut leftover = None;
+        let mut call = match self.backing {
+            Backing::Segment(..) => "cuMemAlloc_v2",
+            Backing::Handle | Backing::Range => "cuMemCreate",
+        };
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let fresh = self.backing.create(driver, device, bytes)?;
+            let (Fresh::Handle(handle), Some(base)) = (fresh, self.base) else {
+                return Ok(fresh);
+            };
+            leftover = Some((handle, 0));
+            call = "cuMemMap";
+            driver.vmm_map(device, base, bytes, handle, 0)?;
+            leftover = Some((handle, bytes));
+            call = "cuMemSetAccess";
+            driver.vmm_set_access(device, base, bytes)?;
+            leftover = None;
+            Ok(Fresh::Range(handle, base))
         }))
         .unwrap_or_else(|_| {
             Err(DriverError {
-                call: match self.backing {
-                    Backing::Segment(..) => "cuMemAlloc_v2",
-                    Backing::Handle => "cuMemCreate",
-                },
+                call,
                 code: 999,
                 name: "CUDA_ERROR_UNKNOWN".to_string(),
                 description: "the driver panicked".to_string(),
             })
-        })
+        });
+        Made { result, leftover }
     }
 }
 
@@ -143,14 +180,33 @@ impl DevicePool {
         &mut self,
         cx: &Context<'_>,
         plan: Plan,
-        made: DriverResult<Fresh>,
+        made: Made,
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Result<T> {
         self.growing -= plan.bytes;
+        if let (Some(base), Err(err)) = (plan.base, &made.result) {
+            // A range not made: its addresses back, and a handle created for it kept as spare
+            // pages once unmapped (or kept with the range to retry, if the unmap fails).
+            match made.leftover {
+                Some((handle, mapped)) => {
+                    self.keep_handle(handle, plan.bytes);
+                    self.abandon_range(cx, base, plan.bytes, mapped, vec![handle]);
+                    self.give_whole(handle, plan.bytes);
+                    // Mapping failed where creating did not: reported, as when a range fails
+                    // to map under the lock (not made again from the pages just kept).
+                    let what = match mapped {
+                        0 => "mapping new memory into a new segment",
+                        _ => "setting access to a new segment",
+                    };
+                    return Err(Error::driver(what, err));
+                }
+                None => self.addresses.give(base, plan.bytes),
+            }
+        }
         self.prepared = Some(Prepared {
             backing: plan.backing,
             bytes: plan.bytes,
-            made,
+            made: made.result,
             driver_info: plan.driver_info,
         });
         let done = f(self);
@@ -161,22 +217,41 @@ impl DevicePool {
     }
 
     /// In the first pass, whether to defer creating `bytes` of `backing` (then noted as the
-    /// plan): nothing need go back first, to the cap or for the driver's `driver_free` bytes.
-    pub(super) fn defer_growth(&mut self, backing: Backing, bytes: u64, driver_free: u64) -> bool {
+    /// plan): nothing need go back first, to the cap or for the driver's `driver_free` bytes. A
+    /// range takes its addresses now.
+    pub(super) fn defer_growth(
+        &mut self,
+        cx: &Context<'_>,
+        backing: Backing,
+        bytes: u64,
+        driver_free: u64,
+    ) -> Result<bool> {
         let room = self.limit.map_or(u64::MAX, |limit| {
             limit.saturating_sub(self.stats.reserved_bytes + self.growing)
         });
         if !self.defer || self.plan.is_some() || bytes > room || bytes > driver_free {
-            return false;
+            return Ok(false);
         }
+        let base = match backing {
+            Backing::Range => Some(self.take_addresses(cx, bytes)?),
+            _ => None,
+        };
         self.growing += bytes;
         self.plan = Some(Plan {
             device: self.device,
             backing,
             bytes,
+            base,
             driver_info: (driver_free, self.driver_total),
         });
-        true
+        Ok(true)
+    }
+
+    /// Hold `handle`, just created, of `bytes`: its pages owned by the range being made, and
+    /// counted as reserved.
+    fn keep_handle(&mut self, handle: PhysHandle, bytes: u64) {
+        self.phys.add(handle, bytes);
+        self.stats.add_reserved(bytes, 1);
     }
 
     /// In the second pass, the prepared memory if it is `bytes` of `backing`; other prepared
@@ -195,46 +270,52 @@ impl DevicePool {
         None
     }
 
-    /// Keep prepared memory the second pass did not take: as cache, or back to the driver where
-    /// a cap lowered meanwhile leaves no room for it.
+    /// Keep prepared memory the second pass did not take, as cache (an idle segment, or spare
+    /// pages); where a cap lowered meanwhile leaves no room for it, idle cache goes back to the
+    /// driver until the pool is under it, as growth under a cap returns it.
     fn book_fresh(&mut self, cx: &Context<'_>, p: Prepared) {
         let Ok(fresh) = p.made else {
             return;
         };
-        let room = self.limit.map_or(u64::MAX, |limit| {
-            limit.saturating_sub(self.stats.reserved_bytes + self.growing)
-        });
-        if p.bytes > room {
-            let gone = match fresh {
-                Fresh::Segment(ptr) => cx.driver.mem_free(self.device, ptr),
-                Fresh::Handle(handle) => cx.driver.vmm_release(self.device, handle),
-            };
-            if gone.is_ok() {
-                // Made and returned: counted as calls, never as reserved.
-                self.stats.driver_allocs += 1;
-                self.stats.driver_frees += 1;
-                self.log(format_args!(
-                    "returned {} made meanwhile: the cap leaves no room for it",
-                    human(p.bytes)
-                ));
-                return;
-            }
-            // Kept, as the driver would not take it: reserved, and above the cap until returned.
-        }
-        self.stats.add_reserved(p.bytes, 1);
         match (fresh, p.backing) {
             (Fresh::Segment(ptr), Backing::Segment(class, stream)) => {
+                self.stats.add_reserved(p.bytes, 1);
                 self.install_segment(cx, ptr, p.bytes, class, stream, Vec::new());
             }
             (Fresh::Handle(handle), _) => {
-                self.phys.add(handle, p.bytes);
-                self.phys.give(Pages {
-                    handle,
-                    offset: 0,
-                    size: p.bytes,
-                });
+                self.keep_handle(handle, p.bytes);
+                self.give_whole(handle, p.bytes);
             }
-            (Fresh::Segment(_), Backing::Handle) => unreachable!("a segment made for a handle"),
+            (Fresh::Range(handle, base), _) => {
+                // Unmapped (under the lock: a path taken only when the books moved meanwhile),
+                // its pages spare; or kept with its range to retry, if the unmap fails.
+                self.keep_handle(handle, p.bytes);
+                self.abandon_range(cx, base, p.bytes, p.bytes, vec![handle]);
+                self.give_whole(handle, p.bytes);
+            }
+            (Fresh::Segment(_), _) => unreachable!("a segment made for a handle"),
         }
+        if let Some(limit) = self.limit {
+            let over = (self.stats.reserved_bytes + self.growing).saturating_sub(limit);
+            if over > 0 {
+                match self.release_idle(cx, over) {
+                    Ok(back) => self.log(format_args!(
+                        "returned {} of idle cache: memory made meanwhile took the pool past \
+                         its cap",
+                        human(back)
+                    )),
+                    Err(e) => self.log(format_args!("{}; kept above the cap", e.message)),
+                }
+            }
+        }
+    }
+
+    /// Every page of `handle` (`bytes`), held, owned by no range any more: spare.
+    fn give_whole(&mut self, handle: PhysHandle, bytes: u64) {
+        self.phys.give(Pages {
+            handle,
+            offset: 0,
+            size: bytes,
+        });
     }
 }

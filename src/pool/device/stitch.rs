@@ -272,7 +272,14 @@ impl DevicePool {
                     0
                 })
                 .next_multiple_of(granularity);
-            let mut created = self.obtain(cx, sized, requested, mode, driver_free, Backing::Handle);
+            // A range of new memory alone is mapped without the lock too, where the creation
+            // is (`growing.rs`).
+            let backing = if all.is_empty() {
+                Backing::Range
+            } else {
+                Backing::Handle
+            };
+            let mut created = self.obtain(cx, sized, requested, mode, driver_free, backing);
             let mut made = sized;
             if sized > need
                 && created
@@ -280,10 +287,12 @@ impl DevicePool {
                     .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY)
             {
                 made = need;
-                created = self.obtain(cx, need, requested, mode, driver_free, Backing::Handle);
+                created = self.obtain(cx, need, requested, mode, driver_free, backing);
             }
-            let Fresh::Handle(handle) = created? else {
-                unreachable!("a handle asked for")
+            let (handle, mapped_at) = match created? {
+                Fresh::Handle(handle) => (handle, None),
+                Fresh::Range(handle, base) => (handle, Some(base)),
+                Fresh::Segment(_) => unreachable!("a handle asked for"),
             };
             self.headroom.created(made, need);
             self.phys.add(handle, made);
@@ -297,6 +306,10 @@ impl DevicePool {
                 lender: None,
                 block: BlockId::NIL,
             });
+            if let Some(base) = mapped_at {
+                // Mapped and accessible already, alone in its range.
+                return Ok(base);
+            }
         }
         let size = all.iter().map(|p| p.pages.size).sum();
         self.map_pieces(cx, size, all)
@@ -520,7 +533,7 @@ impl DevicePool {
 
     /// An address range of `size` bytes from the chunks; a new chunk of at least
     /// [`addresses::CHUNK`] bytes reserved where none has room.
-    fn take_addresses(&mut self, cx: &Context<'_>, size: u64) -> Result<DevicePtr> {
+    pub(super) fn take_addresses(&mut self, cx: &Context<'_>, size: u64) -> Result<DevicePtr> {
         if let Some(ptr) = self.addresses.take(size) {
             return Ok(ptr);
         }
