@@ -592,6 +592,19 @@ fn a_range_of_new_memory_is_mapped_without_the_lock() {
     );
     assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
     pool.check().unwrap();
+    // The books hold while a range is being mapped: its addresses are counted as taken.
+    let checked: Arc<Mutex<Option<Result<(), String>>>> = Arc::default();
+    {
+        let (pool, checked) = (Arc::downgrade(&pool), checked.clone());
+        *driver.watch.on_access.lock().unwrap() = Some(Box::new(move || {
+            let pool = pool.upgrade().unwrap();
+            *checked.lock().unwrap() = Some(within(move || pool.check()));
+        }));
+    }
+    let other = pool.reserve(0, 1024 * MIB, 0).unwrap();
+    let checked = checked.lock().unwrap().take().expect("the hook ran");
+    assert_eq!(checked, Ok(()));
+    pool.release(other).unwrap();
     pool.release(big).unwrap();
     pool.free_reusable(None).unwrap();
     assert_returned(&*pool, sim);

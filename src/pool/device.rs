@@ -188,6 +188,8 @@ pub struct DevicePool {
     prepared: Option<Prepared>,
     /// Bytes being created without the lock: counted against the cap.
     growing: u64,
+    /// Bytes of addresses taken for ranges being mapped without the lock.
+    carved: u64,
     /// The device's total memory, as the driver last gave it.
     driver_total: u64,
 }
@@ -228,6 +230,7 @@ impl DevicePool {
             plan: None,
             prepared: None,
             growing: 0,
+            carved: 0,
             driver_total: 0,
         }
     }

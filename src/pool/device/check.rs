@@ -232,10 +232,11 @@ impl DevicePool {
     }
 
     /// Check the address chunks: every stitched segment and every kept range lies in one, and
-    /// the chunks' bytes are exactly theirs and the free ranges'.
+    /// the chunks' bytes are exactly theirs, the free ranges' and those of ranges being mapped
+    /// without the lock.
     fn check_addresses(&self) -> std::result::Result<(), String> {
         self.addresses.check()?;
-        let mut used = 0;
+        let mut used = self.carved;
         let ranges = self.segments.iter().filter(|s| s.in_use && s.stitched);
         for (base, size) in ranges
             .map(|s| (s.base, s.size))

@@ -184,6 +184,9 @@ impl DevicePool {
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Result<T> {
         self.growing -= plan.bytes;
+        if plan.base.is_some() {
+            self.carved -= plan.bytes;
+        }
         if let (Some(base), Err(err)) = (plan.base, &made.result) {
             // A range not made: its addresses back, and a handle created for it kept as spare
             // pages once unmapped (or kept with the range to retry, if the unmap fails).
@@ -233,7 +236,11 @@ impl DevicePool {
             return Ok(false);
         }
         let base = match backing {
-            Backing::Range => Some(self.take_addresses(cx, bytes)?),
+            Backing::Range => {
+                let base = self.take_addresses(cx, bytes)?;
+                self.carved += bytes;
+                Some(base)
+            }
             _ => None,
         };
         self.growing += bytes;
