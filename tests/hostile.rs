@@ -250,6 +250,18 @@ fn panicking_driver(sim: &'static Sim) -> PanickingDriver {
     }
 }
 
+/// A pool over a 4 GiB simulated device behind a [`PanickingDriver`], stitched (`vmm`) or not.
+fn panicking_pool(vmm: bool) -> (&'static Sim, Arc<PanickingDriver>, Pool) {
+    let sim = leaked_sim(&[4 * GIB]);
+    let driver = Arc::new(panicking_driver(sim));
+    let config = PoolConfig {
+        vmm,
+        ..PoolConfig::default()
+    };
+    let pool = Pool::new(driver.clone(), config);
+    (sim, driver, pool)
+}
+
 #[test]
 fn a_lock_poisoned_by_a_panic_is_taken_over() {
     let sim = leaked_sim(&[4 * GIB]);
@@ -278,13 +290,7 @@ fn a_lock_poisoned_by_a_panic_is_taken_over() {
 #[test]
 fn a_driver_panicking_while_it_creates_memory_fails_the_reserve() {
     for vmm in [false, true] {
-        let sim = leaked_sim(&[4 * GIB]);
-        let driver = Arc::new(panicking_driver(sim));
-        let config = PoolConfig {
-            vmm,
-            ..PoolConfig::default()
-        };
-        let pool = Pool::new(driver.clone(), config);
+        let (sim, driver, pool) = panicking_pool(vmm);
         pool.set_memory_limit(Some(0), Some(64 * MIB)).unwrap();
         driver.watch.armed.store(true, Ordering::SeqCst);
         let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
@@ -307,9 +313,7 @@ fn a_driver_panicking_while_it_creates_memory_fails_the_reserve() {
 /// handle just created stays as reusable cache with exact books, and serves the next reserve.
 #[test]
 fn a_driver_panicking_while_it_maps_a_new_range_fails_the_reserve() {
-    let sim = leaked_sim(&[4 * GIB]);
-    let driver = Arc::new(panicking_driver(sim));
-    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    let (sim, driver, pool) = panicking_pool(true);
     driver.watch.map_armed.store(true, Ordering::SeqCst);
     let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
     driver.watch.map_armed.store(false, Ordering::SeqCst);
@@ -340,13 +344,7 @@ fn a_driver_panicking_while_it_maps_a_new_range_fails_the_reserve() {
 #[test]
 fn a_driver_panicking_while_memory_goes_back_leaves_exact_books() {
     for vmm in [false, true] {
-        let sim = leaked_sim(&[4 * GIB]);
-        let driver = Arc::new(panicking_driver(sim));
-        let config = PoolConfig {
-            vmm,
-            ..PoolConfig::default()
-        };
-        let pool = Pool::new(driver.clone(), config);
+        let (sim, driver, pool) = panicking_pool(vmm);
         let blocks: Vec<u64> = (0..3)
             .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
             .collect();

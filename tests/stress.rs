@@ -476,6 +476,12 @@ fn within<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
         .expect("blocked behind the device's lock")
 }
 
+/// Set `hook` to run `f` with the pool (held weakly until then), once.
+fn on_hook(pool: &Arc<Pool>, hook: &Hook, f: impl FnOnce(Arc<Pool>) + Send + 'static) {
+    let pool = Arc::downgrade(pool);
+    *hook.lock().unwrap() = Some(Box::new(move || f(pool.upgrade().unwrap())));
+}
+
 /// The bytes reserved while a hook of [`meanwhile`] ran, which must have run.
 fn seen(meanwhile: &Mutex<Option<Result<u64, String>>>, what: &str) -> u64 {
     meanwhile
@@ -594,13 +600,10 @@ fn a_range_of_new_memory_is_mapped_without_the_lock() {
     pool.check().unwrap();
     // The books hold while a range is being mapped: its addresses are counted as taken.
     let checked: Arc<Mutex<Option<Result<(), String>>>> = Arc::default();
-    {
-        let (pool, checked) = (Arc::downgrade(&pool), checked.clone());
-        *driver.watch.on_access.lock().unwrap() = Some(Box::new(move || {
-            let pool = pool.upgrade().unwrap();
-            *checked.lock().unwrap() = Some(within(move || pool.check()));
-        }));
-    }
+    let into = checked.clone();
+    on_hook(&pool, &driver.watch.on_access, move |pool| {
+        *into.lock().unwrap() = Some(within(move || pool.check()));
+    });
     let other = pool.reserve(0, 1024 * MIB, 0).unwrap();
     let checked = checked.lock().unwrap().take().expect("the hook ran");
     assert_eq!(checked, Ok(()));
@@ -619,13 +622,9 @@ fn memory_created_meanwhile_but_not_needed_stays_as_cache() {
         let (sim, driver, pool) = hooked_pool(stitched);
         let held = pool.reserve(0, 64 * MIB, 0).unwrap();
         let cached = pool.stats(0).unwrap().reserved_bytes;
-        {
-            let pool = Arc::downgrade(&pool);
-            *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
-                let pool = pool.upgrade().unwrap();
-                within(move || pool.release(held).unwrap());
-            }));
-        }
+        on_hook(&pool, &driver.watch.on_create, move |pool| {
+            within(move || pool.release(held).unwrap());
+        });
         let p = pool.reserve(0, 64 * MIB, 0).unwrap();
         assert_eq!(p, held, "stitched {stitched}: the block released meanwhile");
         let s = pool.stats(0).unwrap();
@@ -659,15 +658,12 @@ fn growth_in_flight_counts_against_the_cap() {
         let (sim, driver, pool) = hooked_pool(stitched);
         pool.set_memory_limit(Some(0), Some(100 * MIB)).unwrap();
         let refused: Arc<Mutex<Option<String>>> = Arc::default();
-        {
-            let (pool, refused) = (Arc::downgrade(&pool), refused.clone());
-            *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
-                let pool = pool.upgrade().unwrap();
-                let e = within(move || pool.reserve(0, 64 * MIB, 0).unwrap_err());
-                assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
-                *refused.lock().unwrap() = Some(e.message);
-            }));
-        }
+        let into = refused.clone();
+        on_hook(&pool, &driver.watch.on_create, move |pool| {
+            let e = within(move || pool.reserve(0, 64 * MIB, 0).unwrap_err());
+            assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+            *into.lock().unwrap() = Some(e.message);
+        });
         let p = pool.reserve(0, 64 * MIB, 0).unwrap();
         let message = refused.lock().unwrap().take().expect("the hook ran");
         assert!(
@@ -691,16 +687,12 @@ fn memory_created_meanwhile_goes_back_under_a_cap_lowered_meanwhile() {
         let (sim, driver, pool) = hooked_pool(stitched);
         let held = pool.reserve(0, 64 * MIB, 0).unwrap();
         let cached = pool.stats(0).unwrap().reserved_bytes;
-        {
-            let pool = Arc::downgrade(&pool);
-            *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
-                let pool = pool.upgrade().unwrap();
-                within(move || {
-                    pool.release(held).unwrap();
-                    pool.set_memory_limit(Some(0), Some(cached)).unwrap();
-                });
-            }));
-        }
+        on_hook(&pool, &driver.watch.on_create, move |pool| {
+            within(move || {
+                pool.release(held).unwrap();
+                pool.set_memory_limit(Some(0), Some(cached)).unwrap();
+            });
+        });
         let p = pool.reserve(0, 64 * MIB, 0).unwrap();
         assert_eq!(p, held, "stitched {stitched}");
         let s = pool.stats(0).unwrap();
