@@ -216,13 +216,16 @@ fn a_forced_panic_is_internal_and_the_library_stays_usable() {
 
 /// What panics in the simulated driver: `cuMemAlloc_v2` and `cuMemCreate` while `armed`,
 /// `cuMemFree_v2` and `cuMemUnmap` while `frees_armed`, `cuMemGetInfo_v2` while `info_armed`,
-/// `cuMemMap` while `map_armed`.
+/// `cuMemMap` while `map_armed`, `cuEventQuery` while `query_armed` (which a `cuMemAlloc_v2` that
+/// succeeds arms while `arm_query` is set).
 #[derive(Default)]
 struct Explode {
     armed: AtomicBool,
     frees_armed: AtomicBool,
     info_armed: AtomicBool,
     map_armed: AtomicBool,
+    query_armed: AtomicBool,
+    arm_query: AtomicBool,
 }
 
 impl Watch for Explode {
@@ -232,10 +235,17 @@ impl Watch for Explode {
             "cuMemFree_v2" | "cuMemUnmap" => &self.frees_armed,
             "cuMemGetInfo_v2" => &self.info_armed,
             "cuMemMap" => &self.map_armed,
+            "cuEventQuery" => &self.query_armed,
             _ => return,
         };
         if armed.load(Ordering::SeqCst) {
             panic!("driver exploded");
+        }
+    }
+
+    fn after(&self, call: &'static str, _device: i32) {
+        if call == "cuMemAlloc_v2" && self.arm_query.load(Ordering::SeqCst) {
+            self.query_armed.store(true, Ordering::SeqCst);
         }
     }
 }
@@ -306,6 +316,40 @@ fn a_driver_panicking_while_it_creates_memory_fails_the_reserve() {
         assert_eq!(pool.free_reusable(None).unwrap(), 64 * MIB, "vmm {vmm}");
         pool.check().unwrap();
     }
+}
+
+/// Memory a growth made without the lock is booked even when the pass that was to take it
+/// unwinds: the driver panics in the second pass, under the lock, at the `cuEventQuery` asking
+/// after a block pending on another stream's work (armed once `cuMemAlloc` returned). The lock is
+/// taken over, the new segment is in the books (reserved = what the driver holds), and
+/// everything goes back.
+#[test]
+fn memory_made_without_the_lock_is_booked_when_the_second_pass_panics() {
+    let (sim, driver, pool) = panicking_pool(false);
+    let pool = Arc::new(pool);
+    let other = sim.stream_create(0).unwrap();
+    let shared = pool.reserve(0, MIB, 0).unwrap();
+    pool.record_stream(shared, other).unwrap();
+    sim.enqueue_work(0, other).unwrap();
+    pool.release(shared).unwrap();
+    driver.watch.arm_query.store(true, Ordering::SeqCst);
+    let p = pool.clone();
+    let outcome = std::thread::spawn(move || p.reserve(0, 64 * MIB, 0)).join();
+    assert!(outcome.is_err(), "the driver panicked in the second pass");
+    driver.watch.arm_query.store(false, Ordering::SeqCst);
+    driver.watch.query_armed.store(false, Ordering::SeqCst);
+    pool.check().unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        s.reserved_bytes,
+        sim.used_bytes(0),
+        "the new segment is booked"
+    );
+    assert_eq!(s.reserved_bytes, 2 * MIB + 64 * MIB);
+    sim.complete_work(0, other).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 66 * MIB);
+    assert_eq!(sim.used_bytes(0), 0);
+    pool.check().unwrap();
 }
 
 /// With stitching, a range of new memory alone is mapped without the device's lock too: a

@@ -161,8 +161,20 @@ impl DevicePool {
     pub fn deferring<T>(&mut self, f: impl FnOnce(&mut DevicePool) -> Result<T>) -> Pass<T> {
         let (headroom, reserve_calls) = (self.headroom, self.stats.reserve_calls);
         self.defer = true;
-        let done = f(self);
+        let done = std::panic::catch_unwind(AssertUnwindSafe(|| f(self)));
         self.defer = false;
+        let done = done.unwrap_or_else(|panic| {
+            // A driver that panicked under the lock: no plan outlives the pass (the lock is
+            // taken over, see `Pool::lock`).
+            if let Some(plan) = self.plan.take() {
+                self.growing -= plan.bytes;
+                if let Some(base) = plan.base {
+                    self.carved -= plan.bytes;
+                    self.addresses.give(base, plan.bytes);
+                }
+            }
+            std::panic::resume_unwind(panic)
+        });
         match self.plan.take() {
             Some(plan) => {
                 debug_assert!(done.is_err(), "a deferred growth unwinds its pass");
@@ -212,11 +224,13 @@ impl DevicePool {
             made: made.result,
             driver_info: plan.driver_info,
         });
-        let done = f(self);
+        // Booked whether the pass takes it, fails, or unwinds (a driver that panicked under the
+        // lock): memory the driver made never leaves the books.
+        let done = std::panic::catch_unwind(AssertUnwindSafe(|| f(self)));
         if let Some(unused) = self.prepared.take() {
             self.book_fresh(cx, unused);
         }
-        done
+        done.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
     }
 
     /// In the first pass, whether to defer creating `bytes` of `backing` (then noted as the
