@@ -33,7 +33,8 @@
 //!    back to the driver until the pool is under it.
 //!
 //! The memory in flight counts against the cap (`growing`) from pass 1 to pass 3, so two threads
-//! growing at once never take the pool past it.
+//! growing at once never take the pool past it. A driver that panics under the lock in either
+//! pass leaves no plan behind, and memory already made is booked before the panic goes on.
 
 use std::panic::AssertUnwindSafe;
 
