@@ -655,14 +655,12 @@ impl DevicePool {
         let Some(limit) = self.limit else {
             return Ok(());
         };
-        // Memory other threads are creating without the lock counts as reserved.
-        let allowed = limit.saturating_sub(self.stats.reserved_bytes + self.growing);
+        let allowed = self.room_under_cap();
         if bytes > allowed && mode == Grow::MayRelease {
             // Under a cap, returning idle cache is the only way to grow.
             self.release_idle(cx, bytes - allowed)?;
         }
-        let allowed = limit.saturating_sub(self.stats.reserved_bytes + self.growing);
-        if bytes <= allowed {
+        if bytes <= self.room_under_cap() {
             return Ok(());
         }
         self.stats.ooms += 1;
@@ -678,6 +676,14 @@ impl DevicePool {
             human(self.stats.reserved_bytes),
             human(self.stats.reusable())
         )))
+    }
+
+    /// What the cap leaves to grow by (all there is without one): memory other threads are
+    /// creating without the lock counts as reserved.
+    fn room_under_cap(&self) -> u64 {
+        self.limit.map_or(u64::MAX, |limit| {
+            limit.saturating_sub(self.stats.reserved_bytes + self.growing)
+        })
     }
 
     /// Turn a failed driver allocation into the error the caller sees.

@@ -98,7 +98,7 @@ impl Deferred {
 }
 
 /// The answer of a call the driver did not complete: `CUDA_ERROR_UNKNOWN`.
-fn not_made(call: &'static str, why: &str) -> DriverError {
+pub(super) fn not_made(call: &'static str, why: &str) -> DriverError {
     DriverError {
         call,
         code: 999,

@@ -38,9 +38,10 @@
 
 use std::panic::AssertUnwindSafe;
 
+use super::deferred::not_made;
 use super::phys::Pages;
 use super::*;
-use crate::driver::{Driver, DriverError, DriverResult};
+use crate::driver::{Driver, DriverResult};
 
 /// What the growth policy creates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,14 +126,7 @@ impl Plan {
             leftover = None;
             Ok(Fresh::Range(handle, base))
         }))
-        .unwrap_or_else(|_| {
-            Err(DriverError {
-                call,
-                code: 999,
-                name: "CUDA_ERROR_UNKNOWN".to_string(),
-                description: "the driver panicked".to_string(),
-            })
-        });
+        .unwrap_or_else(|_| Err(not_made(call, "the driver panicked")));
         Made { result, leftover }
     }
 }
@@ -205,9 +199,7 @@ impl DevicePool {
             // pages once unmapped (or kept with the range to retry, if the unmap fails).
             match made.leftover {
                 Some((handle, mapped)) => {
-                    self.keep_handle(handle, plan.bytes);
-                    self.abandon_range(cx, base, plan.bytes, mapped, vec![handle]);
-                    self.give_whole(handle, plan.bytes);
+                    self.keep_pages_of(cx, handle, base, plan.bytes, mapped);
                     // Mapping failed where creating did not: reported, as when a range fails
                     // to map under the lock (not made again from the pages just kept).
                     let what = match mapped {
@@ -244,9 +236,7 @@ impl DevicePool {
         bytes: u64,
         driver_free: u64,
     ) -> Result<bool> {
-        let room = self.limit.map_or(u64::MAX, |limit| {
-            limit.saturating_sub(self.stats.reserved_bytes + self.growing)
-        });
+        let room = self.room_under_cap();
         if !self.defer || self.plan.is_some() || bytes > room || bytes > driver_free {
             return Ok(false);
         }
@@ -309,11 +299,8 @@ impl DevicePool {
                 self.give_whole(handle, p.bytes);
             }
             (Fresh::Range(handle, base), _) => {
-                // Unmapped (under the lock: a path taken only when the books moved meanwhile),
-                // its pages spare; or kept with its range to retry, if the unmap fails.
-                self.keep_handle(handle, p.bytes);
-                self.abandon_range(cx, base, p.bytes, p.bytes, vec![handle]);
-                self.give_whole(handle, p.bytes);
+                // Unmapped under the lock: a path taken only when the books moved meanwhile.
+                self.keep_pages_of(cx, handle, base, p.bytes, p.bytes);
             }
             (Fresh::Segment(_), _) => unreachable!("a segment made for a handle"),
         }
@@ -330,6 +317,22 @@ impl DevicePool {
                 }
             }
         }
+    }
+
+    /// Keep `handle` (`bytes`, just created for a range at `base` that is not made, `mapped`
+    /// bytes of it mapped there) as spare pages, the range unmapped and its addresses back; or
+    /// kept with the range to retry, if the unmap fails.
+    fn keep_pages_of(
+        &mut self,
+        cx: &Context<'_>,
+        handle: PhysHandle,
+        base: DevicePtr,
+        bytes: u64,
+        mapped: u64,
+    ) {
+        self.keep_handle(handle, bytes);
+        self.abandon_range(cx, base, bytes, mapped, vec![handle]);
+        self.give_whole(handle, bytes);
     }
 
     /// Every page of `handle` (`bytes`), held, owned by no range any more: spare.

@@ -82,31 +82,27 @@ pub(super) struct Piece {
     block: BlockId,
 }
 
-/// Choose pieces for `need` bytes: spare ones first (largest first), then of the lendable ones
-/// the smallest that covers the rest alone, else the largest first; at most [`MAX_PIECES`] in
-/// all. The last piece taken is cut to what is still needed (from its start).
-pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piece> {
-    let mut chosen = Vec::new();
-    let mut left = need;
-    let take = |piece: &Piece, left: &mut u64, chosen: &mut Vec<Piece>| {
-        let size = piece.pages.size.min(*left);
-        chosen.push(Piece {
-            pages: Pages {
-                size,
-                ..piece.pages
-            },
-            ..*piece
-        });
-        *left -= size;
-    };
+/// Choose spare pieces for `need` bytes, largest first, at most [`MAX_PIECES`]; the last piece
+/// taken is cut to what is still needed (from its start). The rest comes from [`choose_lent`].
+pub(super) fn choose_spare(spare: &[Piece], need: u64) -> Vec<Piece> {
     let mut spare = spare.to_vec();
     spare.sort_by_key(|p| std::cmp::Reverse(p.pages.size));
+    let mut chosen = Vec::new();
+    let mut left = need;
     for piece in &spare {
         if left == 0 || chosen.len() == MAX_PIECES {
             break;
         }
         take(piece, &mut left, &mut chosen);
     }
+    chosen
+}
+
+/// Add to `chosen` (the spare pieces) lendable pieces for the rest of `need` bytes: the
+/// smallest that covers the rest alone, else the largest first; at most [`MAX_PIECES`] in all.
+/// The last piece taken is cut to what is still needed (from its start).
+pub(super) fn choose_lent(chosen: &mut Vec<Piece>, lendable: &[Piece], need: u64) {
+    let mut left = need - chosen.iter().map(|p| p.pages.size).sum::<u64>();
     let mut lendable = lendable.to_vec();
     lendable.sort_by_key(|p| (p.pages.size, p.lender));
     while left > 0 && chosen.len() < MAX_PIECES && !lendable.is_empty() {
@@ -115,9 +111,21 @@ pub(super) fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piec
             .position(|p| p.pages.size >= left)
             .unwrap_or(lendable.len() - 1);
         let piece = lendable.remove(at);
-        take(&piece, &mut left, &mut chosen);
+        take(&piece, &mut left, chosen);
     }
-    chosen
+}
+
+/// Add `piece` to `chosen`, cut to `left` bytes, and count it off `left`.
+fn take(piece: &Piece, left: &mut u64, chosen: &mut Vec<Piece>) {
+    let size = piece.pages.size.min(*left);
+    chosen.push(Piece {
+        pages: Pages {
+            size,
+            ..piece.pages
+        },
+        ..*piece
+    });
+    *left -= size;
 }
 
 /// Whether a range only partly covered by the cache (`have` of `size` bytes) should still be
@@ -336,8 +344,10 @@ impl DevicePool {
                 block: BlockId::NIL,
             })
             .collect();
-        let lendable = self.lendable(granularity, size, &spare);
-        let chosen = choose(&spare, &lendable, size);
+        let mut chosen = choose_spare(&spare, size);
+        let left = size - chosen.iter().map(|p| p.pages.size).sum::<u64>();
+        let lendable = self.lendable(granularity, left, MAX_PIECES - chosen.len());
+        choose_lent(&mut chosen, &lendable, size);
         let have: u64 = chosen.iter().map(|p| p.pages.size).sum();
         if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
             return Ok(Vec::new());
@@ -358,30 +368,19 @@ impl DevicePool {
         Ok(chosen)
     }
 
-    /// The pieces of free blocks [`choose`] may take for `need` bytes, after `spare` (taken
-    /// first): per stream, the largest (walked from its largest free block down, until
-    /// [`MAX_PIECES`] are found and no smaller block can hold a larger one), and for every amount
-    /// those could leave to cover, the smallest that covers it (walked from that amount up,
-    /// until a block two pages larger than the best found, which holds no smaller piece unless
-    /// its segment's runs split it). Found through the streams' bins of large blocks, and each
-    /// walk looks at [`COVER_WALK`] blocks past what it needs at most: with 100k free blocks
-    /// cached, listing every piece made one growth take 22 ms under the device's lock. Ties of
-    /// size are broken by the bins' order (size, then address), so among many equal blocks only
-    /// the first few are looked at; and the largest pieces are always among those listed.
-    fn lendable(&self, granularity: u64, need: u64, spare: &[Piece]) -> Vec<Piece> {
-        // What the spare pieces leave, taken first as `choose` takes them.
-        let mut sizes: Vec<u64> = spare.iter().map(|p| p.pages.size).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let mut left = need;
-        let mut count = 0;
-        for size in sizes {
-            if left == 0 || count == MAX_PIECES {
-                break;
-            }
-            left -= size.min(left);
-            count += 1;
-        }
-        if left == 0 || count == MAX_PIECES {
+    /// The pieces of free blocks [`choose_lent`] may take for the `left` bytes the spare pieces
+    /// leave, `slots` pieces at most: per stream, the largest (walked from its largest free
+    /// block down, until [`MAX_PIECES`] are found and no smaller block can hold a larger one),
+    /// and for every amount those could leave to cover, the smallest that covers it (walked
+    /// from that amount up, until a block two pages larger than the best found, which holds no
+    /// smaller piece unless its segment's runs split it). Found through the streams' bins of
+    /// large blocks, and each walk looks at [`COVER_WALK`] blocks past what it needs at most:
+    /// with 100k free blocks cached, listing every piece made one growth take 21 ms under the
+    /// device's lock. Ties of size are broken by the bins' order (size, then address), so among
+    /// many equal blocks only the first few are looked at; and the largest pieces are always
+    /// among those listed.
+    fn lendable(&self, granularity: u64, mut left: u64, slots: usize) -> Vec<Piece> {
+        if left == 0 || slots == 0 {
             return Vec::new();
         }
         let mut pieces = Vec::new();
@@ -411,7 +410,7 @@ impl DevicePool {
         // The amounts left to cover after each of the largest pieces, as `choose` takes them.
         top.sort_unstable_by(|a, b| b.cmp(a));
         let mut amounts = vec![left];
-        for size in top.iter().take(MAX_PIECES - count) {
+        for size in top.iter().take(slots) {
             if left <= *size {
                 break;
             }
@@ -637,6 +636,13 @@ mod tests {
     use crate::pool::ids::Id;
 
     const MIB: u64 = 1 << 20;
+
+    /// Spare pieces first, then lendable ones, as `gather` chooses.
+    fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piece> {
+        let mut chosen = choose_spare(spare, need);
+        choose_lent(&mut chosen, lendable, need);
+        chosen
+    }
 
     fn spare(handle: PhysHandle, offset: u64, size: u64) -> Piece {
         Piece {
