@@ -10,22 +10,25 @@ use std::process::Command;
 
 use common::{artifacts, run, Driver};
 
-/// Compile `benches/c/<name>.c` against the built library.
+/// Compile `benches/c/<name>.c` against the built library, once per test binary (several tests
+/// run `pairs` at the same time).
 fn compile(name: &str) -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let source = root.join("benches/c").join(format!("{name}.c"));
-    let mut cmd = Command::new("gcc");
-    cmd.args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
-        .arg("-I")
-        .arg(root.join("include"))
-        .arg(&source);
-    common::link_resmem(&mut cmd, false);
-    cmd.args(["-lpthread", "-ldl"]);
-    common::compile(
-        cmd,
-        &source,
-        &artifacts().work.join(format!("bench-{name}")),
-    )
+    common::built_once(name.to_string(), || {
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let source = root.join("benches/c").join(format!("{name}.c"));
+        let mut cmd = Command::new("gcc");
+        cmd.args(["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"])
+            .arg("-I")
+            .arg(root.join("include"))
+            .arg(&source);
+        common::link_resmem(&mut cmd, false);
+        cmd.args(["-lpthread", "-ldl"]);
+        common::compile(
+            cmd,
+            &source,
+            &artifacts().work.join(format!("bench-{name}")),
+        )
+    })
 }
 
 #[test]

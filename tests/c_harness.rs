@@ -5,13 +5,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 
 use common::{artifacts, run, spawn, Driver};
 
@@ -26,12 +24,9 @@ fn root() -> &'static Path {
 /// static library; once per test binary, so that tests running at the same time never run a
 /// program while another writes it.
 fn compile(name: &str, cxx: bool, link_static: bool) -> PathBuf {
-    static BUILT: Mutex<BTreeMap<(String, bool, bool), PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
-    built
-        .entry((name.to_string(), cxx, link_static))
-        .or_insert_with(|| compile_now(name, cxx, link_static))
-        .clone()
+    common::built_once(format!("{name} {cxx} {link_static}"), || {
+        compile_now(name, cxx, link_static)
+    })
 }
 
 fn compile_now(name: &str, cxx: bool, link_static: bool) -> PathBuf {

@@ -6,10 +6,11 @@
 pub mod spy;
 pub mod under;
 
+use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 /// Where the built libraries are, and a scratch folder for compiled programs.
 pub struct Artifacts {
@@ -106,6 +107,14 @@ pub fn link_resmem(cmd: &mut Command, link_static: bool) {
             .arg("-lresmem")
             .arg(format!("-Wl,-rpath,{}", a.link_dir.display()));
     }
+}
+
+/// The program `build` makes, made once per test binary under `key`: tests running at the same
+/// time never run a program while another writes it (`ETXTBSY`, "Text file busy").
+pub fn built_once(key: String, build: impl FnOnce() -> PathBuf) -> PathBuf {
+    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    built.entry(key).or_insert_with(build).clone()
 }
 
 /// Run the compiler command `cmd` that writes `out`; panics with its messages if it fails.
