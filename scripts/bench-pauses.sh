@@ -4,7 +4,9 @@
 # `lent`, the default with 100k idle segments of two lent runs each; `classic-busy` and
 # `default-busy`, 1000 blocks with driver calls that take a real driver's time, BUSY in the
 # CUDA_SIM_DELAYS syntax; `classic-growth` and `default-growth`, the waits behind a thread whose
-# 200 reserves of 256 MiB make the pool grow, with creations of 1 ms, GROW in the same syntax),
+# 200 reserves of 256 MiB make the pool grow, with creations of 1 ms, GROW in the same syntax;
+# `stitch-32` and `stitch-64`, behind a thread whose reserves are made of 32 and 64 cached pieces,
+# a cuMemMap of 19 us each),
 # the same waits behind a plain pthread mutex held 20 us
 # at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
 # passes to the pool, from one thread and from two threads on two devices (`devices`), through
@@ -67,6 +69,11 @@ for i in $(seq 1 "$runs"); do
       RESMEM_CONF=vmm:false "$out/$name/pairs" growth)" >> "$out/results"
     echo "$name $i default-growth $(CUDA_SIM_DEVICES=240GiB CUDA_SIM_DELAYS="$grow" \
       "$out/$name/pairs" growth)" >> "$out/results"
+    # Another thread's reserves are made of cached pages alone: 32 pieces, then 64.
+    echo "$name $i stitch-32 $(CUDA_SIM_DEVICES=80GiB CUDA_SIM_DELAYS="$grow" \
+      "$out/$name/pairs" stitch 100 $((128 << 20)))" >> "$out/results"
+    echo "$name $i stitch-64 $(CUDA_SIM_DEVICES=80GiB CUDA_SIM_DELAYS="$grow" \
+      "$out/$name/pairs" stitch 100 $((256 << 20)))" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
@@ -100,7 +107,11 @@ print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {p
       "while another thread reserves 200 blocks of 256 MiB, each kept, so that the pool grows, "
       "creating memory as a real driver would (`CUDA_SIM_DELAYS="
       f"{os.environ.get('GROW', 'cuMemAlloc_v2=1ms,cuMemCreate=1ms,cuMemMap=19us,cuMemSetAccess=19us,cuMemAddressReserve=19us')}`; "
-      "the time column is then the 200 reserves'); `mutex` is the same "
+      "the time column is then the 200 reserves'); `stitch-32` and `stitch-64`, the default "
+      "while another thread makes 100 reserves of 128 and 256 MiB from 32 and 64 free 4 MiB "
+      "blocks between live ones (a `cuMemMap` each, with the same delays), each released and "
+      "taken apart by `rm_free_reusable` before the next (`pairs stitch 100 SIZE`; the time "
+      "column is the 100 rounds'); `mutex` is the same "
       "probe behind a pthread mutex held 20 µs at a time, 320 times, with the pool's hand-over "
       "between holds (the machine's share).\n")
 print("| library | run | policy | timed call (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")

@@ -95,6 +95,22 @@ fn the_pair_benchmark_runs_its_two_stream_and_fixed_work_modes() {
 }
 
 #[test]
+fn the_pair_benchmark_runs_its_stitch_mode_from_the_cache_alone() {
+    let exe = compile("pairs");
+    // 3 reserves of 128 MiB (32 pieces) and of 256 MiB (64), each made of the 4 MiB blocks
+    // released between live ones: no memory created. Then the probe's two phases, 5 figures each.
+    for size in ["134217728", "268435456"] {
+        let out = run(&exe, &["stitch", "3", size], Driver::SimLibrary, &[]);
+        let f: Vec<&str> = out.trim_end().split(' ').collect();
+        assert_eq!(
+            (f[0], f[1], f[3], f.len()),
+            ("stitch", "3", "0", 14),
+            "{out}"
+        );
+    }
+}
+
+#[test]
 fn the_pair_benchmark_runs_its_stack_shift_sweep() {
     let exe = compile("pairs");
     // 512-byte pairs with nothing else cached, the stack shifted 0 and 2048 bytes (steps of

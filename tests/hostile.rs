@@ -381,6 +381,52 @@ fn a_driver_panicking_while_it_maps_a_new_range_fails_the_reserve() {
     pool.check().unwrap();
 }
 
+/// The same for a range made of cached pages alone (two idle 32 MiB ranges for a 64 MiB
+/// request), mapped without the lock: the reserve fails, the pages stay cached where they were
+/// (no page left mapped in the range not made), and the next reserve makes the range from them,
+/// creating nothing.
+#[test]
+fn a_driver_panicking_while_it_maps_cached_pages_fails_the_reserve() {
+    let (sim, driver, pool) = panicking_pool(true);
+    let blocks: Vec<u64> = (0..3)
+        .map(|_| pool.reserve(0, 32 * MIB, 0).unwrap())
+        .collect();
+    pool.release(blocks[0]).unwrap();
+    pool.release(blocks[2]).unwrap();
+    let mapped = sim.mappings(0).len();
+    driver.watch.map_armed.store(true, Ordering::SeqCst);
+    let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
+    driver.watch.map_armed.store(false, Ordering::SeqCst);
+    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER);
+    assert!(e.message.contains("mapping cached memory"), "{e}");
+    assert!(e.message.contains("the driver panicked"), "{e}");
+    assert_eq!(sim.mappings(0).len(), mapped, "nothing left mapped");
+    pool.check().unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (
+            s.allocated_bytes,
+            s.reusable_bytes,
+            s.reserved_bytes,
+            s.driver_allocs
+        ),
+        (32 * MIB, 64 * MIB, 96 * MIB, 3)
+    );
+    let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().driver_allocs,
+        3,
+        "made from the cache"
+    );
+    assert_eq!(sim.is_accessible(p + 64 * MIB - 1), Some(true));
+    for p in [p, blocks[1]] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    pool.check().unwrap();
+}
+
 /// `free_reusable` makes the calls that return memory without the device's lock, after the
 /// memory left the books: a driver that panics in one of them fails the call with an error, and
 /// the books take the memory back (the rest of the batch's calls unmade), exact; the next

@@ -717,3 +717,138 @@ fn pop_random<T>(v: &mut Vec<T>, rng: &mut Rng) -> Option<T> {
         Some(v.swap_remove(i))
     }
 }
+
+/// With stitching, a pool whose cache holds a 1 MiB block and two idle 32 MiB ranges, made on
+/// either side of a live one: a 64 MiB request no free block fits is then made of the two
+/// idle ranges' pages alone, creating nothing. Returns the live block.
+fn two_idle_ranges() -> (&'static Sim, Arc<Hooked>, Arc<Pool>, u64) {
+    let (sim, driver, pool) = hooked_pool(true);
+    let small = pool.reserve(0, MIB, 0).unwrap();
+    pool.release(small).unwrap();
+    let a = pool.reserve(0, 32 * MIB, 0).unwrap();
+    let b = pool.reserve(0, 32 * MIB, 0).unwrap();
+    let c = pool.reserve(0, 32 * MIB, 0).unwrap();
+    pool.release(a).unwrap();
+    pool.release(c).unwrap();
+    (sim, driver, pool, b)
+}
+
+/// What `f` returned on another thread inside `hook` (which must have run), within 20 s.
+fn inside<T: Send + 'static>(
+    pool: &Arc<Pool>,
+    hook: &Hook,
+    f: impl FnOnce(Arc<Pool>) -> T + Send + 'static,
+) -> Arc<Mutex<Option<T>>> {
+    let out: Arc<Mutex<Option<T>>> = Arc::default();
+    let into = out.clone();
+    on_hook(pool, hook, move |pool| {
+        *into.lock().unwrap() = Some(within(move || f(pool)));
+    });
+    out
+}
+
+/// A range made of cached pages alone is mapped without the device's lock too: inside its
+/// `cuMemSetAccess` (after its two `cuMemMap`), another thread reserves and releases a cached
+/// block, and the books check; the range then takes those pages, with no memory created.
+#[test]
+fn a_range_of_cached_pages_is_mapped_without_the_lock() {
+    let (sim, driver, pool, b) = two_idle_ranges();
+    let before = pool.stats(0).unwrap();
+    let maps = sim.call_count(cuda_sim::Call::MemMap);
+    let seen = inside(&pool, &driver.watch.on_access, |pool| {
+        let p = pool.reserve(0, MIB, 0).unwrap();
+        pool.release(p).unwrap();
+        pool.check().map(|()| pool.stats(0).unwrap().reserved_bytes)
+    });
+    let big = pool.reserve(0, 64 * MIB, 0).unwrap();
+    let seen = seen.lock().unwrap().take().expect("the hook ran");
+    assert_eq!(
+        seen,
+        Ok(before.reserved_bytes),
+        "the cache alone, books exact"
+    );
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.allocated_bytes),
+        (before.reserved_bytes, before.driver_allocs, 96 * MIB),
+        "nothing created"
+    );
+    assert_eq!(sim.call_count(cuda_sim::Call::MemMap) - maps, 2);
+    assert_eq!(sim.is_accessible(big), Some(true));
+    assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
+    pool.check().unwrap();
+    for p in [big, b] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_returned(&*pool, sim);
+}
+
+/// While a range of cached pages is mapped without the lock, another thread takes one of its
+/// pieces (a block it reserves and keeps). The second pass chooses again: the range made
+/// meanwhile is unmapped and the request made from what is left and new memory, under the
+/// lock; the other thread's block and the request's share no page.
+#[test]
+fn cached_pages_taken_meanwhile_are_not_mapped_twice() {
+    let (sim, driver, pool, b) = two_idle_ranges();
+    let before = pool.stats(0).unwrap();
+    let unmaps = sim.call_count(cuda_sim::Call::MemUnmap);
+    let taken = inside(&pool, &driver.watch.on_access, |pool| {
+        pool.reserve(0, 32 * MIB, 0).unwrap()
+    });
+    let big = pool.reserve(0, 64 * MIB, 0).unwrap();
+    let taken = taken.lock().unwrap().take().expect("the hook ran");
+    assert_eq!(sim.call_count(cuda_sim::Call::MemUnmap) - unmaps, 1);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        s.driver_allocs,
+        before.driver_allocs + 1,
+        "the rest created"
+    );
+    assert_eq!(s.allocated_bytes, 128 * MIB);
+    assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
+    assert_eq!(sim.used_bytes(0), s.reserved_bytes);
+    pool.check().unwrap();
+    for p in [big, b, taken] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_returned(&*pool, sim);
+}
+
+/// While a range of cached pages is mapped without the lock, another thread returns the cache
+/// (`free_reusable`): the two idle ranges are taken apart, their pages spare, but the handles
+/// the range maps are pinned: that sweep releases only the 1 MiB block's. The second pass finds
+/// the same pages, spare now, and takes the range made meanwhile (mapped in its own order), no
+/// page mapped twice and nothing created.
+#[test]
+fn a_sweep_meanwhile_releases_no_handle_a_range_in_flight_maps() {
+    use cuda_sim::Call::{MemMap, MemRelease, MemUnmap};
+    let (sim, driver, pool, b) = two_idle_ranges();
+    let before = pool.stats(0).unwrap();
+    let count = || [MemMap, MemUnmap, MemRelease].map(|c| sim.call_count(c));
+    let calls = count();
+    let returned = inside(&pool, &driver.watch.on_access, |pool| {
+        pool.free_reusable(Some(0)).unwrap()
+    });
+    let big = pool.reserve(0, 64 * MIB, 0).unwrap();
+    let returned = returned.lock().unwrap().take().expect("the hook ran");
+    assert_eq!(returned, 2 * MIB, "the 1 MiB block's handle alone");
+    let made: Vec<u64> = count().iter().zip(calls).map(|(n, m)| n - m).collect();
+    // Two maps (the range, without the lock); three unmaps (the two idle ranges and the
+    // 1 MiB block's, by the sweep); one release (that block's handle).
+    assert_eq!(made, [2, 3, 1]);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.allocated_bytes),
+        (96 * MIB, before.driver_allocs, 96 * MIB)
+    );
+    assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
+    assert_eq!(sim.used_bytes(0), s.reserved_bytes);
+    pool.check().unwrap();
+    for p in [big, b] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_returned(&*pool, sim);
+}

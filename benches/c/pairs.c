@@ -25,7 +25,9 @@
  * 1 and 2 threads. `pairs scaling [ROUNDS]` times the pairs from 1 and 2 threads in alternation,
  * ROUNDS (5) rounds of each case: `scaling <impl> <threads> <size> <cached> <wall ns> <CPU ns>`.
  * `pairs growth [COUNT] [SIZE]` measures the waits behind a thread whose reserves make the pool
- * grow: COUNT (200) blocks of SIZE (256 MiB) bytes, each kept (see growth_pauses).
+ * grow: COUNT (200) blocks of SIZE (256 MiB) bytes, each kept (see growth_pauses). `pairs stitch
+ * [COUNT] [SIZE]` measures the waits behind a thread whose COUNT (200) reserves of SIZE (256 MiB)
+ * bytes are each made of cached pieces (see stitch_pauses).
  */
 #define _GNU_SOURCE
 #include <alloca.h>
@@ -371,6 +373,39 @@ static void growth_pauses(size_t count, size_t size) {
   free(blocks);
 }
 
+/* The waits behind a thread whose reserves are made of cached pages alone (the default's
+ * page-granular reuse): 129 blocks of 4 MiB, every other one released (64 free blocks between
+ * live ones, back in the pool from the front cache), then COUNT times a reserve of SIZE bytes
+ * (256 MiB), which no free block holds, made of their pages (a cuMemMap each; 64 pieces for
+ * 256 MiB, 32 for 128 MiB), its release, and rm_free_reusable
+ * (which takes the range apart without the lock, its pages back in their blocks, so that the next
+ * reserve is made of them again). Prints
+ * stitch <count> <ms> <driver allocations> then the probe's waits, as free_reusable. */
+static void stitch_pauses(size_t count, size_t size) {
+  enum { N = 129 };
+  void *blocks[N];
+  for (int i = 0; i < N; i++) blocks[i] = reserve((size_t)4 << 20, NULL);
+  for (int i = 1; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
+  size_t released = 0;
+  check(rm_free_reusable(0, &released), "rm_free_reusable");
+  rm_stats before, after;
+  check(rm_get_stats(0, &before), "rm_get_stats");
+  pthread_t t = probe_begin(probe);
+  double start = now_ns();
+  for (size_t i = 0; i < count; i++) {
+    check(rm_release(reserve(size, NULL)), "rm_release");
+    check(rm_free_reusable(0, &released), "rm_free_reusable");
+  }
+  double took = now_ns() - start;
+  char head[96];
+  check(rm_get_stats(0, &after), "rm_get_stats");
+  snprintf(head, sizeof head, "stitch %zu %.2f %llu", count, took / 1e6,
+           (unsigned long long)(after.driver_allocs - before.driver_allocs));
+  probe_end(t, head);
+  for (int i = 0; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
+  check(rm_free_reusable(0, &released), "rm_free_reusable");
+}
+
 /* ----- the same waits behind a plain mutex, for reference ----- */
 
 static pthread_mutex_t ref_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -630,6 +665,11 @@ int main(int argc, char **argv) {
   }
   if (argc > 1 && strcmp(argv[1], "growth") == 0) {
     growth_pauses(argc > 2 ? (size_t)atol(argv[2]) : 200,
+                  argc > 3 ? (size_t)atol(argv[3]) : (size_t)256 << 20);
+    return 0;
+  }
+  if (argc > 1 && strcmp(argv[1], "stitch") == 0) {
+    stitch_pauses(argc > 2 ? (size_t)atol(argv[2]) : 200,
                   argc > 3 ? (size_t)atol(argv[3]) : (size_t)256 << 20);
     return 0;
   }

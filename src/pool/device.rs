@@ -8,7 +8,8 @@
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
 //!   `deferred.rs`: the driver calls a sweep makes without the device's lock;
-//! - `growing.rs`: growth's memory-creating call, made without the device's lock;
+//! - `growing.rs`: growth's driver calls (creating memory, mapping a new range), made without
+//!   the device's lock;
 //! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
 //!   cached pages and new memory; `headroom.rs`: how much more than a request lacks such a
 //!   creation takes;
@@ -173,6 +174,12 @@ pub struct DevicePool {
     spare_handle_lists: Vec<Vec<PhysHandle>>,
     /// Segments lending pages to a range being made (not taken apart meanwhile).
     lending: Vec<SegId>,
+    /// The cached pages of the stitched range being made, in the order they are mapped (before
+    /// any new memory): what a plan to map it without the lock maps (`growing.rs`).
+    mapping: Vec<phys::Pages>,
+    /// The handles of cached pages that ranges in flight map without the lock, once per page
+    /// run: not released meanwhile, whatever becomes of the ranges they are cached in.
+    pinned: Vec<PhysHandle>,
     /// What sizes the headroom of the next stitched creation (`headroom.rs`).
     headroom: Headroom,
     /// Blocks released so far (each release counts one, and stamps its segment).
@@ -223,6 +230,8 @@ impl DevicePool {
             releasing: Vec::new(),
             spare_handle_lists: Vec::new(),
             lending: Vec::new(),
+            mapping: Vec::new(),
+            pinned: Vec::new(),
             headroom: Headroom::default(),
             releases: 0,
             settled: 0,
@@ -248,8 +257,11 @@ impl DevicePool {
             return Ok(ptr);
         }
         // Idle segments made partly of lent pages give them back first: merged again in their
-        // lenders, they may hold the request as PyTorch's policy would have them hold it.
-        if self.return_borrowed(cx) {
+        // lenders, they may hold the request as PyTorch's policy would have them hold it. Not
+        // in the second pass of a deferred growth (`growing.rs`): the first did it, and the
+        // lenders it made idle would give back more, where a single pass leaves them to the
+        // next request.
+        if self.prepared.is_none() && self.return_borrowed(cx) {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
             }

@@ -1,9 +1,12 @@
-//! Growth's memory-creating driver calls, made without the device's lock.
+//! Growth's driver calls, made without the device's lock: those that create memory, and those
+//! that map a new stitched range.
 //!
 //! `cuMemAlloc` and `cuMemCreate` take tens of microseconds on a GPU, more for large sizes (a
-//! page table to fill), and `cuMemAlloc` may wait for the device. Made under the device's lock,
-//! each held every other thread's reserve and release on the device behind it, even those the
-//! cache serves: one stream's growth serialized another stream's work on other memory. So
+//! page table to fill), and `cuMemAlloc` may wait for the device; a stitched range costs a
+//! `cuMemMap` per piece (up to 64) and a `cuMemSetAccess`, 19 µs each on an H200. Made under the
+//! device's lock, each held every other thread's reserve and release on the device behind it,
+//! even those the cache serves: one stream's growth serialized another stream's work on other
+//! memory. So
 //! `Pool::reserve` and `Pool::warmup` take two passes over the usual path (`DevicePool::reserve`,
 //! `DevicePool::warmup`):
 //!
@@ -11,24 +14,32 @@
 //!    driver for new memory and has nothing to do first (the cap, counting other threads'
 //!    growth in flight, and the driver's free memory both leave room for it), it notes a
 //!    [`Plan`] and the pass unwinds through its usual failure path (cached pages lent to the new
-//!    range go back; the headroom's state and the count of reserve calls are restored).
-//! 2. Without the lock, the plan's call ([`Plan::make`]). A stitched range made of new memory
-//!    alone (nothing cached to map into it) is also mapped and made accessible there
-//!    (`cuMemMap`, `cuMemSetAccess`, 19 µs each on an H200), into addresses pass 1 took; a
-//!    mapping that fails is undone under the lock in pass 3 (the handle kept as spare pages)
-//!    and reported, as a mapping that fails under the lock is. A range that maps cached pages
-//!    is mapped under the lock, in pass 3: its pages are lent out of other ranges' books.
+//!    range go back; the headroom's state and the count of reserve calls are restored). A range
+//!    made of cached pages alone is noted as soon as its pages are chosen, before any is taken
+//!    out of the books or waited for, and the pass unwinds from there.
+//! 2. Without the lock, the plan's call ([`Plan::make`]). A stitched range is also mapped and
+//!    made accessible there (`cuMemMap` of each piece, `cuMemSetAccess`: 19 µs each on an H200),
+//!    into addresses pass 1 took: the cached pages pass 1 chose for it first, then the new
+//!    handle; a range made wholly of cached pages makes only those calls (a plan with nothing
+//!    to create). The handles of the cached pages are *pinned* meanwhile: a sweep on another
+//!    thread may take their ranges apart, but releases none of them while the new range maps
+//!    it. A mapping that fails is undone under the lock in pass 3 (a new handle kept as spare
+//!    pages) and reported, as a mapping that fails under the lock is.
 //! 3. Under the lock, the usual path again, the call's answer *prepared*: where the growth
 //!    policy asks for the same bytes of the same kind, it takes the new memory instead of
 //!    calling the driver, or goes on from the driver's refusal as from its own first try (out
 //!    of memory: pending blocks waited for, the cache returned, one more try; any other error
 //!    reported), so a growth makes the driver calls a single pass would. It decides with the
-//!    driver's free memory as pass 1 saw it. With the books unchanged meanwhile, pass 3 decides
-//!    as pass 1 did, but for the steps before growth, which may find more to do the second
-//!    time (an idle range whose lent pages came back in pass 1 gives its own back): on the
-//!    replays of `scripts/policy-check.py`, peaks, creating calls and out-of-memory failures are
-//!    those of a single pass. Where other threads changed the books meanwhile and pass 3 does
-//!    not take the new memory, it is booked as cache (an idle segment, or spare pages: a range
+//!    driver's free memory as pass 1 saw it. A range's cached pages are chosen again too: the
+//!    range made without the lock is taken where they are the same pages (the same pieces of
+//!    the same handles, wherever they are cached now), and otherwise unmapped and made again
+//!    under the lock from the pages chosen. With the books unchanged meanwhile, pass 3 decides
+//!    as pass 1 did: it does not take apart idle ranges of lent pages again (`return_borrowed`:
+//!    pass 1 did, and the lenders its give-backs made idle would give back more, which a single
+//!    pass leaves to the next request). On the replays of `scripts/policy-check.py`, every
+//!    figure is that of a single pass (checked against the same build with deferral off), and
+//!    no range made without the lock is made again. Where other threads changed the books
+//!    meanwhile and pass 3 does not take the new memory, it is booked as cache (an idle segment, or spare pages: a range
 //!    is unmapped), reusable and returned as any; above a cap lowered meanwhile, idle cache goes
 //!    back to the driver until the pool is under it.
 //!
@@ -48,12 +59,13 @@ use crate::driver::{Driver, DriverResult};
 pub(super) enum Backing {
     /// A classic segment (`cuMemAlloc`) of this class, for this stream.
     Segment(Class, StreamHandle),
-    /// A physical handle (`cuMemCreate`), for a stitched range.
-    Handle,
-    /// A physical handle that is a stitched range alone: made without the lock, it is also
-    /// mapped (`cuMemMap`, `cuMemSetAccess`) into addresses the first pass took; under the lock,
-    /// only created, as a handle.
+    /// A physical handle (`cuMemCreate`) for a stitched range: made without the lock, the range
+    /// is mapped there too (`cuMemMap` of its cached pages, `DevicePool::mapping`, then of the
+    /// handle; `cuMemSetAccess`) into addresses the first pass took; under the lock, the handle
+    /// is only created.
     Range,
+    /// No new memory: a stitched range made wholly of cached pages, mapped without the lock.
+    Mapping,
 }
 
 /// New memory from the driver.
@@ -63,16 +75,27 @@ pub enum Fresh {
     Segment(DevicePtr),
     /// A physical handle.
     Handle(PhysHandle),
-    /// A physical handle mapped at this address, accessible.
+    /// A physical handle mapped at the end of a range at this address, accessible.
     Range(PhysHandle, DevicePtr),
+    /// A range of cached pages alone at this address, accessible.
+    Mapped(DevicePtr),
 }
 
 /// What the call of a [`Plan`] made.
 #[derive(Debug)]
 pub struct Made {
     result: DriverResult<Fresh>,
-    /// For a range that failed after its handle was created: the handle, and the bytes mapped.
-    leftover: Option<(PhysHandle, u64)>,
+    /// For a range that failed once addresses were to be mapped: the handle created for it (if
+    /// any), the bytes mapped from its base, and what failed.
+    leftover: Option<Leftover>,
+}
+
+/// What a range that failed without the lock left.
+#[derive(Clone, Copy, Debug)]
+struct Leftover {
+    created: Option<PhysHandle>,
+    mapped: u64,
+    failed: &'static str,
 }
 
 impl Backing {
@@ -85,46 +108,94 @@ impl Backing {
     ) -> DriverResult<Fresh> {
         match self {
             Backing::Segment(..) => driver.mem_alloc(device, bytes).map(Fresh::Segment),
-            Backing::Handle | Backing::Range => driver.vmm_create(device, bytes).map(Fresh::Handle),
+            Backing::Range => driver.vmm_create(device, bytes).map(Fresh::Handle),
+            // Never asked of the growth policy: it creates nothing.
+            Backing::Mapping => Err(not_made("cuMemCreate", "nothing to create")),
         }
     }
 }
 
-/// A creation the first pass deferred, to make without the device's lock.
+/// A creation (or a range's mapping) the first pass deferred, to make without the device's
+/// lock.
 #[derive(Debug)]
 pub struct Plan {
     device: i32,
     backing: Backing,
+    /// New memory to create.
     bytes: u64,
-    /// For a range: the addresses the first pass took for it.
+    /// For a range: the addresses the first pass took for it (its cached pages and `bytes`).
     base: Option<DevicePtr>,
+    /// For a range: its cached pages, mapped in this order before the new memory.
+    pages: Vec<Pages>,
     /// The driver's `(free, total)` as the first pass saw them.
     driver_info: (u64, u64),
 }
 
 impl Plan {
+    /// The bytes of addresses the plan's range takes (0 without a range).
+    fn span(&self) -> u64 {
+        match self.base {
+            Some(_) => self.bytes + self.pages.iter().map(|p| p.size).sum::<u64>(),
+            None => 0,
+        }
+    }
+
     /// Make the calls through `driver`, without the device's lock. A driver that panics fails
     /// the call (`CUDA_ERROR_UNKNOWN`) instead of unwinding past the memory counted in flight.
     pub fn make(&self, driver: &dyn Driver) -> Made {
-        let (device, bytes) = (self.device, self.bytes);
+        let device = self.device;
         let mut leftover = None;
         let mut call = match self.backing {
             Backing::Segment(..) => "cuMemAlloc_v2",
-            Backing::Handle | Backing::Range => "cuMemCreate",
+            Backing::Range | Backing::Mapping => "cuMemCreate",
         };
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            let fresh = self.backing.create(driver, device, bytes)?;
-            let (Fresh::Handle(handle), Some(base)) = (fresh, self.base) else {
-                return Ok(fresh);
+            let created = match self.backing {
+                Backing::Mapping => None,
+                _ => Some(self.backing.create(driver, device, self.bytes)?),
             };
-            leftover = Some((handle, 0));
+            let handle = match (created, self.base) {
+                (Some(Fresh::Handle(handle)), Some(_)) => Some(handle),
+                (Some(fresh), _) => return Ok(fresh),
+                (None, _) => None,
+            };
+            let Some(base) = self.base else {
+                return Err(not_made("cuMemMap", "a range without addresses"));
+            };
+            let mut left = Leftover {
+                created: handle,
+                mapped: 0,
+                failed: "",
+            };
             call = "cuMemMap";
-            driver.vmm_map(device, base, bytes, handle, 0)?;
-            leftover = Some((handle, bytes));
+            let cached = self
+                .pages
+                .iter()
+                .map(|&pages| (pages, "mapping cached memory into a new segment"));
+            let new = handle.map(|handle| {
+                let pages = Pages {
+                    handle,
+                    offset: 0,
+                    size: self.bytes,
+                };
+                (pages, "mapping new memory into a new segment")
+            });
+            for (pages, failed) in cached.chain(new) {
+                left.failed = failed;
+                leftover = Some(left);
+                let at = base + left.mapped;
+                driver.vmm_map(device, at, pages.size, pages.handle, pages.offset)?;
+                left.mapped += pages.size;
+            }
             call = "cuMemSetAccess";
-            driver.vmm_set_access(device, base, bytes)?;
+            left.failed = "setting access to a new segment";
+            leftover = Some(left);
+            driver.vmm_set_access(device, base, left.mapped)?;
             leftover = None;
-            Ok(Fresh::Range(handle, base))
+            Ok(match handle {
+                Some(handle) => Fresh::Range(handle, base),
+                None => Fresh::Mapped(base),
+            })
         }))
         .unwrap_or_else(|_| Err(not_made(call, "the driver panicked")));
         Made { result, leftover }
@@ -136,6 +207,9 @@ impl Plan {
 pub(super) struct Prepared {
     backing: Backing,
     bytes: u64,
+    /// For a range: its base and cached pages, as in the plan.
+    base: Option<DevicePtr>,
+    pages: Vec<Pages>,
     /// The call's answer: the memory, or why the driver refused it (then the second pass goes
     /// on from that failure, as the usual path from its first try).
     pub(super) made: DriverResult<Fresh>,
@@ -162,10 +236,9 @@ impl DevicePool {
             // A driver that panicked under the lock: no plan outlives the pass (the lock is
             // taken over, see `Pool::lock`).
             if let Some(plan) = self.plan.take() {
-                self.growing -= plan.bytes;
+                self.unplan(&plan);
                 if let Some(base) = plan.base {
-                    self.carved -= plan.bytes;
-                    self.addresses.give(base, plan.bytes);
+                    self.addresses.give(base, plan.span());
                 }
             }
             std::panic::resume_unwind(panic)
@@ -181,6 +254,18 @@ impl DevicePool {
         }
     }
 
+    /// `plan` is no longer in flight: its bytes leave the cap's count, its addresses the
+    /// carved count, and its cached pages' handles are no longer pinned.
+    fn unplan(&mut self, plan: &Plan) {
+        self.growing -= plan.bytes;
+        self.carved -= plan.span();
+        for pages in &plan.pages {
+            if let Some(at) = self.pinned.iter().position(|&h| h == pages.handle) {
+                self.pinned.swap_remove(at);
+            }
+        }
+    }
+
     /// Run `f` again (the second pass) with what `plan`'s call made prepared for it; what `f`
     /// does not take is booked as cache afterwards.
     pub fn prepared<T>(
@@ -190,30 +275,27 @@ impl DevicePool {
         made: Made,
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Result<T> {
-        self.growing -= plan.bytes;
-        if plan.base.is_some() {
-            self.carved -= plan.bytes;
-        }
+        self.unplan(&plan);
+        let span = plan.span();
         if let (Some(base), Err(err)) = (plan.base, &made.result) {
             // A range not made: its addresses back, and a handle created for it kept as spare
             // pages once unmapped (or kept with the range to retry, if the unmap fails).
             match made.leftover {
-                Some((handle, mapped)) => {
-                    self.keep_pages_of(cx, handle, base, plan.bytes, mapped);
+                Some(left) => {
+                    let created = left.created.map(|handle| (handle, plan.bytes));
+                    self.undo_range(cx, created, base, span, left.mapped, &plan.pages);
                     // Mapping failed where creating did not: reported, as when a range fails
                     // to map under the lock (not made again from the pages just kept).
-                    let what = match mapped {
-                        0 => "mapping new memory into a new segment",
-                        _ => "setting access to a new segment",
-                    };
-                    return Err(Error::driver(what, err));
+                    return Err(Error::driver(left.failed, err));
                 }
-                None => self.addresses.give(base, plan.bytes),
+                None => self.addresses.give(base, span),
             }
         }
         self.prepared = Some(Prepared {
             backing: plan.backing,
             bytes: plan.bytes,
+            base: plan.base,
+            pages: plan.pages,
             made: made.result,
             driver_info: plan.driver_info,
         });
@@ -228,7 +310,7 @@ impl DevicePool {
 
     /// In the first pass, whether to defer creating `bytes` of `backing` (then noted as the
     /// plan): nothing need go back first, to the cap or for the driver's `driver_free` bytes. A
-    /// range takes its addresses now.
+    /// range takes its addresses now, for its cached pages (`DevicePool::mapping`) and `bytes`.
     pub(super) fn defer_growth(
         &mut self,
         cx: &Context<'_>,
@@ -240,23 +322,54 @@ impl DevicePool {
         if !self.defer || self.plan.is_some() || bytes > room || bytes > driver_free {
             return Ok(false);
         }
-        let base = match backing {
-            Backing::Range => {
-                let base = self.take_addresses(cx, bytes)?;
-                self.carved += bytes;
-                Some(base)
-            }
-            _ => None,
-        };
-        self.growing += bytes;
-        self.plan = Some(Plan {
+        self.plan(cx, backing, bytes, driver_free)?;
+        Ok(true)
+    }
+
+    /// In the first pass, whether to defer mapping a range made wholly of the cached `pages`,
+    /// then noted as the plan, its addresses taken now.
+    pub(super) fn defer_mapping(
+        &mut self,
+        cx: &Context<'_>,
+        pages: impl Iterator<Item = Pages>,
+        driver_free: u64,
+    ) -> Result<bool> {
+        if !self.defer || self.plan.is_some() {
+            return Ok(false);
+        }
+        self.mapping.extend(pages);
+        let planned = self.plan(cx, Backing::Mapping, 0, driver_free);
+        self.mapping.clear();
+        planned.map(|()| true)
+    }
+
+    /// Note the plan of `bytes` of `backing` (a range's addresses taken, its cached pages'
+    /// handles pinned), counted in flight until [`DevicePool::unplan`].
+    fn plan(
+        &mut self,
+        cx: &Context<'_>,
+        backing: Backing,
+        bytes: u64,
+        driver_free: u64,
+    ) -> Result<()> {
+        let mut plan = Plan {
             device: self.device,
             backing,
             bytes,
-            base,
+            base: None,
+            pages: Vec::new(),
             driver_info: (driver_free, self.driver_total),
-        });
-        Ok(true)
+        };
+        if matches!(backing, Backing::Range | Backing::Mapping) {
+            plan.pages = self.mapping.clone();
+            let span = bytes + plan.pages.iter().map(|p| p.size).sum::<u64>();
+            plan.base = Some(self.take_addresses(cx, span)?);
+        }
+        self.growing += bytes;
+        self.carved += plan.span();
+        self.pinned.extend(plan.pages.iter().map(|p| p.handle));
+        self.plan = Some(plan);
+        Ok(())
     }
 
     /// Hold `handle`, just created, of `bytes`: its pages owned by the range being made, and
@@ -266,8 +379,10 @@ impl DevicePool {
         self.stats.add_reserved(bytes, 1);
     }
 
-    /// In the second pass, the prepared memory if it is `bytes` of `backing`; other prepared
-    /// memory is booked as cache now, before the policy looks at the cache or the cap.
+    /// In the second pass, the prepared memory if it is `bytes` of `backing` (for a range, with
+    /// the same cached pages, `DevicePool::mapping`, which then takes the order the range maps
+    /// them in); other prepared memory is booked as cache now, before the policy looks at the
+    /// cache or the cap.
     pub(super) fn take_prepared(
         &mut self,
         cx: &Context<'_>,
@@ -275,7 +390,16 @@ impl DevicePool {
         bytes: u64,
     ) -> Option<Prepared> {
         let p = self.prepared.take()?;
-        if p.backing == backing && p.bytes == bytes {
+        let same_pages = || {
+            let mut made = p.pages.clone();
+            let mut asked = self.mapping.clone();
+            made.sort_unstable_by_key(|p| (p.handle, p.offset));
+            asked.sort_unstable_by_key(|p| (p.handle, p.offset));
+            made == asked
+        };
+        if p.backing == backing && p.bytes == bytes && (p.base.is_none() || same_pages()) {
+            // The range maps them in its own order: the range's runs follow it.
+            self.mapping.clone_from(&p.pages);
             return Some(p);
         }
         self.book_fresh(cx, p);
@@ -289,20 +413,22 @@ impl DevicePool {
         let Ok(fresh) = p.made else {
             return;
         };
+        let span = p.bytes + p.pages.iter().map(|pages| pages.size).sum::<u64>();
         match (fresh, p.backing) {
             (Fresh::Segment(ptr), Backing::Segment(class, stream)) => {
                 self.stats.add_reserved(p.bytes, 1);
                 self.install_segment(cx, ptr, p.bytes, class, stream, Vec::new());
             }
-            (Fresh::Handle(handle), _) => {
-                self.keep_handle(handle, p.bytes);
-                self.give_whole(handle, p.bytes);
-            }
+            // Unmapped under the lock: a path taken only when the books moved meanwhile (the
+            // cached pages are where they were, or have moved on).
             (Fresh::Range(handle, base), _) => {
-                // Unmapped under the lock: a path taken only when the books moved meanwhile.
-                self.keep_pages_of(cx, handle, base, p.bytes, p.bytes);
+                let created = Some((handle, p.bytes));
+                self.undo_range(cx, created, base, span, span, &p.pages);
             }
-            (Fresh::Segment(_), _) => unreachable!("a segment made for a handle"),
+            (Fresh::Mapped(base), _) => self.undo_range(cx, None, base, span, span, &p.pages),
+            (Fresh::Segment(_) | Fresh::Handle(_), _) => {
+                unreachable!("a plan makes a segment or a range")
+            }
         }
         if let Some(limit) = self.limit {
             let over = (self.stats.reserved_bytes + self.growing).saturating_sub(limit);
@@ -319,20 +445,28 @@ impl DevicePool {
         }
     }
 
-    /// Keep `handle` (`bytes`, just created for a range at `base` that is not made, `mapped`
-    /// bytes of it mapped there) as spare pages, the range unmapped and its addresses back; or
-    /// kept with the range to retry, if the unmap fails.
-    fn keep_pages_of(
+    /// A range at `base` of `span` bytes that is not made, `mapped` bytes of it mapped there
+    /// (its cached `pages`, then the handle `created` for it, of its bytes): unmapped, its
+    /// addresses back, and the created handle kept as spare pages; or kept with the range to
+    /// retry, if the unmap fails.
+    fn undo_range(
         &mut self,
         cx: &Context<'_>,
-        handle: PhysHandle,
+        created: Option<(PhysHandle, u64)>,
         base: DevicePtr,
-        bytes: u64,
+        span: u64,
         mapped: u64,
+        pages: &[Pages],
     ) {
-        self.keep_handle(handle, bytes);
-        self.abandon_range(cx, base, bytes, mapped, vec![handle]);
-        self.give_whole(handle, bytes);
+        if let Some((handle, bytes)) = created {
+            self.keep_handle(handle, bytes);
+        }
+        let handles = pages.iter().map(|p| p.handle);
+        let handles = handles.chain(created.map(|(handle, _)| handle)).collect();
+        self.abandon_range(cx, base, span, mapped, handles);
+        if let Some((handle, bytes)) = created {
+            self.give_whole(handle, bytes);
+        }
     }
 
     /// Every page of `handle` (`bytes`), held, owned by no range any more: spare.

@@ -367,8 +367,9 @@ impl DevicePool {
             .find(|&(handle, _)| !self.is_stuck(handle))
     }
 
+    /// Whether `handle` is mapped in a range kept to retry, or by a range mapped in flight.
     fn is_stuck(&self, handle: PhysHandle) -> bool {
-        self.stuck.iter().any(|s| s.handles.contains(&handle))
+        self.stuck.iter().any(|s| s.handles.contains(&handle)) || self.pinned.contains(&handle)
     }
 
     /// Release handles mapped nowhere, largest first, until `needed` bytes or `count` handles

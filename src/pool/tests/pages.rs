@@ -376,12 +376,12 @@ fn vmm_pieces_are_found_among_many_free_blocks() {
     assert_eq!(s.reusable_bytes, 500 * 4 * MIB + 12 * MIB - 14 * MIB);
     pool.check().unwrap();
     // Released, the 14 MiB range gives its two lent pieces back first (unmapped: two mappings
-    // fewer). Then 200 MiB: the 12 MiB block and 31 of the 4 MiB ones, the largest first and
-    // 32 pieces at most (136 MiB, over half of it), and the 64 MiB lacking created as one handle
-    // (with headroom).
+    // fewer). Then 400 MiB: the 12 MiB block and 63 of the 4 MiB ones, the largest first and
+    // 64 pieces at most (264 MiB, over half of it), and the 136 MiB lacking created as one
+    // handle (with headroom).
     pool.release(p).unwrap();
     let (maps, allocs) = (sim.mappings(0).len(), pool.stats(0).unwrap().driver_allocs);
-    let q = pool.reserve(0, 200 * MIB, 0).unwrap();
+    let q = pool.reserve(0, 400 * MIB, 0).unwrap();
     let s = pool.stats(0).unwrap();
     assert_eq!(
         s.driver_allocs - allocs,
@@ -390,11 +390,11 @@ fn vmm_pieces_are_found_among_many_free_blocks() {
     );
     assert_eq!(
         sim.mappings(0).len() + 2 - maps,
-        33,
-        "32 cached pieces and the new handle, less the two unmapped"
+        65,
+        "64 cached pieces and the new handle, less the two unmapped"
     );
 
-    assert_eq!(sim.is_accessible(q + 200 * MIB - 1), Some(true));
+    assert_eq!(sim.is_accessible(q + 400 * MIB - 1), Some(true));
     pool.release(q).unwrap();
     for p in kept {
         pool.release(p).unwrap();
