@@ -784,6 +784,39 @@ fn a_range_of_cached_pages_is_mapped_without_the_lock() {
     assert_returned(&*pool, sim);
 }
 
+/// The wait for the device's work that a range of cached pages needs first (their blocks were
+/// released since the last wait: work queued before may still use them) is made without the
+/// device's lock too, after the range's maps: inside it, another thread reserves and releases
+/// a cached block and finishes. The second pass finds the pages settled and waits no more.
+#[test]
+fn the_wait_before_remapping_cached_pages_is_made_without_the_lock() {
+    use cuda_sim::Call::{CtxSynchronize, MemMap};
+    let (sim, driver, pool, b) = two_idle_ranges();
+    let before = pool.stats(0).unwrap();
+    let calls = [CtxSynchronize, MemMap].map(|c| sim.call_count(c));
+    let in_wait = meanwhile(&pool, &driver, |d| &d.on_sync);
+    let big = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(seen(&in_wait, "in the wait"), before.reserved_bytes);
+    let made: Vec<u64> = [CtxSynchronize, MemMap]
+        .map(|c| sim.call_count(c))
+        .iter()
+        .zip(calls)
+        .map(|(n, m)| n - m)
+        .collect();
+    assert_eq!(
+        made,
+        [1, 2],
+        "one wait, two maps: none made again under the lock"
+    );
+    assert_eq!(pool.stats(0).unwrap().driver_allocs, before.driver_allocs);
+    pool.check().unwrap();
+    for p in [big, b] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_returned(&*pool, sim);
+}
+
 /// While a range of cached pages is mapped without the lock, another thread takes one of its
 /// pieces (a block it reserves and keeps). The second pass chooses again: the range made
 /// meanwhile is unmapped and the request made from what is left and new memory, under the

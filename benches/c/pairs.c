@@ -26,8 +26,8 @@
  * ROUNDS (5) rounds of each case: `scaling <impl> <threads> <size> <cached> <wall ns> <CPU ns>`.
  * `pairs growth [COUNT] [SIZE]` measures the waits behind a thread whose reserves make the pool
  * grow: COUNT (200) blocks of SIZE (256 MiB) bytes, each kept (see growth_pauses). `pairs stitch
- * [COUNT] [SIZE]` measures the waits behind a thread whose COUNT (200) reserves of SIZE (256 MiB)
- * bytes are each made of cached pieces (see stitch_pauses).
+ * [COUNT] [SIZE] [HOLE] [touch]` measures the waits behind a thread whose COUNT (200) reserves of
+ * SIZE (256 MiB) bytes are each made of cached pieces of HOLE (4 MiB) bytes (see stitch_pauses).
  */
 #define _GNU_SOURCE
 #include <alloca.h>
@@ -374,17 +374,19 @@ static void growth_pauses(size_t count, size_t size) {
 }
 
 /* The waits behind a thread whose reserves are made of cached pages alone (the default's
- * page-granular reuse): 129 blocks of 4 MiB, every other one released (64 free blocks between
- * live ones, back in the pool from the front cache), then COUNT times a reserve of SIZE bytes
- * (256 MiB), which no free block holds, made of their pages (a cuMemMap each; 64 pieces for
- * 256 MiB, 32 for 128 MiB), its release, and rm_free_reusable
- * (which takes the range apart without the lock, its pages back in their blocks, so that the next
- * reserve is made of them again). Prints
- * stitch <count> <ms> <driver allocations> then the probe's waits, as free_reusable. */
-static void stitch_pauses(size_t count, size_t size) {
+ * page-granular reuse): 129 blocks of HOLE bytes (4 MiB), every other one released (64 free
+ * blocks between live ones, back in the pool from the front cache), then COUNT times a reserve
+ * of SIZE bytes (256 MiB), which no free block holds, made of their pages (a cuMemMap each; 64
+ * pieces for 256 MiB of 4 MiB holes, 32 for 128 MiB), its release, and rm_free_reusable (which
+ * takes the range apart without the lock, its pages back in their blocks, so that the next
+ * reserve is made of them again). With `touch` (and HOLE over the front cache's 64 MiB, so that
+ * the pool sees it), each round first reserves and releases one hole: a block released since
+ * the last wait for the device, whose pages the range then needs a wait before it may use.
+ * Prints stitch <count> <ms> <driver allocations> then the probe's waits, as free_reusable. */
+static void stitch_pauses(size_t count, size_t size, size_t hole, int touch) {
   enum { N = 129 };
   void *blocks[N];
-  for (int i = 0; i < N; i++) blocks[i] = reserve((size_t)4 << 20, NULL);
+  for (int i = 0; i < N; i++) blocks[i] = reserve(hole, NULL);
   for (int i = 1; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
   size_t released = 0;
   check(rm_free_reusable(0, &released), "rm_free_reusable");
@@ -393,6 +395,7 @@ static void stitch_pauses(size_t count, size_t size) {
   pthread_t t = probe_begin(probe);
   double start = now_ns();
   for (size_t i = 0; i < count; i++) {
+    if (touch) check(rm_release(reserve(hole, NULL)), "rm_release");
     check(rm_release(reserve(size, NULL)), "rm_release");
     check(rm_free_reusable(0, &released), "rm_free_reusable");
   }
@@ -670,7 +673,9 @@ int main(int argc, char **argv) {
   }
   if (argc > 1 && strcmp(argv[1], "stitch") == 0) {
     stitch_pauses(argc > 2 ? (size_t)atol(argv[2]) : 200,
-                  argc > 3 ? (size_t)atol(argv[3]) : (size_t)256 << 20);
+                  argc > 3 ? (size_t)atol(argv[3]) : (size_t)256 << 20,
+                  argc > 4 ? (size_t)atol(argv[4]) : (size_t)4 << 20,
+                  argc > 5 && strcmp(argv[5], "touch") == 0);
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "streams") == 0) {

@@ -24,7 +24,11 @@
 //!    to create). The handles of the cached pages are *pinned* meanwhile: a sweep on another
 //!    thread may take their ranges apart, but releases none of them while the new range maps
 //!    it. A mapping that fails is undone under the lock in pass 3 (a new handle kept as spare
-//!    pages) and reported, as a mapping that fails under the lock is.
+//!    pages) and reported, as a mapping that fails under the lock is. Where the cached pages'
+//!    blocks were released since the last wait for the device (work queued before may still
+//!    use them), that wait (`cuCtxSynchronize`, as long as the device's queued work) is made
+//!    here too, once the range is made, and pass 3 finds them settled (`streams.rs`); a wait
+//!    that fails is made again under the lock in pass 3.
 //! 3. Under the lock, the usual path again, the call's answer *prepared*: where the growth
 //!    policy asks for the same bytes of the same kind, it takes the new memory instead of
 //!    calling the driver, or goes on from the driver's refusal as from its own first try (out
@@ -88,6 +92,8 @@ pub struct Made {
     /// For a range that failed once addresses were to be mapped: the handle created for it (if
     /// any), the bytes mapped from its base, and what failed.
     leftover: Option<Leftover>,
+    /// Whether the device's work was waited for after the range was made ([`Plan::wait`]).
+    waited: bool,
 }
 
 /// What a range that failed without the lock left.
@@ -127,6 +133,9 @@ pub struct Plan {
     base: Option<DevicePtr>,
     /// For a range: its cached pages, mapped in this order before the new memory.
     pages: Vec<Pages>,
+    /// For a range of cached pages not settled (`streams.rs`), the device's count of releases
+    /// as the first pass saw it: the device's work is waited for after the range is made.
+    wait: Option<u64>,
     /// The driver's `(free, total)` as the first pass saw them.
     driver_info: (u64, u64),
 }
@@ -198,7 +207,18 @@ impl Plan {
             })
         }))
         .unwrap_or_else(|_| Err(not_made(call, "the driver panicked")));
-        Made { result, leftover }
+        // Work queued before the cached pages' blocks were released may still use them: waited
+        // for here rather than under the lock in the second pass. A wait that fails or panics is
+        // made again there (and reported if it fails again).
+        let waited = result.is_ok()
+            && self.wait.is_some()
+            && std::panic::catch_unwind(AssertUnwindSafe(|| driver.synchronize(device).is_ok()))
+                .unwrap_or(false);
+        Made {
+            result,
+            leftover,
+            waited,
+        }
     }
 }
 
@@ -276,6 +296,9 @@ impl DevicePool {
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Result<T> {
         self.unplan(&plan);
+        if let (Some(releases), true) = (plan.wait, made.waited) {
+            self.settled_at(releases);
+        }
         let span = plan.span();
         if let (Some(base), Err(err)) = (plan.base, &made.result) {
             // A range not made: its addresses back, and a handle created for it kept as spare
@@ -358,6 +381,7 @@ impl DevicePool {
             bytes,
             base: None,
             pages: Vec::new(),
+            wait: None,
             driver_info: (driver_free, self.driver_total),
         };
         if matches!(backing, Backing::Range | Backing::Mapping) {
@@ -365,6 +389,9 @@ impl DevicePool {
             let span = bytes + plan.pages.iter().map(|p| p.size).sum::<u64>();
             plan.base = Some(self.take_addresses(cx, span)?);
         }
+        // The lenders of the range's cached pages (`DevicePool::lending`): waited for with it.
+        let unsettled = self.lending.iter().any(|&seg| !self.is_settled(seg));
+        plan.wait = unsettled.then_some(self.releases);
         self.growing += bytes;
         self.carved += plan.span();
         self.pinned.extend(plan.pages.iter().map(|p| p.handle));

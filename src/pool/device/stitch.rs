@@ -263,6 +263,17 @@ impl DevicePool {
         all: &mut Vec<Piece>,
     ) -> Result<DevicePtr> {
         let have: u64 = all.iter().map(|p| p.pages.size).sum();
+        // Free blocks' pages may still be in use by work queued before their release (spare
+        // pages came from ranges taken apart, settled then): the device's work is waited for
+        // before the range is handed out. In the first pass, without the lock, with the calls
+        // that make the range (`growing.rs`), where they are deferred.
+        let remap = "waiting for the device before remapping cached memory";
+        let lenders = |all: &[Piece]| -> Vec<SegId> {
+            all.iter().filter_map(|p| p.lender.map(|l| l.0)).collect()
+        };
+        if !self.defer {
+            self.settle(cx, lenders(all), remap)?;
+        }
         if have < size {
             // The shortfall is created as PyTorch would size a segment for it (a 20 MiB handle
             // for under 10 MiB), and at least the pool's headroom, so that growth keeps
@@ -345,14 +356,15 @@ impl DevicePool {
                 )),
             };
         }
+        self.settle(cx, lenders(all), remap)?;
         let size = all.iter().map(|p| p.pages.size).sum();
         self.map_pieces(cx, size, all)
     }
 
     /// Take cached pieces for up to `size` bytes out of the books: spare pages, and aligned
-    /// interiors of free blocks lent as holes. Waits for the device first unless their segments
-    /// are settled (`streams.rs`), as work queued before those blocks were released may still use
-    /// them.
+    /// interiors of free blocks lent as holes. Work queued before those blocks were released may
+    /// still use them: the range is not handed out before the device's work is waited for
+    /// (`make_range`), unless their segments are settled (`streams.rs`).
     fn gather(
         &mut self,
         cx: &Context<'_>,
@@ -380,19 +392,19 @@ impl DevicePool {
         }
         // A range of cached pages alone is mapped without the lock (`growing.rs`): in the first
         // pass, decided before the books change, so that the second decides the same.
-        let pages = chosen.iter().map(|p| p.pages);
-        if have >= size && self.defer_mapping(cx, pages, driver_free)? {
-            return Err(Error::internal(
-                "mapping deferred until the device's lock is free",
-            ));
+        if have >= size && self.defer {
+            self.lending = chosen
+                .iter()
+                .filter_map(|p| p.lender.map(|l| l.0))
+                .collect();
+            let deferred = self.defer_mapping(cx, chosen.iter().map(|p| p.pages), driver_free);
+            self.lending.clear();
+            if deferred? {
+                return Err(Error::internal(
+                    "mapping deferred until the device's lock is free",
+                ));
+            }
         }
-        // Spare pages came from ranges taken apart, settled then; free blocks' pages may still
-        // be in use by work queued before their release.
-        self.settle(
-            cx,
-            chosen.iter().filter_map(|p| p.lender.map(|(seg, _)| seg)),
-            "waiting for the device before remapping cached memory",
-        )?;
         for piece in &chosen {
             match piece.lender {
                 None => self.phys.take(piece.pages),
