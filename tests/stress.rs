@@ -733,6 +733,25 @@ fn two_idle_ranges() -> (&'static Sim, Arc<Hooked>, Arc<Pool>, u64) {
     (sim, driver, pool, b)
 }
 
+/// How many calls of each of `calls` the driver has made since their counts were `before`.
+fn made_since<const N: usize>(sim: &Sim, calls: [cuda_sim::Call; N], before: [u64; N]) -> [u64; N] {
+    let mut made = calls.map(|c| sim.call_count(c));
+    for (n, then) in made.iter_mut().zip(before) {
+        *n -= then;
+    }
+    made
+}
+
+/// The books check, `blocks` are released, everything goes back, and the driver holds nothing.
+fn release_all(pool: &Arc<Pool>, sim: &Sim, blocks: &[u64]) {
+    pool.check().unwrap();
+    for &p in blocks {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_returned(&**pool, sim);
+}
+
 /// What `f` returned on another thread inside `hook` (which must have run), within 20 s.
 fn inside<T: Send + 'static>(
     pool: &Arc<Pool>,
@@ -752,9 +771,10 @@ fn inside<T: Send + 'static>(
 /// block, and the books check; the range then takes those pages, with no memory created.
 #[test]
 fn a_range_of_cached_pages_is_mapped_without_the_lock() {
+    use cuda_sim::Call::MemMap;
     let (sim, driver, pool, b) = two_idle_ranges();
     let before = pool.stats(0).unwrap();
-    let maps = sim.call_count(cuda_sim::Call::MemMap);
+    let maps = [MemMap].map(|c| sim.call_count(c));
     let seen = inside(&pool, &driver.watch.on_access, |pool| {
         let p = pool.reserve(0, MIB, 0).unwrap();
         pool.release(p).unwrap();
@@ -773,15 +793,10 @@ fn a_range_of_cached_pages_is_mapped_without_the_lock() {
         (before.reserved_bytes, before.driver_allocs, 96 * MIB),
         "nothing created"
     );
-    assert_eq!(sim.call_count(cuda_sim::Call::MemMap) - maps, 2);
+    assert_eq!(made_since(sim, [MemMap], maps), [2]);
     assert_eq!(sim.is_accessible(big), Some(true));
     assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
-    pool.check().unwrap();
-    for p in [big, b] {
-        pool.release(p).unwrap();
-    }
-    pool.free_reusable(None).unwrap();
-    assert_returned(&*pool, sim);
+    release_all(&pool, sim, &[big, b]);
 }
 
 /// The wait for the device's work that a range of cached pages needs first (their blocks were
@@ -797,41 +812,31 @@ fn the_wait_before_remapping_cached_pages_is_made_without_the_lock() {
     let in_wait = meanwhile(&pool, &driver, |d| &d.on_sync);
     let big = pool.reserve(0, 64 * MIB, 0).unwrap();
     assert_eq!(seen(&in_wait, "in the wait"), before.reserved_bytes);
-    let made: Vec<u64> = [CtxSynchronize, MemMap]
-        .map(|c| sim.call_count(c))
-        .iter()
-        .zip(calls)
-        .map(|(n, m)| n - m)
-        .collect();
     assert_eq!(
-        made,
+        made_since(sim, [CtxSynchronize, MemMap], calls),
         [1, 2],
         "one wait, two maps: none made again under the lock"
     );
     assert_eq!(pool.stats(0).unwrap().driver_allocs, before.driver_allocs);
-    pool.check().unwrap();
-    for p in [big, b] {
-        pool.release(p).unwrap();
-    }
-    pool.free_reusable(None).unwrap();
-    assert_returned(&*pool, sim);
+    release_all(&pool, sim, &[big, b]);
 }
 
 /// While a range of cached pages is mapped without the lock, another thread takes one of its
 /// pieces (a block it reserves and keeps). The second pass chooses again: the range made
 /// meanwhile is unmapped and the request made from what is left and new memory, under the
-/// lock; the other thread's block and the request's share no page.
+/// lock (the books then check: no page is owned twice).
 #[test]
 fn cached_pages_taken_meanwhile_are_not_mapped_twice() {
+    use cuda_sim::Call::MemUnmap;
     let (sim, driver, pool, b) = two_idle_ranges();
     let before = pool.stats(0).unwrap();
-    let unmaps = sim.call_count(cuda_sim::Call::MemUnmap);
+    let unmaps = [MemUnmap].map(|c| sim.call_count(c));
     let taken = inside(&pool, &driver.watch.on_access, |pool| {
         pool.reserve(0, 32 * MIB, 0).unwrap()
     });
     let big = pool.reserve(0, 64 * MIB, 0).unwrap();
     let taken = taken.lock().unwrap().take().expect("the hook ran");
-    assert_eq!(sim.call_count(cuda_sim::Call::MemUnmap) - unmaps, 1);
+    assert_eq!(made_since(sim, [MemUnmap], unmaps), [1]);
     let s = pool.stats(0).unwrap();
     assert_eq!(
         s.driver_allocs,
@@ -841,12 +846,7 @@ fn cached_pages_taken_meanwhile_are_not_mapped_twice() {
     assert_eq!(s.allocated_bytes, 128 * MIB);
     assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
     assert_eq!(sim.used_bytes(0), s.reserved_bytes);
-    pool.check().unwrap();
-    for p in [big, b, taken] {
-        pool.release(p).unwrap();
-    }
-    pool.free_reusable(None).unwrap();
-    assert_returned(&*pool, sim);
+    release_all(&pool, sim, &[big, b, taken]);
 }
 
 /// While a range of cached pages is mapped without the lock, another thread returns the cache
@@ -859,18 +859,19 @@ fn a_sweep_meanwhile_releases_no_handle_a_range_in_flight_maps() {
     use cuda_sim::Call::{MemMap, MemRelease, MemUnmap};
     let (sim, driver, pool, b) = two_idle_ranges();
     let before = pool.stats(0).unwrap();
-    let count = || [MemMap, MemUnmap, MemRelease].map(|c| sim.call_count(c));
-    let calls = count();
+    let calls = [MemMap, MemUnmap, MemRelease].map(|c| sim.call_count(c));
     let returned = inside(&pool, &driver.watch.on_access, |pool| {
         pool.free_reusable(Some(0)).unwrap()
     });
     let big = pool.reserve(0, 64 * MIB, 0).unwrap();
     let returned = returned.lock().unwrap().take().expect("the hook ran");
     assert_eq!(returned, 2 * MIB, "the 1 MiB block's handle alone");
-    let made: Vec<u64> = count().iter().zip(calls).map(|(n, m)| n - m).collect();
     // Two maps (the range, without the lock); three unmaps (the two idle ranges and the
     // 1 MiB block's, by the sweep); one release (that block's handle).
-    assert_eq!(made, [2, 3, 1]);
+    assert_eq!(
+        made_since(sim, [MemMap, MemUnmap, MemRelease], calls),
+        [2, 3, 1]
+    );
     let s = pool.stats(0).unwrap();
     assert_eq!(
         (s.reserved_bytes, s.driver_allocs, s.allocated_bytes),
@@ -878,10 +879,5 @@ fn a_sweep_meanwhile_releases_no_handle_a_range_in_flight_maps() {
     );
     assert_eq!(sim.is_accessible(big + 64 * MIB - 1), Some(true));
     assert_eq!(sim.used_bytes(0), s.reserved_bytes);
-    pool.check().unwrap();
-    for p in [big, b] {
-        pool.release(p).unwrap();
-    }
-    pool.free_reusable(None).unwrap();
-    assert_returned(&*pool, sim);
+    release_all(&pool, sim, &[big, b]);
 }

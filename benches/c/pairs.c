@@ -354,19 +354,27 @@ static void free_reusable_pauses(size_t segments, int lent) {
  * with CUDA_SIM_DELAYS, as long as a real driver takes), while the probe times the calls that
  * take the device's lock. Then everything is released and returned, untimed. Prints:
  * growth <count> <ms> <driver allocations> then the probe's waits, as free_reusable. */
+/* End the probe begun at `start` (ns) as `t`, with device 0's figures `before`, and print the
+ * line: <what> <count> <ms since start> <driver allocations since before> <the probe's waits>. */
+static void timed_end(pthread_t t, const char *what, size_t count, double start,
+                      const rm_stats *before) {
+  double took = now_ns() - start;
+  rm_stats after;
+  check(rm_get_stats(0, &after), "rm_get_stats");
+  char head[96];
+  snprintf(head, sizeof head, "%s %zu %.2f %llu", what, count, took / 1e6,
+           (unsigned long long)(after.driver_allocs - before->driver_allocs));
+  probe_end(t, head);
+}
+
 static void growth_pauses(size_t count, size_t size) {
   void **blocks = malloc(sizeof(void *) * count);
-  rm_stats before, after;
+  rm_stats before;
   check(rm_get_stats(0, &before), "rm_get_stats");
   pthread_t t = probe_begin(probe);
   double start = now_ns();
   for (size_t i = 0; i < count; i++) blocks[i] = reserve(size, NULL);
-  double took = now_ns() - start;
-  char head[96];
-  check(rm_get_stats(0, &after), "rm_get_stats");
-  snprintf(head, sizeof head, "growth %zu %.2f %llu", count, took / 1e6,
-           (unsigned long long)(after.driver_allocs - before.driver_allocs));
-  probe_end(t, head);
+  timed_end(t, "growth", count, start, &before);
   for (size_t i = 0; i < count; i++) check(rm_release(blocks[i]), "rm_release");
   size_t released = 0;
   check(rm_free_reusable(0, &released), "rm_free_reusable");
@@ -390,7 +398,7 @@ static void stitch_pauses(size_t count, size_t size, size_t hole, int touch) {
   for (int i = 1; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
   size_t released = 0;
   check(rm_free_reusable(0, &released), "rm_free_reusable");
-  rm_stats before, after;
+  rm_stats before;
   check(rm_get_stats(0, &before), "rm_get_stats");
   pthread_t t = probe_begin(probe);
   double start = now_ns();
@@ -399,12 +407,7 @@ static void stitch_pauses(size_t count, size_t size, size_t hole, int touch) {
     check(rm_release(reserve(size, NULL)), "rm_release");
     check(rm_free_reusable(0, &released), "rm_free_reusable");
   }
-  double took = now_ns() - start;
-  char head[96];
-  check(rm_get_stats(0, &after), "rm_get_stats");
-  snprintf(head, sizeof head, "stitch %zu %.2f %llu", count, took / 1e6,
-           (unsigned long long)(after.driver_allocs - before.driver_allocs));
-  probe_end(t, head);
+  timed_end(t, "stitch", count, start, &before);
   for (int i = 0; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
   check(rm_free_reusable(0, &released), "rm_free_reusable");
 }
