@@ -6,7 +6,8 @@
 # CUDA_SIM_DELAYS syntax; `classic-growth` and `default-growth`, the waits behind a thread whose
 # 200 reserves of 256 MiB make the pool grow, with creations of 1 ms, GROW in the same syntax;
 # `stitch-32` and `stitch-64`, behind a thread whose reserves are made of 32 and 64 cached pieces,
-# a cuMemMap of 19 us each; `stitch-busy`, the same with a wait of 2 ms for the device first),
+# a cuMemMap of 19 us each; `stitch-busy` and `stitch-return`, the same with a wait of 2 ms for
+# the device first),
 # the same waits behind a plain pthread mutex held 20 us
 # at a time (`handoff`: the machine's share), and pairs of 128 MiB blocks, which the front cache
 # passes to the pool, from one thread and from two threads on two devices (`devices`), through
@@ -78,6 +79,10 @@ for i in $(seq 1 "$runs"); do
     # busy device (2 ms) before the range may be used.
     echo "$name $i stitch-busy $(CUDA_SIM_DEVICES=80GiB CUDA_SIM_DELAYS="cuCtxSynchronize=2ms,$grow" \
       "$out/$name/pairs" stitch 30 $((32 * 66 << 20)) $((66 << 20)) touch)" >> "$out/results"
+    # The same with no rm_free_reusable: each range, 2 MiB larger than the last, takes the last
+    # one apart first, after a wait for the device.
+    echo "$name $i stitch-return $(CUDA_SIM_DEVICES=80GiB CUDA_SIM_DELAYS="cuCtxSynchronize=2ms,cuMemUnmap=19us,$grow" \
+      "$out/$name/pairs" stitch 30 $((32 * 66 << 20)) $((66 << 20)) return)" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB,80GiB "$out/$name/pairs" devices | sed "s/^/$name $i /" >> "$out/results"
     CUDA_SIM_DEVICES=80GiB "$out/$name/pairs" streams | sed "s/^/$name $i /" >> "$out/results"
   done
@@ -117,7 +122,9 @@ print(f"`scripts/bench-pauses.sh`, {runs} runs; date {datetime.date.today()}; {p
       "taken apart by `rm_free_reusable` before the next (`pairs stitch 100 SIZE`; the time "
       "column is the 100 rounds'); `stitch-busy`, the same 30 times from 32 free 66 MiB blocks, "
       "one of them reserved and released afresh before each range, on a device busy for 2 ms at "
-      "each wait for it (`pairs stitch 30 2112MiB 66MiB touch`); `mutex` is the same "
+      "each wait for it (`pairs stitch 30 2112MiB 66MiB touch`); `stitch-return`, the same "
+      "with no `rm_free_reusable`, each range 2 MiB larger than the last, which the reserve takes "
+      "apart first (`pairs stitch 30 2112MiB 66MiB return`); `mutex` is the same "
       "probe behind a pthread mutex held 20 µs at a time, 320 times, with the pool's hand-over "
       "between holds (the machine's share).\n")
 print("| library | run | policy | timed call (ms) | phase | calls | median | 99.9th pct | max | calls over 100 µs |")

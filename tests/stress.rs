@@ -821,6 +821,36 @@ fn the_wait_before_remapping_cached_pages_is_made_without_the_lock() {
     release_all(&pool, sim, &[big, b]);
 }
 
+/// Before a growth, idle ranges of lent pages are taken apart (their pages back in their
+/// lenders); one released since the last wait for the device's work needs that wait first. It
+/// is made without the device's lock: inside it another thread reserves and releases a cached
+/// block and finishes. The next pass takes the range apart and defers the growth in turn (a
+/// range of the cached pages and new memory, made without the lock too), and a last one takes
+/// it: one wait in all, one creation.
+#[test]
+fn the_wait_before_ranges_of_lent_pages_go_back_is_made_without_the_lock() {
+    use cuda_sim::Call::{CtxSynchronize, MemUnmap};
+    let (sim, driver, pool, b) = two_idle_ranges();
+    // A range of the two idle ranges' pages, released: idle, made of lent pages, not settled.
+    let lent = pool.reserve(0, 64 * MIB, 0).unwrap();
+    pool.release(lent).unwrap();
+    let before = pool.stats(0).unwrap();
+    let calls = [CtxSynchronize, MemUnmap].map(|c| sim.call_count(c));
+    let in_wait = meanwhile(&pool, &driver, |d| &d.on_sync);
+    let big = pool.reserve(0, 128 * MIB, 0).unwrap();
+    assert_eq!(seen(&in_wait, "in the wait"), before.reserved_bytes);
+    assert_eq!(
+        made_since(sim, [CtxSynchronize, MemUnmap], calls),
+        [1, 1],
+        "one wait, and the idle range unmapped"
+    );
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.driver_allocs, before.driver_allocs + 1);
+    assert_eq!(s.allocated_bytes, 160 * MIB);
+    assert_eq!(sim.is_accessible(big + 128 * MIB - 1), Some(true));
+    release_all(&pool, sim, &[big, b]);
+}
+
 /// While a range of cached pages is mapped without the lock, another thread takes one of its
 /// pieces (a block it reserves and keeps). The second pass chooses again: the range made
 /// meanwhile is unmapped and the request made from what is left and new memory, under the

@@ -26,7 +26,7 @@
  * ROUNDS (5) rounds of each case: `scaling <impl> <threads> <size> <cached> <wall ns> <CPU ns>`.
  * `pairs growth [COUNT] [SIZE]` measures the waits behind a thread whose reserves make the pool
  * grow: COUNT (200) blocks of SIZE (256 MiB) bytes, each kept (see growth_pauses). `pairs stitch
- * [COUNT] [SIZE] [HOLE] [touch]` measures the waits behind a thread whose COUNT (200) reserves of
+ * [COUNT] [SIZE] [HOLE] [touch|return]` measures the waits behind a thread whose COUNT (200) reserves of
  * SIZE (256 MiB) bytes are each made of cached pieces of HOLE (4 MiB) bytes (see stitch_pauses).
  */
 #define _GNU_SOURCE
@@ -390,8 +390,12 @@ static void growth_pauses(size_t count, size_t size) {
  * reserve is made of them again). With `touch` (and HOLE over the front cache's 64 MiB, so that
  * the pool sees it), each round first reserves and releases one hole: a block released since
  * the last wait for the device, whose pages the range then needs a wait before it may use.
+ * With `return`, no rm_free_reusable: each round asks for 2 MiB more than the last, which the
+ * last range, idle, does not hold, so the reserve takes it apart first (its pages back in their
+ * blocks), after a wait for the device (it was released since the last).
  * Prints stitch <count> <ms> <driver allocations> then the probe's waits, as free_reusable. */
-static void stitch_pauses(size_t count, size_t size, size_t hole, int touch) {
+static void stitch_pauses(size_t count, size_t size, size_t hole, const char *mode) {
+  int touch = strcmp(mode, "touch") == 0, grow = strcmp(mode, "return") == 0;
   enum { N = 129 };
   void *blocks[N];
   for (int i = 0; i < N; i++) blocks[i] = reserve(hole, NULL);
@@ -404,8 +408,8 @@ static void stitch_pauses(size_t count, size_t size, size_t hole, int touch) {
   double start = now_ns();
   for (size_t i = 0; i < count; i++) {
     if (touch) check(rm_release(reserve(hole, NULL)), "rm_release");
-    check(rm_release(reserve(size, NULL)), "rm_release");
-    check(rm_free_reusable(0, &released), "rm_free_reusable");
+    check(rm_release(reserve(size + (grow ? i << 21 : 0), NULL)), "rm_release");
+    if (!grow) check(rm_free_reusable(0, &released), "rm_free_reusable");
   }
   timed_end(t, "stitch", count, start, &before);
   for (int i = 0; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
@@ -678,7 +682,7 @@ int main(int argc, char **argv) {
     stitch_pauses(argc > 2 ? (size_t)atol(argv[2]) : 200,
                   argc > 3 ? (size_t)atol(argv[3]) : (size_t)256 << 20,
                   argc > 4 ? (size_t)atol(argv[4]) : (size_t)4 << 20,
-                  argc > 5 && strcmp(argv[5], "touch") == 0);
+                  argc > 5 ? argv[5] : "");
     return 0;
   }
   if (argc > 1 && strcmp(argv[1], "streams") == 0) {

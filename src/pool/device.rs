@@ -261,7 +261,7 @@ impl DevicePool {
         // in the second pass of a deferred growth (`growing.rs`): the first did it, and the
         // lenders it made idle would give back more, where a single pass leaves them to the
         // next request.
-        if self.prepared.is_none() && self.return_borrowed(cx) {
+        if self.prepared.is_none() && self.return_borrowed(cx)? {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
             }

@@ -70,6 +70,11 @@ pub const FREE_BATCH: usize = 32;
 /// return memory are made between batches.
 const BATCH_TIME: Duration = Duration::from_micros(20);
 
+/// The passes of a reserve or warm-up that may defer their driver calls until the device's lock
+/// is let go (`device/growing.rs`): a wait for the device's work, then a growth that follows
+/// it; a later pass makes its calls under the lock.
+const DEFERRING_PASSES: usize = 2;
+
 /// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
 /// device's lock.
 const WAITERS_GRACE: Duration = Duration::from_micros(200);
@@ -211,14 +216,23 @@ impl Pool {
         f: impl Fn(&mut DevicePool, &Context<'_>) -> Result<T>,
     ) -> Result<T> {
         let (mut pool, cx) = self.lock(device)?;
-        let plan = match pool.deferring(|pool| f(pool, &cx)) {
+        let mut plan = match pool.deferring(&cx, |pool| f(pool, &cx)) {
             Pass::Done(done) => return done,
             Pass::Grow(plan) => plan,
         };
         drop(pool);
-        let made = plan.make(&*self.driver);
-        let (mut pool, cx) = self.lock(device)?;
-        pool.prepared(&cx, plan, made, |pool| f(pool, &cx))
+        // A pass may defer again what the last one's calls made way for (a growth once a wait
+        // for the device is done); the last pass makes its calls under the lock.
+        for pass in 2.. {
+            let made = plan.make(&*self.driver);
+            let (mut pool, cx) = self.lock(device)?;
+            let defer = pass <= DEFERRING_PASSES;
+            plan = match pool.prepared(&cx, plan, made, defer, |pool| f(pool, &cx)) {
+                Pass::Done(done) => return done,
+                Pass::Grow(plan) => plan,
+            };
+        }
+        unreachable!("the last pass defers nothing")
     }
 
     /// Like [`Pool::reserve`], but only from memory the pool already holds: `None` (and nothing

@@ -1,14 +1,15 @@
-//! Growth's driver calls, made without the device's lock: those that create memory, and those
-//! that map a new stitched range.
+//! Growth's driver calls, made without the device's lock: those that create memory, those that
+//! map a new stitched range, and the waits for the device's work that cached memory needs
+//! before it is used again.
 //!
 //! `cuMemAlloc` and `cuMemCreate` take tens of microseconds on a GPU, more for large sizes (a
 //! page table to fill), and `cuMemAlloc` may wait for the device; a stitched range costs a
-//! `cuMemMap` per piece (up to 64) and a `cuMemSetAccess`, 19 µs each on an H200. Made under the
-//! device's lock, each held every other thread's reserve and release on the device behind it,
-//! even those the cache serves: one stream's growth serialized another stream's work on other
-//! memory. So
-//! `Pool::reserve` and `Pool::warmup` take two passes over the usual path (`DevicePool::reserve`,
-//! `DevicePool::warmup`):
+//! `cuMemMap` per piece (up to 64) and a `cuMemSetAccess`, 19 µs each on an H200; a wait for the
+//! device (`cuCtxSynchronize`) lasts as long as its queued work. Made under the device's lock,
+//! each held every other thread's reserve and release on the device behind it, even those the
+//! cache serves: one stream's growth serialized another stream's work on other memory. So
+//! `Pool::reserve` and `Pool::warmup` take several passes over the usual path
+//! (`DevicePool::reserve`, `DevicePool::warmup`):
 //!
 //! 1. Under the lock, with growth *deferred*: where the growth policy (`obtain`) would call the
 //!    driver for new memory and has nothing to do first (the cap, counting other threads'
@@ -16,20 +17,21 @@
 //!    [`Plan`] and the pass unwinds through its usual failure path (cached pages lent to the new
 //!    range go back; the headroom's state and the count of reserve calls are restored). A range
 //!    made of cached pages alone is noted as soon as its pages are chosen, before any is taken
-//!    out of the books or waited for, and the pass unwinds from there.
-//! 2. Without the lock, the plan's call ([`Plan::make`]). A stitched range is also mapped and
-//!    made accessible there (`cuMemMap` of each piece, `cuMemSetAccess`: 19 µs each on an H200),
-//!    into addresses pass 1 took: the cached pages pass 1 chose for it first, then the new
-//!    handle; a range made wholly of cached pages makes only those calls (a plan with nothing
-//!    to create). The handles of the cached pages are *pinned* meanwhile: a sweep on another
-//!    thread may take their ranges apart, but releases none of them while the new range maps
-//!    it. A mapping that fails is undone under the lock in pass 3 (a new handle kept as spare
+//!    out of the books or waited for, and so is the wait that idle ranges of lent pages need
+//!    before they are taken apart (`return_borrowed`, where they were released since the last
+//!    wait): the pass unwinds from there.
+//! 2. Without the lock, the plan's calls ([`Plan::make`]). A stitched range is also mapped and
+//!    made accessible there, into addresses pass 1 took: the cached pages pass 1 chose for it
+//!    first, then the new handle; a range made wholly of cached pages makes only those calls.
+//!    The handles of the cached pages are *pinned* meanwhile: a sweep on another thread may
+//!    take their ranges apart, but releases none of them while the new range maps it. A
+//!    mapping that fails is undone under the lock in the next pass (a new handle kept as spare
 //!    pages) and reported, as a mapping that fails under the lock is. Where the cached pages'
 //!    blocks were released since the last wait for the device (work queued before may still
-//!    use them), that wait (`cuCtxSynchronize`, as long as the device's queued work) is made
-//!    here too, once the range is made, and pass 3 finds them settled (`streams.rs`); a wait
-//!    that fails is made again under the lock in pass 3.
-//! 3. Under the lock, the usual path again, the call's answer *prepared*: where the growth
+//!    use them), that wait is made here too, once the range is made, and the next pass finds
+//!    them settled (`streams.rs`); a wait that fails is made again under the lock there. A plan
+//!    that only waits makes only that call.
+//! 3. Under the lock, the usual path again, the calls' answer *prepared*: where the growth
 //!    policy asks for the same bytes of the same kind, it takes the new memory instead of
 //!    calling the driver, or goes on from the driver's refusal as from its own first try (out
 //!    of memory: pending blocks waited for, the cache returned, one more try; any other error
@@ -37,19 +39,24 @@
 //!    driver's free memory as pass 1 saw it. A range's cached pages are chosen again too: the
 //!    range made without the lock is taken where they are the same pages (the same pieces of
 //!    the same handles, wherever they are cached now), and otherwise unmapped and made again
-//!    under the lock from the pages chosen. With the books unchanged meanwhile, pass 3 decides
-//!    as pass 1 did: it does not take apart idle ranges of lent pages again (`return_borrowed`:
-//!    pass 1 did, and the lenders its give-backs made idle would give back more, which a single
-//!    pass leaves to the next request). On the replays of `scripts/policy-check.py`, every
-//!    figure is that of a single pass (checked against the same build with deferral off), and
-//!    no range made without the lock is made again. Where other threads changed the books
-//!    meanwhile and pass 3 does not take the new memory, it is booked as cache (an idle segment, or spare pages: a range
-//!    is unmapped), reusable and returned as any; above a cap lowered meanwhile, idle cache goes
-//!    back to the driver until the pool is under it.
+//!    under the lock from the pages chosen. With the books unchanged meanwhile, this pass
+//!    decides as pass 1 did: it does not take apart idle ranges of lent pages again
+//!    (`return_borrowed`: pass 1 did, and the lenders its give-backs made idle would give back
+//!    more, which a single pass leaves to the next request). After a plan that only waited,
+//!    nothing is prepared: the pass takes the ranges apart, settled now, and may defer a growth
+//!    in turn (steps 1 to 3 once more; `Pool`'s `DEFERRING_PASSES`); a pass with memory
+//!    prepared defers nothing. On the replays of `scripts/policy-check.py`, every figure is
+//!    that of a single pass (checked against the same build with deferral off), no range made
+//!    without the lock is made again, and every wait for the device is made without the lock.
+//!    Where other threads changed the books meanwhile and the pass does not take the new
+//!    memory, it is booked as cache (an idle segment, or spare pages: a range is unmapped),
+//!    reusable and returned as any; above a cap lowered meanwhile, idle cache goes back to the
+//!    driver until the pool is under it.
 //!
-//! The memory in flight counts against the cap (`growing`) from pass 1 to pass 3, so two threads
-//! growing at once never take the pool past it. A driver that panics under the lock in either
-//! pass leaves no plan behind, and memory already made is booked before the panic goes on.
+//! The memory in flight counts against the cap (`growing`) from the pass that defers it to the
+//! next, so two threads growing at once never take the pool past it. A driver that panics under
+//! the lock in any pass leaves no plan behind, and memory already made is booked before the
+//! panic goes on.
 
 use std::panic::AssertUnwindSafe;
 
@@ -70,6 +77,9 @@ pub(super) enum Backing {
     Range,
     /// No new memory: a stitched range made wholly of cached pages, mapped without the lock.
     Mapping,
+    /// No memory at all: the wait for the device's work, made without the lock
+    /// (`DevicePool::defer_wait`).
+    Wait,
 }
 
 /// New memory from the driver.
@@ -83,6 +93,8 @@ pub enum Fresh {
     Range(PhysHandle, DevicePtr),
     /// A range of cached pages alone at this address, accessible.
     Mapped(DevicePtr),
+    /// Nothing made: a plan that only waits for the device.
+    Waited,
 }
 
 /// What the call of a [`Plan`] made.
@@ -115,8 +127,8 @@ impl Backing {
         match self {
             Backing::Segment(..) => driver.mem_alloc(device, bytes).map(Fresh::Segment),
             Backing::Range => driver.vmm_create(device, bytes).map(Fresh::Handle),
-            // Never asked of the growth policy: it creates nothing.
-            Backing::Mapping => Err(not_made("cuMemCreate", "nothing to create")),
+            // Never asked of the growth policy: they create nothing.
+            Backing::Mapping | Backing::Wait => Err(not_made("cuMemCreate", "nothing to create")),
         }
     }
 }
@@ -156,10 +168,11 @@ impl Plan {
         let mut leftover = None;
         let mut call = match self.backing {
             Backing::Segment(..) => "cuMemAlloc_v2",
-            Backing::Range | Backing::Mapping => "cuMemCreate",
+            Backing::Range | Backing::Mapping | Backing::Wait => "cuMemCreate",
         };
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let created = match self.backing {
+                Backing::Wait => return Ok(Fresh::Waited),
                 Backing::Mapping => None,
                 _ => Some(self.backing.create(driver, device, self.bytes)?),
             };
@@ -247,11 +260,31 @@ pub enum Pass<T> {
 
 impl DevicePool {
     /// Run `f`, one of the usual paths, with growth deferred (the first pass).
-    pub fn deferring<T>(&mut self, f: impl FnOnce(&mut DevicePool) -> Result<T>) -> Pass<T> {
+    pub fn deferring<T>(
+        &mut self,
+        cx: &Context<'_>,
+        f: impl FnOnce(&mut DevicePool) -> Result<T>,
+    ) -> Pass<T> {
+        self.pass(cx, true, f)
+    }
+
+    /// Run `f`, with growth deferred if `defer`; memory prepared that `f` does not take is
+    /// booked as cache afterwards, whether `f` returns or unwinds.
+    fn pass<T>(
+        &mut self,
+        cx: &Context<'_>,
+        defer: bool,
+        f: impl FnOnce(&mut DevicePool) -> Result<T>,
+    ) -> Pass<T> {
         let (headroom, reserve_calls) = (self.headroom, self.stats.reserve_calls);
-        self.defer = true;
+        self.defer = defer;
         let done = std::panic::catch_unwind(AssertUnwindSafe(|| f(self)));
         self.defer = false;
+        // Booked whether the pass takes it, fails, or unwinds (a driver that panicked under the
+        // lock): memory the driver made never leaves the books.
+        if let Some(unused) = self.prepared.take() {
+            self.book_fresh(cx, unused);
+        }
         let done = done.unwrap_or_else(|panic| {
             // A driver that panicked under the lock: no plan outlives the pass (the lock is
             // taken over, see `Pool::lock`).
@@ -286,15 +319,17 @@ impl DevicePool {
         }
     }
 
-    /// Run `f` again (the second pass) with what `plan`'s call made prepared for it; what `f`
-    /// does not take is booked as cache afterwards.
+    /// Run `f` again (a later pass) with what `plan`'s calls made prepared for it, growth
+    /// deferred again if `defer` (a plan this pass makes is then returned); what `f` does not
+    /// take is booked as cache afterwards.
     pub fn prepared<T>(
         &mut self,
         cx: &Context<'_>,
         plan: Plan,
         made: Made,
+        defer: bool,
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
-    ) -> Result<T> {
+    ) -> Pass<T> {
         self.unplan(&plan);
         if let (Some(releases), true) = (plan.wait, made.waited) {
             self.settled_at(releases);
@@ -309,26 +344,26 @@ impl DevicePool {
                     self.undo_range(cx, created, base, span, left.mapped, &plan.pages);
                     // Mapping failed where creating did not: reported, as when a range fails
                     // to map under the lock (not made again from the pages just kept).
-                    return Err(Error::driver(left.failed, err));
+                    return Pass::Done(Err(Error::driver(left.failed, err)));
                 }
                 None => self.addresses.give(base, span),
             }
         }
-        self.prepared = Some(Prepared {
-            backing: plan.backing,
-            bytes: plan.bytes,
-            base: plan.base,
-            pages: plan.pages,
-            made: made.result,
-            driver_info: plan.driver_info,
-        });
-        // Booked whether the pass takes it, fails, or unwinds (a driver that panicked under the
-        // lock): memory the driver made never leaves the books.
-        let done = std::panic::catch_unwind(AssertUnwindSafe(|| f(self)));
-        if let Some(unused) = self.prepared.take() {
-            self.book_fresh(cx, unused);
+        // A wait alone leaves nothing to take: the pass finds the memory settled, and may defer
+        // a growth in turn. A pass with memory prepared defers nothing: it takes the memory, or
+        // makes its own under the lock.
+        let defer = defer && plan.backing == Backing::Wait;
+        if plan.backing != Backing::Wait {
+            self.prepared = Some(Prepared {
+                backing: plan.backing,
+                bytes: plan.bytes,
+                base: plan.base,
+                pages: plan.pages,
+                made: made.result,
+                driver_info: plan.driver_info,
+            });
         }
-        done.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        self.pass(cx, defer, f)
     }
 
     /// In the first pass, whether to defer creating `bytes` of `backing` (then noted as the
@@ -342,7 +377,7 @@ impl DevicePool {
         driver_free: u64,
     ) -> Result<bool> {
         let room = self.room_under_cap();
-        if !self.defer || self.plan.is_some() || bytes > room || bytes > driver_free {
+        if !self.may_defer() || bytes > room || bytes > driver_free {
             return Ok(false);
         }
         self.plan(cx, backing, bytes, driver_free)?;
@@ -357,13 +392,37 @@ impl DevicePool {
         pages: impl Iterator<Item = Pages>,
         driver_free: u64,
     ) -> Result<bool> {
-        if !self.defer || self.plan.is_some() {
+        if !self.may_defer() {
             return Ok(false);
         }
         self.mapping.extend(pages);
         let planned = self.plan(cx, Backing::Mapping, 0, driver_free);
         self.mapping.clear();
         planned.map(|()| true)
+    }
+
+    /// In a first pass, whether to defer the wait for the device's work that idle ranges of
+    /// lent pages need before they are taken apart (`return_borrowed`): some of `segs` are not
+    /// settled (then noted as the plan, made without the lock).
+    pub(super) fn defer_wait(&mut self, segs: &[SegId]) -> bool {
+        if !self.may_defer() || segs.iter().all(|&seg| self.is_settled(seg)) {
+            return false;
+        }
+        self.plan = Some(Plan {
+            device: self.device,
+            backing: Backing::Wait,
+            bytes: 0,
+            base: None,
+            pages: Vec::new(),
+            wait: Some(self.releases),
+            driver_info: (0, self.driver_total),
+        });
+        true
+    }
+
+    /// Whether this pass may note a plan: growth is deferred, and no plan is noted yet.
+    fn may_defer(&self) -> bool {
+        self.defer && self.plan.is_none()
     }
 
     /// Note the plan of `bytes` of `backing` (a range's addresses taken, its cached pages'
@@ -453,7 +512,7 @@ impl DevicePool {
                 self.undo_range(cx, created, base, span, span, &p.pages);
             }
             (Fresh::Mapped(base), _) => self.undo_range(cx, None, base, span, span, &p.pages),
-            (Fresh::Segment(_) | Fresh::Handle(_), _) => {
+            (Fresh::Segment(_) | Fresh::Handle(_) | Fresh::Waited, _) => {
                 unreachable!("a plan makes a segment or a range")
             }
         }

@@ -323,7 +323,9 @@ impl DevicePool {
             let (handle, mapped_at) = match created? {
                 Fresh::Handle(handle) => (handle, None),
                 Fresh::Range(handle, base) => (handle, Some(base)),
-                Fresh::Segment(_) | Fresh::Mapped(_) => unreachable!("a handle asked for"),
+                Fresh::Segment(_) | Fresh::Mapped(_) | Fresh::Waited => {
+                    unreachable!("a handle asked for")
+                }
             };
             self.headroom.created(made, need);
             self.phys.add(handle, made);

@@ -258,10 +258,11 @@ impl DevicePool {
     /// Take apart every idle stitched segment made in part from lent pages, so that the pages
     /// go back to their lenders (merged there). Returns whether any was. A failing driver call
     /// fails no request: what could not be taken apart stays as it was (or, if only its address
-    /// range could not be freed, is retried by `free_reusable`), and the request goes on.
-    pub(super) fn return_borrowed(&mut self, cx: &Context<'_>) -> bool {
+    /// range could not be freed, is retried by `free_reusable`), and the request goes on. The
+    /// error is the first pass's unwinding only, where it defers the wait for the device.
+    pub(super) fn return_borrowed(&mut self, cx: &Context<'_>) -> Result<bool> {
         if !matches!(self.vmm, VmmMode::On(_)) {
-            return false;
+            return Ok(false);
         }
         let borrowers: Vec<SegId> = self
             .idle
@@ -273,15 +274,21 @@ impl DevicePool {
             })
             .collect();
         if borrowers.is_empty() {
-            return false;
+            return Ok(false);
         }
-        // Work queued before the blocks were released may still use them.
+        // Work queued before the blocks were released may still use them: waited for first,
+        // without the device's lock where the pass defers (`growing.rs`).
+        if self.defer_wait(&borrowers) {
+            return Err(Error::internal(
+                "waiting for the device deferred until the device's lock is free",
+            ));
+        }
         if let Err(e) = self.settle(cx, borrowers.iter().copied(), "waiting for the device") {
             self.log(format_args!(
                 "{}: borrowed pages stay where they are",
                 e.message
             ));
-            return false;
+            return Ok(false);
         }
         let mut returned = false;
         for seg in borrowers {
@@ -297,7 +304,7 @@ impl DevicePool {
                 }
             }
         }
-        returned
+        Ok(returned)
     }
 
     /// Take `seg` apart if it is an unused stitched segment whose blocks' queued work is done
