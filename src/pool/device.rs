@@ -8,8 +8,8 @@
 //! - `parking.rs`: the per-stream list of released blocks kept out of the bins;
 //! - `sweep.rs`: returning all cached memory in batches of bounded work (`free_reusable`);
 //!   `deferred.rs`: the driver calls a sweep makes without the device's lock;
-//! - `growing.rs`: growth's driver calls (creating memory, mapping a new range), made without
-//!   the device's lock;
+//! - `growing.rs`: growth's driver calls (creating memory, mapping a new range, waiting for the
+//!   device's work before cached memory is used again), made without the device's lock;
 //! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
 //!   cached pages and new memory; `headroom.rs`: how much more than a request lacks such a
 //!   creation takes;
@@ -258,9 +258,9 @@ impl DevicePool {
         }
         // Idle segments made partly of lent pages give them back first: merged again in their
         // lenders, they may hold the request as PyTorch's policy would have them hold it. Not
-        // in the second pass of a deferred growth (`growing.rs`): the first did it, and the
-        // lenders it made idle would give back more, where a single pass leaves them to the
-        // next request.
+        // in a pass with memory made for it without the lock (`growing.rs`): an earlier pass
+        // did it, and the lenders it made idle would give back more, where a single pass leaves
+        // them to the next request.
         if self.prepared.is_none() && self.return_borrowed(cx)? {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
@@ -587,9 +587,9 @@ impl DevicePool {
     /// The growth policy, for every backing: `bytes` of new memory of `backing`, within the cap
     /// (returning idle cache to stay under it, if `mode` allows); if the driver's free memory
     /// (`driver_free`) is short, idle cache goes back first; on out-of-memory, everything
-    /// reusable goes back and the driver is asked once more. In a first pass that needs none of
-    /// this, the call is deferred, to be made without the lock (`growing.rs`); in the second
-    /// pass, the memory it made is taken.
+    /// reusable goes back and the driver is asked once more. In a deferring pass that needs
+    /// none of this, the call is deferred, to be made without the lock (`growing.rs`); in the
+    /// next pass, the memory it made is taken.
     fn obtain(
         &mut self,
         cx: &Context<'_>,

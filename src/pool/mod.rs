@@ -207,9 +207,9 @@ impl Pool {
         self.unlocked_growth(device, |pool, cx| pool.reserve(cx, size, stream))
     }
 
-    /// Run `f` on `device`'s pool, making any new memory it needs without the device's lock:
-    /// a first pass defers the driver's call, which is made once the lock is let go, and a
-    /// second pass takes its memory (`device/growing.rs`).
+    /// Run `f` on `device`'s pool, making the driver calls a growth needs without the device's
+    /// lock: a pass defers them, they are made once the lock is let go, and the next pass takes
+    /// what they made (`device/growing.rs`).
     fn unlocked_growth<T>(
         &self,
         device: i32,

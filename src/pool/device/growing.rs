@@ -72,7 +72,7 @@ pub(super) enum Backing {
     Segment(Class, StreamHandle),
     /// A physical handle (`cuMemCreate`) for a stitched range: made without the lock, the range
     /// is mapped there too (`cuMemMap` of its cached pages, `DevicePool::mapping`, then of the
-    /// handle; `cuMemSetAccess`) into addresses the first pass took; under the lock, the handle
+    /// handle; `cuMemSetAccess`) into addresses the deferring pass took; under the lock, the handle
     /// is only created.
     Range,
     /// No new memory: a stitched range made wholly of cached pages, mapped without the lock.
@@ -133,7 +133,7 @@ impl Backing {
     }
 }
 
-/// A creation (or a range's mapping) the first pass deferred, to make without the device's
+/// A creation (or a range's mapping, or a wait) a pass deferred, to make without the device's
 /// lock.
 #[derive(Debug)]
 pub struct Plan {
@@ -141,14 +141,14 @@ pub struct Plan {
     backing: Backing,
     /// New memory to create.
     bytes: u64,
-    /// For a range: the addresses the first pass took for it (its cached pages and `bytes`).
+    /// For a range: the addresses the pass took for it (its cached pages and `bytes`).
     base: Option<DevicePtr>,
     /// For a range: its cached pages, mapped in this order before the new memory.
     pages: Vec<Pages>,
     /// For a range of cached pages not settled (`streams.rs`), the device's count of releases
-    /// as the first pass saw it: the device's work is waited for after the range is made.
+    /// as the pass saw it: the device's work is waited for after the range is made.
     wait: Option<u64>,
-    /// The driver's `(free, total)` as the first pass saw them.
+    /// The driver's `(free, total)` as the deferring pass saw them.
     driver_info: (u64, u64),
 }
 
@@ -221,7 +221,7 @@ impl Plan {
         }))
         .unwrap_or_else(|_| Err(not_made(call, "the driver panicked")));
         // Work queued before the cached pages' blocks were released may still use them: waited
-        // for here rather than under the lock in the second pass. A wait that fails or panics is
+        // for here rather than under the lock in the next pass. A wait that fails or panics is
         // made again there (and reported if it fails again).
         let waited = result.is_ok()
             && self.wait.is_some()
@@ -235,7 +235,7 @@ impl Plan {
     }
 }
 
-/// Memory the call of a [`Plan`] made, for the second pass.
+/// Memory the calls of a [`Plan`] made, for the next pass.
 #[derive(Debug)]
 pub(super) struct Prepared {
     backing: Backing,
@@ -243,18 +243,18 @@ pub(super) struct Prepared {
     /// For a range: its base and cached pages, as in the plan.
     base: Option<DevicePtr>,
     pages: Vec<Pages>,
-    /// The call's answer: the memory, or why the driver refused it (then the second pass goes
+    /// The calls' answer: the memory, or why the driver refused it (then the next pass goes
     /// on from that failure, as the usual path from its first try).
     pub(super) made: DriverResult<Fresh>,
-    /// The driver's `(free, total)` as the first pass saw them.
+    /// The driver's `(free, total)` as the deferring pass saw them.
     pub(super) driver_info: (u64, u64),
 }
 
-/// What the first pass came to.
+/// What a pass came to.
 pub enum Pass<T> {
     /// Done (or failed) under the lock.
     Done(Result<T>),
-    /// New memory is to be made first, without the lock.
+    /// Driver calls are to be made first, without the lock.
     Grow(Plan),
 }
 
@@ -366,7 +366,7 @@ impl DevicePool {
         self.pass(cx, defer, f)
     }
 
-    /// In the first pass, whether to defer creating `bytes` of `backing` (then noted as the
+    /// In a deferring pass, whether to defer creating `bytes` of `backing` (then noted as the
     /// plan): nothing need go back first, to the cap or for the driver's `driver_free` bytes. A
     /// range takes its addresses now, for its cached pages (`DevicePool::mapping`) and `bytes`.
     pub(super) fn defer_growth(
@@ -384,7 +384,7 @@ impl DevicePool {
         Ok(true)
     }
 
-    /// In the first pass, whether to defer mapping a range made wholly of the cached `pages`,
+    /// In a deferring pass, whether to defer mapping a range made wholly of the cached `pages`,
     /// then noted as the plan, its addresses taken now.
     pub(super) fn defer_mapping(
         &mut self,
@@ -401,7 +401,7 @@ impl DevicePool {
         planned.map(|()| true)
     }
 
-    /// In a first pass, whether to defer the wait for the device's work that idle ranges of
+    /// In a deferring pass, whether to defer the wait for the device's work that idle ranges of
     /// lent pages need before they are taken apart (`return_borrowed`): some of `segs` are not
     /// settled (then noted as the plan, made without the lock).
     pub(super) fn defer_wait(&mut self, segs: &[SegId]) -> bool {
@@ -465,7 +465,7 @@ impl DevicePool {
         self.stats.add_reserved(bytes, 1);
     }
 
-    /// In the second pass, the prepared memory if it is `bytes` of `backing` (for a range, with
+    /// In a later pass, the prepared memory if it is `bytes` of `backing` (for a range, with
     /// the same cached pages, `DevicePool::mapping`, which then takes the order the range maps
     /// them in); other prepared memory is booked as cache now, before the policy looks at the
     /// cache or the cap.
@@ -492,7 +492,7 @@ impl DevicePool {
         None
     }
 
-    /// Keep prepared memory the second pass did not take, as cache (an idle segment, or spare
+    /// Keep prepared memory the next pass did not take, as cache (an idle segment, or spare
     /// pages); where a cap lowered meanwhile leaves no room for it, idle cache goes back to the
     /// driver until the pool is under it, as growth under a cap returns it.
     fn book_fresh(&mut self, cx: &Context<'_>, p: Prepared) {

@@ -265,7 +265,7 @@ impl DevicePool {
         let have: u64 = all.iter().map(|p| p.pages.size).sum();
         // Free blocks' pages may still be in use by work queued before their release (spare
         // pages came from ranges taken apart, settled then): the device's work is waited for
-        // before the range is handed out. In the first pass, without the lock, with the calls
+        // before the range is handed out. In a deferring pass, without the lock, with the calls
         // that make the range (`growing.rs`), where they are deferred.
         let remap = "waiting for the device before remapping cached memory";
         let lenders = |all: &[Piece]| -> Vec<SegId> {

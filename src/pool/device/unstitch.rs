@@ -259,7 +259,7 @@ impl DevicePool {
     /// go back to their lenders (merged there). Returns whether any was. A failing driver call
     /// fails no request: what could not be taken apart stays as it was (or, if only its address
     /// range could not be freed, is retried by `free_reusable`), and the request goes on. The
-    /// error is the first pass's unwinding only, where it defers the wait for the device.
+    /// error is a deferring pass's unwinding only, where it defers the wait for the device.
     pub(super) fn return_borrowed(&mut self, cx: &Context<'_>) -> Result<bool> {
         if !matches!(self.vmm, VmmMode::On(_)) {
             return Ok(false);
