@@ -30,8 +30,9 @@
 //! 3. the driver is called with the device mutex held, save by `free_reusable` and `trim`,
 //!    which wait for the device's work before they take the mutex, by `free_reusable`'s
 //!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`),
-//!    and by `reserve` and `warmup`, whose calls that create memory are made between two
-//!    passes under the mutex (`device/growing.rs`); the driver takes no lock of the pool and
+//!    and by `reserve` and `warmup`, whose calls that create and map memory, and the waits for
+//!    the device's work that cached memory needs, are made between passes under the mutex
+//!    (`device/growing.rs`); the driver takes no lock of the pool and
 //!    never calls back into it (the simulator's own mutex is a leaf).
 //!
 //! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex

@@ -104,7 +104,7 @@ pub struct Made {
     /// For a range that failed once addresses were to be mapped: the handle created for it (if
     /// any), the bytes mapped from its base, and what failed.
     leftover: Option<Leftover>,
-    /// Whether the device's work was waited for after the range was made ([`Plan::wait`]).
+    /// Whether the device's work was waited for after the plan's other calls ([`Plan::wait`]).
     waited: bool,
 }
 
@@ -145,8 +145,9 @@ pub struct Plan {
     base: Option<DevicePtr>,
     /// For a range: its cached pages, mapped in this order before the new memory.
     pages: Vec<Pages>,
-    /// For a range of cached pages not settled (`streams.rs`), the device's count of releases
-    /// as the pass saw it: the device's work is waited for after the range is made.
+    /// Where memory the plan is for is not settled (`streams.rs`: a range's cached pages, or
+    /// the idle ranges a wait is for), the device's count of releases as the pass saw it: the
+    /// device's work is waited for after the plan's other calls.
     wait: Option<u64>,
     /// The driver's `(free, total)` as the deferring pass saw them.
     driver_info: (u64, u64),
@@ -168,7 +169,9 @@ impl Plan {
         let mut leftover = None;
         let mut call = match self.backing {
             Backing::Segment(..) => "cuMemAlloc_v2",
-            Backing::Range | Backing::Mapping | Backing::Wait => "cuMemCreate",
+            Backing::Range => "cuMemCreate",
+            Backing::Mapping => "cuMemMap",
+            Backing::Wait => "cuCtxSynchronize",
         };
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let created = match self.backing {
