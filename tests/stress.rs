@@ -851,6 +851,29 @@ fn the_wait_before_ranges_of_lent_pages_go_back_is_made_without_the_lock() {
     release_all(&pool, sim, &[big, b]);
 }
 
+/// The unmap of an idle range of lent pages that a growth takes apart is made without the
+/// device's lock too (after the wait it needs): inside that `cuMemUnmap`, another thread
+/// reserves and releases a cached block and finishes. The growth's pass after it finds the
+/// range's addresses back, as a single pass would.
+#[test]
+fn the_unmap_of_a_range_of_lent_pages_taken_apart_is_made_without_the_lock() {
+    use cuda_sim::Call::MemUnmap;
+    let (sim, driver, pool, b) = two_idle_ranges();
+    let lent = pool.reserve(0, 64 * MIB, 0).unwrap();
+    pool.release(lent).unwrap();
+    let before = pool.stats(0).unwrap();
+    let unmaps = [MemUnmap].map(|c| sim.call_count(c));
+    let in_unmap = meanwhile(&pool, &driver, |d| &d.on_unmap);
+    let big = pool.reserve(0, 128 * MIB, 0).unwrap();
+    assert_eq!(seen(&in_unmap, "in the unmap"), before.reserved_bytes);
+    assert_eq!(made_since(sim, [MemUnmap], unmaps), [1]);
+    assert_eq!(
+        pool.stats(0).unwrap().driver_allocs,
+        before.driver_allocs + 1
+    );
+    release_all(&pool, sim, &[big, b]);
+}
+
 /// While a range of cached pages is mapped without the lock, another thread takes one of its
 /// pieces (a block it reserves and keeps). The second pass chooses again: the range made
 /// meanwhile is unmapped and the request made from what is left and new memory, under the

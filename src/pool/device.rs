@@ -189,6 +189,8 @@ pub struct DevicePool {
     settled: u64,
     /// Growth's creating call is deferred, to be made without the lock (`growing.rs`).
     defer: bool,
+    /// An earlier pass of this request took idle ranges of lent pages apart (`growing.rs`).
+    borrowed_returned: bool,
     /// The creation deferred by this pass.
     plan: Option<Plan>,
     /// Memory made without the lock, for this pass to take.
@@ -236,6 +238,7 @@ impl DevicePool {
             releases: 0,
             settled: 0,
             defer: false,
+            borrowed_returned: false,
             plan: None,
             prepared: None,
             growing: 0,
@@ -258,10 +261,10 @@ impl DevicePool {
         }
         // Idle segments made partly of lent pages give them back first: merged again in their
         // lenders, they may hold the request as PyTorch's policy would have them hold it. Not
-        // in a pass with memory made for it without the lock (`growing.rs`): an earlier pass
-        // did it, and the lenders it made idle would give back more, where a single pass leaves
-        // them to the next request.
-        if self.prepared.is_none() && self.return_borrowed(cx)? {
+        // in a pass with memory made for it without the lock, nor after a pass that took idle
+        // ranges apart (`growing.rs`): an earlier pass did it, and the lenders it made idle
+        // would give back more, where a single pass leaves them to the next request.
+        if self.prepared.is_none() && !self.borrowed_returned && self.return_borrowed(cx)? {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
             }

@@ -72,9 +72,9 @@ pub const FREE_BATCH: usize = 32;
 const BATCH_TIME: Duration = Duration::from_micros(20);
 
 /// The passes of a reserve or warm-up that may defer their driver calls until the device's lock
-/// is let go (`device/growing.rs`): a wait for the device's work, then a growth that follows
-/// it; a later pass makes its calls under the lock.
-const DEFERRING_PASSES: usize = 2;
+/// is let go (`device/growing.rs`): a wait for the device's work, the unmaps of the idle ranges
+/// it made way for, then a growth; a later pass makes its calls under the lock.
+const DEFERRING_PASSES: usize = 3;
 
 /// The longest [`Pool::free_reusable`] waits, between batches, for blocked threads to take the
 /// device's lock.

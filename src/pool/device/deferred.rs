@@ -37,6 +37,17 @@ enum Call {
     Release(PhysHandle),
 }
 
+impl Call {
+    /// The driver function.
+    fn name(self) -> &'static str {
+        match self {
+            Call::Free(_) => "cuMemFree_v2",
+            Call::Unmap(..) => "cuMemUnmap",
+            Call::Release(_) => "cuMemRelease",
+        }
+    }
+}
+
 /// A classic segment taken out of the books, which the driver is freeing: what booking it
 /// again takes, if the driver does not take it back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,11 +72,7 @@ impl Deferred {
     pub fn make(&mut self, driver: &dyn Driver, device: i32) {
         let mut panicked = false;
         for call in self.calls.drain(..) {
-            let name = match call {
-                Call::Free(_) => "cuMemFree_v2",
-                Call::Unmap(..) => "cuMemUnmap",
-                Call::Release(_) => "cuMemRelease",
-            };
+            let name = call.name();
             let answer = if panicked {
                 Err(not_made(
                     name,
@@ -82,6 +89,15 @@ impl Deferred {
                     Err(not_made(name, "the driver panicked"))
                 })
             };
+            self.answers.push((call, answer));
+        }
+    }
+
+    /// Answer every queued call as not made (the memory is booked again by `book_calls`): the
+    /// pass that queued them unwound before they could be made.
+    pub(super) fn abandon(&mut self) {
+        for call in self.calls.drain(..) {
+            let answer = Err(not_made(call.name(), "not made: the pass unwound"));
             self.answers.push((call, answer));
         }
     }
@@ -127,6 +143,15 @@ impl DevicePool {
         self.forget_segment(seg);
         self.returning.push(r);
         deferred.calls.push(Call::Free(r.base));
+    }
+
+    /// Book the answers to unmaps a pass queued (`DevicePool::defer_unmaps`), made since: a
+    /// range the driver did not unmap stays kept, retried by `free_reusable`; the request goes
+    /// on either way.
+    pub(super) fn book_queued(&mut self, cx: &Context<'_>, unmaps: &mut Deferred) {
+        if let Err(e) = self.book_calls(cx, unmaps) {
+            self.log(format_args!("{}; the request goes on", e.message));
+        }
     }
 
     /// Take the unused stitched segment `seg` apart, and queue the unmap of its range.

@@ -19,7 +19,9 @@
 //!    made of cached pages alone is noted as soon as its pages are chosen, before any is taken
 //!    out of the books or waited for, and so is the wait that idle ranges of lent pages need
 //!    before they are taken apart (`return_borrowed`, where they were released since the last
-//!    wait): the pass unwinds from there.
+//!    wait): the pass unwinds from there. Once they are settled, a pass takes them apart in the
+//!    books and notes their unmaps, and unwinds too: the next pass books the unmaps before it
+//!    decides anything, so that it finds their addresses back, as after a single pass.
 //! 2. Without the lock, the plan's calls ([`Plan::make`]). A stitched range is also mapped and
 //!    made accessible there, into addresses pass 1 took: the cached pages pass 1 chose for it
 //!    first, then the new handle; a range made wholly of cached pages makes only those calls.
@@ -30,7 +32,7 @@
 //!    blocks were released since the last wait for the device (work queued before may still
 //!    use them), that wait is made here too, once the range is made, and the next pass finds
 //!    them settled (`streams.rs`); a wait that fails is made again under the lock there. A plan
-//!    that only waits makes only that call.
+//!    that only waits, or only unmaps, makes only those calls.
 //! 3. Under the lock, the usual path again, the calls' answer *prepared*: where the growth
 //!    policy asks for the same bytes of the same kind, it takes the new memory instead of
 //!    calling the driver, or goes on from the driver's refusal as from its own first try (out
@@ -42,10 +44,10 @@
 //!    under the lock from the pages chosen. With the books unchanged meanwhile, this pass
 //!    decides as pass 1 did: it does not take apart idle ranges of lent pages again
 //!    (`return_borrowed`: pass 1 did, and the lenders its give-backs made idle would give back
-//!    more, which a single pass leaves to the next request). After a plan that only waited,
-//!    nothing is prepared: the pass takes the ranges apart, settled now, and may defer a growth
-//!    in turn (steps 1 to 3 once more; `Pool`'s `DEFERRING_PASSES`); a pass with memory
-//!    prepared defers nothing. On the replays of `scripts/policy-check.py`, every figure is
+//!    more, which a single pass leaves to the next request), nor after a pass that took idle
+//!    ranges apart. After a plan that only waited or unmapped, nothing is prepared: the pass
+//!    takes the ranges apart (settled now), or grows, and may defer that in turn (steps 1 to 3
+//!    once more; `Pool`'s `DEFERRING_PASSES`); a pass with memory prepared defers nothing. On the replays of `scripts/policy-check.py`, every figure is
 //!    that of a single pass (checked against the same build with deferral off), no range made
 //!    without the lock is made again, and every wait for the device is made without the lock.
 //!    Where other threads changed the books meanwhile and the pass does not take the new
@@ -60,7 +62,7 @@
 
 use std::panic::AssertUnwindSafe;
 
-use super::deferred::not_made;
+use super::deferred::{not_made, Deferred};
 use super::phys::Pages;
 use super::*;
 use crate::driver::{Driver, DriverResult};
@@ -77,8 +79,8 @@ pub(super) enum Backing {
     Range,
     /// No new memory: a stitched range made wholly of cached pages, mapped without the lock.
     Mapping,
-    /// No memory at all: the wait for the device's work, made without the lock
-    /// (`DevicePool::defer_wait`).
+    /// No memory at all: the wait for the device's work (`DevicePool::defer_wait`), or the
+    /// unmaps of idle ranges taken apart (`DevicePool::defer_unmaps`), made without the lock.
     Wait,
 }
 
@@ -151,6 +153,9 @@ pub struct Plan {
     wait: Option<u64>,
     /// The driver's `(free, total)` as the deferring pass saw them.
     driver_info: (u64, u64),
+    /// For a wait plan: the unmaps of idle ranges the pass took apart (`return_borrowed`),
+    /// made first; their answers are booked by the next pass before it decides anything.
+    unmaps: Deferred,
 }
 
 impl Plan {
@@ -164,8 +169,9 @@ impl Plan {
 
     /// Make the calls through `driver`, without the device's lock. A driver that panics fails
     /// the call (`CUDA_ERROR_UNKNOWN`) instead of unwinding past the memory counted in flight.
-    pub fn make(&self, driver: &dyn Driver) -> Made {
+    pub fn make(&mut self, driver: &dyn Driver) -> Made {
         let device = self.device;
+        self.unmaps.make(driver, device);
         let mut leftover = None;
         let mut call = match self.backing {
             Backing::Segment(..) => "cuMemAlloc_v2",
@@ -268,6 +274,7 @@ impl DevicePool {
         cx: &Context<'_>,
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Pass<T> {
+        self.borrowed_returned = false;
         self.pass(cx, true, f)
     }
 
@@ -291,11 +298,14 @@ impl DevicePool {
         let done = done.unwrap_or_else(|panic| {
             // A driver that panicked under the lock: no plan outlives the pass (the lock is
             // taken over, see `Pool::lock`).
-            if let Some(plan) = self.plan.take() {
+            if let Some(mut plan) = self.plan.take() {
                 self.unplan(&plan);
                 if let Some(base) = plan.base {
                     self.addresses.give(base, plan.span());
                 }
+                // Ranges taken apart to unmap: kept, retried by `free_reusable`.
+                plan.unmaps.abandon();
+                self.book_queued(cx, &mut plan.unmaps);
             }
             std::panic::resume_unwind(panic)
         });
@@ -328,12 +338,18 @@ impl DevicePool {
     pub fn prepared<T>(
         &mut self,
         cx: &Context<'_>,
-        plan: Plan,
+        mut plan: Plan,
         made: Made,
         defer: bool,
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Pass<T> {
         self.unplan(&plan);
+        if !plan.unmaps.is_empty() {
+            // Idle ranges an earlier pass took apart: this pass does not take apart again the
+            // lenders their give-backs made idle (`DevicePool::reserve`).
+            self.book_queued(cx, &mut plan.unmaps);
+            self.borrowed_returned = true;
+        }
         if let (Some(releases), true) = (plan.wait, made.waited) {
             self.settled_at(releases);
         }
@@ -352,9 +368,9 @@ impl DevicePool {
                 None => self.addresses.give(base, span),
             }
         }
-        // A wait alone leaves nothing to take: the pass finds the memory settled, and may defer
-        // a growth in turn. A pass with memory prepared defers nothing: it takes the memory, or
-        // makes its own under the lock.
+        // A wait or unmaps leave nothing to take: the pass finds the memory settled or the
+        // addresses back, and may defer in turn. A pass with memory prepared defers nothing: it
+        // takes the memory, or makes its own under the lock.
         let defer = defer && plan.backing == Backing::Wait;
         if plan.backing != Backing::Wait {
             self.prepared = Some(Prepared {
@@ -419,12 +435,43 @@ impl DevicePool {
             pages: Vec::new(),
             wait: Some(self.releases),
             driver_info: (0, self.driver_total),
+            unmaps: Deferred::default(),
+        });
+        true
+    }
+
+    /// In a deferring pass, the idle ranges of lent pages `segs` that are unused (and settled)
+    /// taken apart in the books, their pages back in their lenders, and their unmaps noted as
+    /// the plan, made without the lock; whether there were any (then the pass unwinds, and the
+    /// next decides with their addresses back, as after a single pass's unmaps).
+    pub(super) fn defer_unmaps(&mut self, cx: &Context<'_>, segs: &[SegId]) -> bool {
+        if !self.may_defer() {
+            return false;
+        }
+        let mut unmaps = Deferred::default();
+        for &seg in segs {
+            if self.is_unused(seg) {
+                self.take_apart_later(cx, seg, &mut unmaps);
+            }
+        }
+        if unmaps.queued() == 0 {
+            return false;
+        }
+        self.plan = Some(Plan {
+            device: self.device,
+            backing: Backing::Wait,
+            bytes: 0,
+            base: None,
+            pages: Vec::new(),
+            wait: None,
+            driver_info: (0, self.driver_total),
+            unmaps,
         });
         true
     }
 
     /// Whether this pass may note a plan: growth is deferred, and no plan is noted yet.
-    fn may_defer(&self) -> bool {
+    pub(super) fn may_defer(&self) -> bool {
         self.defer && self.plan.is_none()
     }
 
@@ -445,6 +492,7 @@ impl DevicePool {
             pages: Vec::new(),
             wait: None,
             driver_info: (driver_free, self.driver_total),
+            unmaps: Deferred::default(),
         };
         if matches!(backing, Backing::Range | Backing::Mapping) {
             plan.pages = self.mapping.clone();

@@ -290,6 +290,12 @@ impl DevicePool {
             ));
             return Ok(false);
         }
+        // Their unmaps too, the ranges taken apart in the books now.
+        if self.defer_unmaps(cx, &borrowers) {
+            return Err(Error::internal(
+                "unmapping deferred until the device's lock is free",
+            ));
+        }
         let mut returned = false;
         for seg in borrowers {
             if !self.is_unused(seg) {
