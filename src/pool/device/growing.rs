@@ -427,16 +427,7 @@ impl DevicePool {
         if !self.may_defer() || segs.iter().all(|&seg| self.is_settled(seg)) {
             return false;
         }
-        self.plan = Some(Plan {
-            device: self.device,
-            backing: Backing::Wait,
-            bytes: 0,
-            base: None,
-            pages: Vec::new(),
-            wait: Some(self.releases),
-            driver_info: (0, self.driver_total),
-            unmaps: Deferred::default(),
-        });
+        self.plan_for_cache(Some(self.releases), Deferred::default());
         true
     }
 
@@ -457,17 +448,22 @@ impl DevicePool {
         if unmaps.queued() == 0 {
             return false;
         }
+        self.plan_for_cache(None, unmaps);
+        true
+    }
+
+    /// Note a plan that makes no memory: a wait for the device's work (as `wait`), and `unmaps`.
+    fn plan_for_cache(&mut self, wait: Option<u64>, unmaps: Deferred) {
         self.plan = Some(Plan {
             device: self.device,
             backing: Backing::Wait,
             bytes: 0,
             base: None,
             pages: Vec::new(),
-            wait: None,
+            wait,
             driver_info: (0, self.driver_total),
             unmaps,
         });
-        true
     }
 
     /// Whether this pass may note a plan: growth is deferred, and no plan is noted yet.
