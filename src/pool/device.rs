@@ -189,7 +189,8 @@ pub struct DevicePool {
     settled: u64,
     /// Growth's creating call is deferred, to be made without the lock (`growing.rs`).
     defer: bool,
-    /// An earlier pass of this request took idle ranges of lent pages apart (`growing.rs`).
+    /// An earlier pass of this request went past taking idle ranges of lent pages apart, or
+    /// took them apart (`growing.rs`): later passes do not do it again.
     borrowed_returned: bool,
     /// The creation deferred by this pass.
     plan: Option<Plan>,
@@ -261,10 +262,10 @@ impl DevicePool {
         }
         // Idle segments made partly of lent pages give them back first: merged again in their
         // lenders, they may hold the request as PyTorch's policy would have them hold it. Not
-        // in a pass with memory made for it without the lock, nor after a pass that took idle
-        // ranges apart (`growing.rs`): an earlier pass did it, and the lenders it made idle
-        // would give back more, where a single pass leaves them to the next request.
-        if self.prepared.is_none() && !self.borrowed_returned && self.return_borrowed(cx)? {
+        // again in a later pass of the request (`growing.rs`): an earlier pass did it, and the
+        // lenders it made idle would give back more, where a single pass leaves them to the
+        // next request.
+        if !self.borrowed_returned && self.return_borrowed(cx)? {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
             }
@@ -557,7 +558,7 @@ impl DevicePool {
         // Memory made for this growth without the lock was asked for with the driver's figures
         // of the pass that deferred it: decided on them again, the pass decides the same.
         let (free, total) = match &self.prepared {
-            Some(p) => p.driver_info,
+            Some(p) => p.driver_info(),
             None => cx
                 .driver
                 .mem_get_info(self.device)

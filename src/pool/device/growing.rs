@@ -247,16 +247,18 @@ impl Plan {
 /// Memory the calls of a [`Plan`] made, for the next pass.
 #[derive(Debug)]
 pub(super) struct Prepared {
-    backing: Backing,
-    bytes: u64,
-    /// For a range: its base and cached pages, as in the plan.
-    base: Option<DevicePtr>,
-    pages: Vec<Pages>,
+    /// The plan they were made for.
+    plan: Plan,
     /// The calls' answer: the memory, or why the driver refused it (then the next pass goes
     /// on from that failure, as the usual path from its first try).
     pub(super) made: DriverResult<Fresh>,
+}
+
+impl Prepared {
     /// The driver's `(free, total)` as the deferring pass saw them.
-    pub(super) driver_info: (u64, u64),
+    pub(super) fn driver_info(&self) -> (u64, u64) {
+        self.plan.driver_info
+    }
 }
 
 /// What a pass came to.
@@ -344,11 +346,12 @@ impl DevicePool {
         f: impl FnOnce(&mut DevicePool) -> Result<T>,
     ) -> Pass<T> {
         self.unplan(&plan);
+        // Every plan but a wait alone comes from a pass that went past taking idle ranges apart
+        // (`return_borrowed`), or took them apart: the passes after it do not take apart the
+        // lenders those give-backs made idle (`DevicePool::reserve`).
+        self.borrowed_returned = !(plan.backing == Backing::Wait && plan.unmaps.is_empty());
         if !plan.unmaps.is_empty() {
-            // Idle ranges an earlier pass took apart: this pass does not take apart again the
-            // lenders their give-backs made idle (`DevicePool::reserve`).
             self.book_queued(cx, &mut plan.unmaps);
-            self.borrowed_returned = true;
         }
         if let (Some(releases), true) = (plan.wait, made.waited) {
             self.settled_at(releases);
@@ -374,12 +377,8 @@ impl DevicePool {
         let defer = defer && plan.backing == Backing::Wait;
         if plan.backing != Backing::Wait {
             self.prepared = Some(Prepared {
-                backing: plan.backing,
-                bytes: plan.bytes,
-                base: plan.base,
-                pages: plan.pages,
+                plan,
                 made: made.result,
-                driver_info: plan.driver_info,
             });
         }
         self.pass(cx, defer, f)
@@ -523,16 +522,17 @@ impl DevicePool {
         bytes: u64,
     ) -> Option<Prepared> {
         let p = self.prepared.take()?;
+        let plan = &p.plan;
         let same_pages = || {
-            let mut made = p.pages.clone();
+            let mut made = plan.pages.clone();
             let mut asked = self.mapping.clone();
             made.sort_unstable_by_key(|p| (p.handle, p.offset));
             asked.sort_unstable_by_key(|p| (p.handle, p.offset));
             made == asked
         };
-        if p.backing == backing && p.bytes == bytes && (p.base.is_none() || same_pages()) {
+        if plan.backing == backing && plan.bytes == bytes && (plan.base.is_none() || same_pages()) {
             // The range maps them in its own order: the range's runs follow it.
-            self.mapping.clone_from(&p.pages);
+            self.mapping.clone_from(&plan.pages);
             return Some(p);
         }
         self.book_fresh(cx, p);
@@ -546,19 +546,20 @@ impl DevicePool {
         let Ok(fresh) = p.made else {
             return;
         };
-        let span = p.bytes + p.pages.iter().map(|pages| pages.size).sum::<u64>();
-        match (fresh, p.backing) {
+        let plan = &p.plan;
+        let span = plan.span();
+        match (fresh, plan.backing) {
             (Fresh::Segment(ptr), Backing::Segment(class, stream)) => {
-                self.stats.add_reserved(p.bytes, 1);
-                self.install_segment(cx, ptr, p.bytes, class, stream, Vec::new());
+                self.stats.add_reserved(plan.bytes, 1);
+                self.install_segment(cx, ptr, plan.bytes, class, stream, Vec::new());
             }
             // Unmapped under the lock: a path taken only when the books moved meanwhile (the
             // cached pages are where they were, or have moved on).
             (Fresh::Range(handle, base), _) => {
-                let created = Some((handle, p.bytes));
-                self.undo_range(cx, created, base, span, span, &p.pages);
+                let created = Some((handle, plan.bytes));
+                self.undo_range(cx, created, base, span, span, &plan.pages);
             }
-            (Fresh::Mapped(base), _) => self.undo_range(cx, None, base, span, span, &p.pages),
+            (Fresh::Mapped(base), _) => self.undo_range(cx, None, base, span, span, &plan.pages),
             (Fresh::Segment(_) | Fresh::Handle(_) | Fresh::Waited, _) => {
                 unreachable!("a plan makes a segment or a range")
             }
