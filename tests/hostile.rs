@@ -272,6 +272,28 @@ fn panicking_pool(vmm: bool) -> (&'static Sim, Arc<PanickingDriver>, Pool) {
     (sim, driver, pool)
 }
 
+/// A reserve of `size` bytes with `armed` set, so that the driver panics in it: its error, which
+/// must be `RM_ERROR_DRIVER` saying the driver panicked (`what` names the case). `armed` is
+/// cleared again.
+fn reserve_while_armed(pool: &Pool, armed: &AtomicBool, size: u64, what: &str) -> resmem::Error {
+    armed.store(true, Ordering::SeqCst);
+    let e = pool.reserve(0, size, 0).unwrap_err();
+    armed.store(false, Ordering::SeqCst);
+    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "{what}");
+    assert!(e.message.contains("the driver panicked"), "{what}: {e}");
+    e
+}
+
+/// `blocks` are released, everything goes back, the driver holds nothing, and the books check.
+fn release_all(pool: &Pool, sim: &Sim, blocks: &[u64]) {
+    for &p in blocks {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_eq!(sim.used_bytes(0), 0);
+    pool.check().unwrap();
+}
+
 #[test]
 fn a_lock_poisoned_by_a_panic_is_taken_over() {
     let sim = leaked_sim(&[4 * GIB]);
@@ -287,11 +309,7 @@ fn a_lock_poisoned_by_a_panic_is_taken_over() {
     driver.watch.info_armed.store(false, Ordering::SeqCst);
     pool.check().unwrap();
     let b = pool.reserve(0, 64 * MIB, 0).unwrap();
-    pool.release(a).unwrap();
-    pool.release(b).unwrap();
-    pool.free_reusable(None).unwrap();
-    assert_eq!(sim.used_bytes(0), 0);
-    pool.check().unwrap();
+    release_all(&pool, sim, &[a, b]);
 }
 
 /// Growth creates memory without the device's lock (`cuMemAlloc`, `cuMemCreate`): a driver
@@ -302,11 +320,7 @@ fn a_driver_panicking_while_it_creates_memory_fails_the_reserve() {
     for vmm in [false, true] {
         let (sim, driver, pool) = panicking_pool(vmm);
         pool.set_memory_limit(Some(0), Some(64 * MIB)).unwrap();
-        driver.watch.armed.store(true, Ordering::SeqCst);
-        let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
-        driver.watch.armed.store(false, Ordering::SeqCst);
-        assert_eq!(e.status, rm_status::RM_ERROR_DRIVER, "vmm {vmm}");
-        assert!(e.message.contains("the driver panicked"), "vmm {vmm}: {e}");
+        reserve_while_armed(&pool, &driver.watch.armed, 64 * MIB, &format!("vmm {vmm}"));
         pool.check().unwrap();
         let s = pool.stats(0).unwrap();
         assert_eq!((s.reserved_bytes, s.driver_allocs), (0, 0), "vmm {vmm}");
@@ -358,12 +372,8 @@ fn memory_made_without_the_lock_is_booked_when_the_second_pass_panics() {
 #[test]
 fn a_driver_panicking_while_it_maps_a_new_range_fails_the_reserve() {
     let (sim, driver, pool) = panicking_pool(true);
-    driver.watch.map_armed.store(true, Ordering::SeqCst);
-    let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
-    driver.watch.map_armed.store(false, Ordering::SeqCst);
-    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER);
+    let e = reserve_while_armed(&pool, &driver.watch.map_armed, 64 * MIB, "a new range");
     assert!(e.message.contains("mapping new memory"), "{e}");
-    assert!(e.message.contains("the driver panicked"), "{e}");
     pool.check().unwrap();
     let s = pool.stats(0).unwrap();
     assert_eq!((s.allocated_bytes, s.driver_allocs), (0, 1));
@@ -375,10 +385,7 @@ fn a_driver_panicking_while_it_maps_a_new_range_fails_the_reserve() {
         1,
         "made from the handle kept"
     );
-    pool.release(p).unwrap();
-    pool.free_reusable(None).unwrap();
-    assert_eq!(sim.used_bytes(0), 0);
-    pool.check().unwrap();
+    release_all(&pool, sim, &[p]);
 }
 
 /// The same for a range made of cached pages alone (two idle 32 MiB ranges for a 64 MiB
@@ -394,12 +401,8 @@ fn a_driver_panicking_while_it_maps_cached_pages_fails_the_reserve() {
     pool.release(blocks[0]).unwrap();
     pool.release(blocks[2]).unwrap();
     let mapped = sim.mappings(0).len();
-    driver.watch.map_armed.store(true, Ordering::SeqCst);
-    let e = pool.reserve(0, 64 * MIB, 0).unwrap_err();
-    driver.watch.map_armed.store(false, Ordering::SeqCst);
-    assert_eq!(e.status, rm_status::RM_ERROR_DRIVER);
+    let e = reserve_while_armed(&pool, &driver.watch.map_armed, 64 * MIB, "cached pages");
     assert!(e.message.contains("mapping cached memory"), "{e}");
-    assert!(e.message.contains("the driver panicked"), "{e}");
     assert_eq!(sim.mappings(0).len(), mapped, "nothing left mapped");
     pool.check().unwrap();
     let s = pool.stats(0).unwrap();
@@ -419,12 +422,7 @@ fn a_driver_panicking_while_it_maps_cached_pages_fails_the_reserve() {
         "made from the cache"
     );
     assert_eq!(sim.is_accessible(p + 64 * MIB - 1), Some(true));
-    for p in [p, blocks[1]] {
-        pool.release(p).unwrap();
-    }
-    pool.free_reusable(None).unwrap();
-    assert_eq!(sim.used_bytes(0), 0);
-    pool.check().unwrap();
+    release_all(&pool, sim, &[p, blocks[1]]);
 }
 
 /// `free_reusable` makes the calls that return memory without the device's lock, after the
