@@ -413,6 +413,7 @@ impl DevicePool {
         if !self.may_defer() {
             return Ok(false);
         }
+        self.mapping.clear();
         self.mapping.extend(pages);
         let planned = self.plan(cx, Backing::Mapping, 0, driver_free);
         self.mapping.clear();

@@ -120,6 +120,11 @@ pub(super) fn choose_lent(chosen: &mut Vec<Piece>, lendable: &[Piece], need: u64
     }
 }
 
+/// The segments that lend `pieces`.
+fn lenders(pieces: &[Piece]) -> impl Iterator<Item = SegId> + '_ {
+    pieces.iter().filter_map(|p| p.lender.map(|(seg, _)| seg))
+}
+
 /// Put the pieces of `all` in the order of `pages`, the same pages as its first pieces (as a
 /// range made without the lock mapped them).
 fn arrange(all: &mut [Piece], pages: &[Pages]) {
@@ -213,11 +218,10 @@ impl DevicePool {
         }
         let mut all: Vec<Piece> = pieces.clone();
         // The lenders of pieces in flight are not taken apart to make room meanwhile.
-        self.lending = pieces
-            .iter()
-            .filter_map(|p| p.lender.map(|l| l.0))
-            .collect();
-        self.mapping = pieces.iter().map(|p| p.pages).collect();
+        self.lending.clear();
+        self.lending.extend(lenders(&pieces));
+        self.mapping.clear();
+        self.mapping.extend(pieces.iter().map(|p| p.pages));
         let made = self.make_range(cx, (size, segment), requested, mode, driver_free, &mut all);
         self.lending.clear();
         self.mapping.clear();
@@ -268,9 +272,6 @@ impl DevicePool {
         // before the range is handed out. In a deferring pass, without the lock, with the calls
         // that make the range (`growing.rs`), where they are deferred.
         let remap = "waiting for the device before remapping cached memory";
-        let lenders = |all: &[Piece]| -> Vec<SegId> {
-            all.iter().filter_map(|p| p.lender.map(|l| l.0)).collect()
-        };
         if !self.defer {
             self.settle(cx, lenders(all), remap)?;
         }
@@ -395,10 +396,8 @@ impl DevicePool {
         // A range of cached pages alone is mapped without the lock (`growing.rs`): in the first
         // pass, decided before the books change, so that the second decides the same.
         if have >= size && self.defer {
-            self.lending = chosen
-                .iter()
-                .filter_map(|p| p.lender.map(|l| l.0))
-                .collect();
+            self.lending.clear();
+            self.lending.extend(lenders(&chosen));
             let deferred = self.defer_mapping(cx, chosen.iter().map(|p| p.pages), driver_free);
             self.lending.clear();
             if deferred? {
