@@ -576,7 +576,7 @@ impl DevicePool {
             )));
         }
         if self.stitching(cx) {
-            let (base, runs) = self.stitch(cx, segment, requested, mode, free)?;
+            let (base, runs) = self.stitch_growth(cx, (segment, requested), mode, free)?;
             let size = runs.iter().map(|r| r.pages.size).sum();
             return Ok(self.install_segment(cx, base, size, class, stream, runs));
         }

@@ -17,7 +17,8 @@
 //!    real training snapshot).
 //!
 //! The piece chosen is the smallest single one that covers what is needed, else the largest
-//! pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece. A range
+//! pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece (where
+//! the request would otherwise fail for want of memory, up to [`LAST_RESORT_PIECES`]). A range
 //! made from the cache is only as large as the request's pages. Where the cache covers the
 //! request only in part, it is used only when that pays ([`partial_pays`]): half of it or more is
 //! cached, the driver lacks a segment of the request's size, or all but a sliver is cached;
@@ -69,7 +70,18 @@ pub(super) enum VmmMode {
 /// beside 748 MiB cached in 20 MiB segments that each keep a live block, reserves 1,226 MiB at
 /// the trace's peak with 32 pieces at most and 1,030 MiB with 64 (the smallest device that runs
 /// the trace: 1.22 GiB, and 0.97).
-const MAX_PIECES: usize = 64;
+pub(super) const MAX_PIECES: usize = 64;
+
+/// The most pieces a segment is stitched from when the request would otherwise fail: after the
+/// growth policy returned every idle range and the driver still could not create what
+/// [`MAX_PIECES`] pieces left lacking, the cache is searched again with this bound (a last try
+/// under the device's lock, about 19 ms of `cuMemMap` calls on an H200 at most). A cache that
+/// gave back its idle ranges keeps its memory in the handles that live blocks still use, as
+/// spare pages and free blocks beside those blocks, often in more than 64 pieces: a model's next
+/// warm-up over the blocks that outlived the last one failed with 12.9 GiB so held and 37.5 GiB
+/// free on the device for 49.3 GiB, where PyTorch's policy, returning its idle segments, served
+/// it.
+pub(super) const LAST_RESORT_PIECES: usize = 1024;
 
 /// How many free blocks the search for the smallest piece that covers an amount looks at, at
 /// most, and the search for the largest pieces past the first [`MAX_PIECES`] (see
@@ -87,15 +99,15 @@ pub(super) struct Piece {
     block: BlockId,
 }
 
-/// Choose spare pieces for `need` bytes, largest first, at most [`MAX_PIECES`]; the last piece
-/// taken is cut to what is still needed (from its start). The rest comes from [`choose_lent`].
-pub(super) fn choose_spare(spare: &[Piece], need: u64) -> Vec<Piece> {
+/// Choose spare pieces for `need` bytes, largest first, at most `most`; the last piece taken
+/// is cut to what is still needed (from its start). The rest comes from [`choose_lent`].
+pub(super) fn choose_spare(spare: &[Piece], need: u64, most: usize) -> Vec<Piece> {
     let mut spare = spare.to_vec();
     spare.sort_by_key(|p| std::cmp::Reverse(p.pages.size));
     let mut chosen = Vec::new();
     let mut left = need;
     for piece in &spare {
-        if left == 0 || chosen.len() == MAX_PIECES {
+        if left == 0 || chosen.len() == most {
             break;
         }
         take(piece, &mut left, &mut chosen);
@@ -104,13 +116,13 @@ pub(super) fn choose_spare(spare: &[Piece], need: u64) -> Vec<Piece> {
 }
 
 /// Add to `chosen` (the spare pieces) lendable pieces for the rest of `need` bytes: the
-/// smallest that covers the rest alone, else the largest first; at most [`MAX_PIECES`] in all.
-/// The last piece taken is cut to what is still needed (from its start).
-pub(super) fn choose_lent(chosen: &mut Vec<Piece>, lendable: &[Piece], need: u64) {
+/// smallest that covers the rest alone, else the largest first; at most `most` in all. The last
+/// piece taken is cut to what is still needed (from its start).
+pub(super) fn choose_lent(chosen: &mut Vec<Piece>, lendable: &[Piece], need: u64, most: usize) {
     let mut left = need - chosen.iter().map(|p| p.pages.size).sum::<u64>();
     let mut lendable = lendable.to_vec();
     lendable.sort_by_key(|p| (p.pages.size, p.lender));
-    while left > 0 && chosen.len() < MAX_PIECES && !lendable.is_empty() {
+    while left > 0 && chosen.len() < most && !lendable.is_empty() {
         let at = lendable
             .iter()
             .position(|p| p.pages.size >= left)
@@ -183,16 +195,63 @@ impl DevicePool {
         matches!(self.vmm, VmmMode::On(_))
     }
 
+    /// [`DevicePool::stitch`] from at most [`MAX_PIECES`] cached pieces; where that fails for
+    /// want of memory with memory still cached (the growth policy returned every idle range
+    /// first), once more from at most [`LAST_RESORT_PIECES`], made under the device's lock, and
+    /// counted as one out-of-memory only if that fails too.
+    pub(super) fn stitch_growth(
+        &mut self,
+        cx: &Context<'_>,
+        (size, requested): (u64, u64),
+        mode: Grow,
+        driver_free: u64,
+    ) -> Result<(DevicePtr, Vec<Run>)> {
+        let ooms = self.stats.ooms;
+        let first = self.stitch(cx, (size, requested), mode, driver_free, MAX_PIECES);
+        let retry = match &first {
+            Err(e) => {
+                e.status == rm_status::RM_ERROR_OUT_OF_MEMORY
+                    && mode == Grow::MayRelease
+                    && self.stats.reusable() > 0
+            }
+            Ok(_) => false,
+        };
+        if !retry {
+            return first;
+        }
+        let (free, _) = cx
+            .driver
+            .mem_get_info(self.device)
+            .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
+        let defer = std::mem::replace(&mut self.defer, false);
+        let again = self.stitch(cx, (size, requested), mode, free, LAST_RESORT_PIECES);
+        self.defer = defer;
+        self.stats.ooms = ooms
+            + u64::from(
+                again
+                    .as_ref()
+                    .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY),
+            );
+        if again.is_ok() {
+            self.log(format_args!(
+                "out of memory with at most {MAX_PIECES} cached pieces: made from up to \
+                 {LAST_RESORT_PIECES} instead"
+            ));
+        }
+        again
+    }
+
     /// A new range of `size` bytes (rounded up to the granularity), mapped and accessible:
-    /// cached pages first (unless `mode` keeps the cache as it is), then one new handle for the
-    /// shortfall. Returns its address and runs, the memory already counted as reserved.
+    /// cached pages first, in at most `most` pieces (unless `mode` keeps the cache as it is),
+    /// then one new handle for the shortfall. Returns its address and runs, the memory already
+    /// counted as reserved.
     pub(super) fn stitch(
         &mut self,
         cx: &Context<'_>,
-        size: u64,
-        requested: u64,
+        (size, requested): (u64, u64),
         mode: Grow,
         driver_free: u64,
+        most: usize,
     ) -> Result<(DevicePtr, Vec<Run>)> {
         let VmmMode::On(granularity) = self.vmm else {
             return Err(Error::internal("stitching without the virtual-memory API"));
@@ -206,7 +265,7 @@ impl DevicePool {
         }
         .next_multiple_of(granularity);
         let pieces = if mode == Grow::MayRelease {
-            self.gather(cx, size, granularity, driver_free)?
+            self.gather(cx, size, granularity, driver_free, most)?
         } else {
             Vec::new()
         };
@@ -294,20 +353,28 @@ impl DevicePool {
             let lacking = crate::pool::size::block_size(requested)
                 .map_or(need, |block| block.saturating_sub(have))
                 .clamp(1, need);
+            // Headroom for large requests only: a small request's range is a small segment,
+            // whose pages serve small requests alone (a 1 MiB request after a 476 MiB one made
+            // a 114 MiB small segment, and the next large request created 122 MiB beside it: a
+            // real snapshot's peak 6% higher). And none for a warm-up, which asks for exactly
+            // its shortfall.
+            let large = crate::pool::size::block_size(requested)
+                .is_ok_and(|block| crate::pool::size::class_of(block) == Class::Large);
+            let headroom = if mode == Grow::MayRelease && large {
+                self.headroom.bytes(
+                    self.stats.reserved_bytes,
+                    self.limit.map_or(driver_free, |limit| {
+                        driver_free.min(limit.saturating_sub(self.stats.reserved_bytes))
+                    }),
+                    lacking,
+                )
+            } else {
+                0
+            };
             let sized = segment_size(lacking.max(SMALL_MAX + 1))
                 .min(segment)
                 .max(need)
-                .max(if mode == Grow::MayRelease {
-                    self.headroom.bytes(
-                        self.stats.reserved_bytes,
-                        self.limit.map_or(driver_free, |limit| {
-                            driver_free.min(limit.saturating_sub(self.stats.reserved_bytes))
-                        }),
-                    )
-                } else {
-                    // A warm-up asks for exactly its shortfall.
-                    0
-                })
+                .max(headroom)
                 .next_multiple_of(granularity);
             // The range is mapped without the lock too, where the creation is (`growing.rs`).
             let backing = Backing::Range;
@@ -364,8 +431,8 @@ impl DevicePool {
         self.map_pieces(cx, size, all)
     }
 
-    /// Take cached pieces for up to `size` bytes out of the books: spare pages, and aligned
-    /// interiors of free blocks lent as holes. Work queued before those blocks were released may
+    /// Take cached pieces for up to `size` bytes out of the books, at most `most` of them: spare
+    /// pages, and aligned interiors of free blocks lent as holes. Work queued before those blocks were released may
     /// still use them: the range is not handed out before the device's work is waited for
     /// (`make_range`), unless their segments are settled (`streams.rs`).
     fn gather(
@@ -374,6 +441,7 @@ impl DevicePool {
         size: u64,
         granularity: u64,
         driver_free: u64,
+        most: usize,
     ) -> Result<Vec<Piece>> {
         let spare: Vec<Piece> = self
             .phys
@@ -385,10 +453,10 @@ impl DevicePool {
                 block: BlockId::NIL,
             })
             .collect();
-        let mut chosen = choose_spare(&spare, size);
+        let mut chosen = choose_spare(&spare, size, most);
         let left = size - chosen.iter().map(|p| p.pages.size).sum::<u64>();
-        let lendable = self.lendable(granularity, left, MAX_PIECES - chosen.len());
-        choose_lent(&mut chosen, &lendable, size);
+        let lendable = self.lendable(granularity, left, most - chosen.len(), most);
+        choose_lent(&mut chosen, &lendable, size, most);
         let have: u64 = chosen.iter().map(|p| p.pages.size).sum();
         if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
             return Ok(Vec::new());
@@ -417,7 +485,7 @@ impl DevicePool {
 
     /// The pieces of free blocks [`choose_lent`] may take for the `left` bytes the spare pieces
     /// leave, `slots` pieces at most: per stream, the largest (walked from its largest free
-    /// block down, until [`MAX_PIECES`] are found and no smaller block can hold a larger one),
+    /// block down, until `most` are found and no smaller block can hold a larger one),
     /// and for every amount those could leave to cover, the smallest that covers it (walked
     /// from that amount up, until a block two pages larger than the best found, which holds no
     /// smaller piece unless its segment's runs split it). Found through the streams' bins of
@@ -426,7 +494,7 @@ impl DevicePool {
     /// device's lock. Ties of size are broken by the bins' order (size, then address), so among
     /// many equal blocks only the first few are looked at; and the largest pieces are always
     /// among those listed.
-    fn lendable(&self, granularity: u64, mut left: u64, slots: usize) -> Vec<Piece> {
+    fn lendable(&self, granularity: u64, mut left: u64, slots: usize, most: usize) -> Vec<Piece> {
         if left == 0 || slots == 0 {
             return Vec::new();
         }
@@ -437,14 +505,14 @@ impl DevicePool {
             let mut found = Vec::new();
             for (looked, id) in bins.from(granularity).rev().enumerate() {
                 // Blocks whose pages all straddle their ends hold no piece: not walked forever.
-                if looked == MAX_PIECES + COVER_WALK {
+                if looked == most + COVER_WALK {
                     break;
                 }
-                if found.len() >= MAX_PIECES {
+                if found.len() >= most {
                     // The smallest of the largest so far; a block no larger holds no larger piece.
                     found.sort_unstable_by(|a: &u64, b| b.cmp(a));
-                    found.truncate(MAX_PIECES);
-                    if self.blocks[id].size <= found[MAX_PIECES - 1] {
+                    found.truncate(most);
+                    if self.blocks[id].size <= found[most - 1] {
                         break;
                     }
                 }
@@ -686,8 +754,8 @@ mod tests {
 
     /// Spare pieces first, then lendable ones, as `gather` chooses.
     fn choose(spare: &[Piece], lendable: &[Piece], need: u64) -> Vec<Piece> {
-        let mut chosen = choose_spare(spare, need);
-        choose_lent(&mut chosen, lendable, need);
+        let mut chosen = choose_spare(spare, need, MAX_PIECES);
+        choose_lent(&mut chosen, lendable, need, MAX_PIECES);
         chosen
     }
 

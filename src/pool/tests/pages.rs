@@ -340,6 +340,8 @@ fn a_large_request_lacking_under_1_mib_creates_a_large_segment_for_the_next() {
 #[test]
 fn vmm_pieces_are_found_among_many_free_blocks() {
     let (pool, sim) = pool_with(&[64 * GIB], vmm());
+    // One handle for them all, so that no block straddles two.
+    pool.warmup(0, 1002 * 4 * MIB + 12 * MIB).unwrap();
     let mut released = Vec::new();
     let mut kept = Vec::new();
     for i in 0..1000 {
@@ -357,11 +359,6 @@ fn vmm_pieces_are_found_among_many_free_blocks() {
         pool.release(p).unwrap();
     }
     pool.release(twelve).unwrap();
-    // The free tail of the growth's headroom, taken: the largest free block is the 12 MiB one.
-    while pool.stats(0).unwrap().largest_reusable_block > 12 * MIB {
-        let tail = pool.stats(0).unwrap().largest_reusable_block;
-        kept.push(pool.reserve(0, tail, 0).unwrap());
-    }
     let s = pool.stats(0).unwrap();
     assert_eq!(s.reusable_bytes, 500 * 4 * MIB + 12 * MIB);
     let (maps, allocs) = (sim.mappings(0).len(), s.driver_allocs);
@@ -401,5 +398,74 @@ fn vmm_pieces_are_found_among_many_free_blocks() {
     }
     pool.free_reusable(Some(0)).unwrap();
     assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+/// Where the cache is in more pieces than a range takes at once, a request that needs them all
+/// is made from up to `LAST_RESORT_PIECES` once the driver refused it: not an out-of-memory.
+/// A 1 GiB device: an 800 MiB warm-up in 200 blocks of 4 MiB, every other one released (400 MiB
+/// cached in 100 pieces, each between two live blocks), 224 MiB free on the driver. 600 MiB:
+/// 64 pieces (256 MiB) and the driver's 224 MiB fall short, all 100 and 200 MiB new do not.
+#[test]
+fn vmm_a_request_the_cache_covers_only_in_over_64_pieces_is_served() {
+    let (pool, sim) = pool_with(&[GIB], vmm());
+    assert_eq!(pool.warmup(0, 800 * MIB).unwrap(), 800 * MIB);
+    let blocks: Vec<u64> = (0..200)
+        .map(|_| pool.reserve(0, 4 * MIB, 0).unwrap())
+        .collect();
+    for &p in blocks.iter().step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(sim.mem_get_info(0).unwrap().0, 224 * MIB);
+    let maps = sim.mappings(0).len();
+    let big = pool.reserve(0, 600 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.driver_allocs, s.ooms),
+        (1000 * MIB, 2, 0),
+        "the 400 MiB cached mapped again, 200 MiB created; no out-of-memory counted"
+    );
+    assert_eq!(
+        sim.mappings(0).len() - maps,
+        101,
+        "100 pieces, one new handle"
+    );
+    assert_eq!(sim.is_accessible(big + 600 * MIB - 1), Some(true));
+    assert_books(&pool, sim);
+    pool.release(big).unwrap();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1000 * MIB);
+    assert_nothing_held(sim);
+}
+
+/// A small request's range is a small segment: no headroom, however much the pool grew before
+/// (headroom there would serve small requests only).
+#[test]
+fn vmm_a_small_request_after_large_growth_creates_no_headroom() {
+    let (pool, sim) = pool_with(&[64 * GIB], vmm());
+    let large: Vec<u64> = (0..10)
+        .map(|_| pool.reserve(0, 100 * MIB, 0).unwrap())
+        .collect();
+    while pool.stats(0).unwrap().reusable_bytes > 0 {
+        let tail = pool.stats(0).unwrap().largest_reusable_block;
+        pool.reserve(0, tail, 0).unwrap();
+    }
+    let before = pool.stats(0).unwrap();
+    let small = pool.reserve(0, 512 * 1024, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (
+            s.reserved_bytes - before.reserved_bytes,
+            s.driver_allocs - before.driver_allocs
+        ),
+        (2 * MIB, 1),
+        "PyTorch's small segment, 2 MiB"
+    );
+    pool.release(small).unwrap();
+    for p in large {
+        pool.release(p).unwrap();
+    }
     assert_books(&pool, sim);
 }
