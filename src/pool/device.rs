@@ -452,15 +452,19 @@ impl DevicePool {
     /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
     /// Under a memory limit, free is at most what the limit leaves to new blocks.
     pub fn mem_get_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
-        let (free, total) = cx
-            .driver
-            .mem_get_info(self.device)
-            .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
+        let (free, total) = self.driver_info(cx)?;
         let mut free = free.saturating_add(self.stats.reusable()).min(total);
         if let Some(limit) = self.limit {
             free = free.min(limit.saturating_sub(self.stats.allocated_bytes));
         }
         Ok((free, total))
+    }
+
+    /// The driver's `(free, total)` bytes of the device, as it reports them.
+    fn driver_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
+        cx.driver
+            .mem_get_info(self.device)
+            .map_err(|e| Error::driver("asking the driver for free memory", &e))
     }
 
     /// Cap what this pool reserves (`None`: no cap). Idle cache above a new cap is returned to
@@ -559,10 +563,7 @@ impl DevicePool {
         // of the pass that deferred it: decided on them again, the pass decides the same.
         let (free, total) = match &self.prepared {
             Some(p) => p.driver_info(),
-            None => cx
-                .driver
-                .mem_get_info(self.device)
-                .map_err(|e| Error::driver("asking the driver for free memory", &e))?,
+            None => self.driver_info(cx)?,
         };
         self.driver_total = total;
         if segment > total {

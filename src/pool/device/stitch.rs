@@ -219,10 +219,7 @@ impl DevicePool {
         if !retry {
             return first;
         }
-        let (free, _) = cx
-            .driver
-            .mem_get_info(self.device)
-            .map_err(|e| Error::driver("asking the driver for free memory", &e))?;
+        let (free, _) = self.driver_info(cx)?;
         let defer = std::mem::replace(&mut self.defer, false);
         let again = self.stitch(cx, (size, requested), mode, free, LAST_RESORT_PIECES);
         self.defer = defer;
