@@ -91,6 +91,10 @@ enum Command {
         /// Print the figures as one JSON object instead of the table.
         #[arg(long)]
         json: bool,
+        /// Write to standard error every operation after which a policy reserves a different
+        /// amount, after what resmem's pool logged of its decisions while serving it.
+        #[arg(long)]
+        log: bool,
     },
     /// Where the command finds devices, the pool's settings from RESMEM_CONF, and each
     /// device's total, driver-free and resmem-reusable memory (on the GPU if the CUDA driver
@@ -195,13 +199,14 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
             plot,
             min_device,
             json,
+            log,
         } => run_replay(
             &trace,
             policy,
             device_memory,
             device,
             plot.as_deref(),
-            (min_device, json),
+            (min_device, json, log),
         ),
         Command::Info => info::run(env),
         Command::GenTrace { kind, all, output } => run_gen(kind, all, output),
@@ -276,7 +281,7 @@ fn run_replay(
     device_memory: Option<u64>,
     device: usize,
     plot_to: Option<&Path>,
-    (min_device, json): (bool, bool),
+    (min_device, json, log): (bool, bool, bool),
 ) -> Result<(), String> {
     let trace = Trace::read(path, device)?;
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
@@ -309,7 +314,7 @@ fn run_replay(
                 .progress_chars("=> "),
         );
         bar.set_prefix(policy.name());
-        outcomes.push(replay::replay(&trace, policy, memory, |n| {
+        outcomes.push(replay::replay_logged(&trace, policy, memory, log, |n| {
             bar.set_position(n)
         })?);
         bar.finish_and_clear();

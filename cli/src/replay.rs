@@ -14,6 +14,7 @@ use resmem::{Pool, PoolConfig, Stats};
 use crate::allocator::Allocator;
 use crate::baseline::{TorchAllocator, TorchConfig};
 use crate::trace::{Event, Trace};
+use crate::units::gib_or_mib;
 
 /// An allocation policy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,8 +63,13 @@ impl Policy {
 
     /// An allocator of this policy over `driver`.
     pub fn build(self, driver: Arc<dyn resmem::Driver>) -> Box<dyn Allocator> {
+        self.build_logged(driver, false)
+    }
+
+    /// [`Policy::build`], a resmem pool logging its decisions to standard error if `logging`.
+    fn build_logged(self, driver: Arc<dyn resmem::Driver>, logging: bool) -> Box<dyn Allocator> {
         match self.pool_config() {
-            Some(config) => Box::new(Pool::new(driver, config)),
+            Some(config) => Box::new(Pool::new(driver, PoolConfig { logging, ..config })),
             None => Box::new(
                 TorchAllocator::new(driver, TorchConfig::default())
                     .expect("the default configuration is valid"),
@@ -156,12 +162,25 @@ pub fn replay(
     trace: &Trace,
     policy: Policy,
     device_memory: u64,
+    progress: impl FnMut(u64),
+) -> Result<Outcome, String> {
+    replay_logged(trace, policy, device_memory, false, progress)
+}
+
+/// [`replay`]; with `log`, every operation after which the policy reserves a different amount
+/// (memory created or returned) is written to standard error, after what a resmem pool logged
+/// of its decisions while serving it.
+pub fn replay_logged(
+    trace: &Trace,
+    policy: Policy,
+    device_memory: u64,
+    log: bool,
     mut progress: impl FnMut(u64),
 ) -> Result<Outcome, String> {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[device_memory])));
     let driver = SimDriver::new(sim).map_err(|e| e.message)?;
     let before = sim.driver_calls();
-    let alloc = policy.build(Arc::new(driver));
+    let alloc = policy.build_logged(Arc::new(driver), log);
     let mut streams: HashMap<u64, u64> = HashMap::from([(0, 0)]);
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
     let mut outcome = Outcome {
@@ -220,6 +239,16 @@ pub fn replay(
         // Figures only change on allocator calls; a full stats read is cheap enough.
         if !matches!(event, Event::Mark { .. }) {
             let s = alloc.stats(0).map_err(fail)?;
+            if log && s.reserved_bytes != reserved {
+                eprintln!(
+                    "{}: operation {}: {}: reserved {} -> {}",
+                    policy.name(),
+                    n + 1,
+                    describe(event),
+                    gib_or_mib(reserved),
+                    gib_or_mib(s.reserved_bytes)
+                );
+            }
             (allocated, reserved) = (s.allocated_bytes, s.reserved_bytes);
         }
         outcome.timeline.push((allocated, reserved));
@@ -260,6 +289,21 @@ pub const MIN_DEVICE_STEP: u64 = 32 << 20;
 
 /// How far above the given device memory [`min_device`] looks for one that runs the trace.
 pub const MIN_DEVICE_REACH: u64 = 16;
+
+/// An operation as `--log` names it.
+fn describe(event: &Event) -> String {
+    match event {
+        Event::Alloc { id, size, stream } => {
+            format!("alloc {id} of {} on stream {stream}", gib_or_mib(*size))
+        }
+        Event::Free { id } => format!("free {id}"),
+        Event::RecordStream { id, stream } => format!("record_stream {id} on stream {stream}"),
+        Event::Warmup { bytes } => format!("warm-up for {}", gib_or_mib(*bytes)),
+        Event::EmptyCache => "empty_cache".into(),
+        Event::Mark { label } => format!("mark {label}"),
+        Event::Meta { name, .. } => format!("meta {name}"),
+    }
+}
 
 /// The smallest device, to [`MIN_DEVICE_STEP`], on which `trace` runs under `policy` with no
 /// out-of-memory: by bisection below `memory` if it runs there, else below the first doubling

@@ -61,6 +61,35 @@ fn replay_prints_the_table_and_draws_the_plot() {
 }
 
 #[test]
+fn replay_log_names_each_operation_that_changes_what_a_policy_reserves() {
+    let (ok, _, err) = resmem(&["replay", "traces/transformers-37436.jsonl", "--log"]);
+    assert!(ok, "{err}");
+    // PyTorch's policy: a 20 MiB segment for the first 4 MiB block; the 784 MiB request, which
+    // fails and returns nothing (every segment keeps a live block), is not named.
+    assert!(
+        err.contains(
+            "torch: operation 2: alloc 1 of 4.00 MiB on stream 0: reserved 0 B -> 20.00 MiB\n"
+        ),
+        "{err}"
+    );
+    assert!(!err.contains("torch: operation 425"), "{err}");
+    // resmem's default: the pool says why, then the operation.
+    let stitched = err
+        .lines()
+        .position(|l| l.contains("stitched a 838.00 MiB"))
+        .expect("the pool's log");
+    assert!(
+        err.lines().nth(stitched + 1).unwrap().starts_with(
+            "resmem: operation 425: alloc 236 of 784.00 MiB on stream 0: reserved 968.00 MiB -> 1.01 GiB"
+        ),
+        "{err}"
+    );
+    // Without --log, nothing of it.
+    let (ok, _, err) = resmem(&["replay", "traces/transformers-37436.jsonl"]);
+    assert!(ok && !err.contains("operation"), "{err}");
+}
+
+#[test]
 fn info_prints_a_table_of_the_configured_devices() {
     let (code, out, err) = resmem_with(
         &["info"],
