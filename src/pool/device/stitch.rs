@@ -296,8 +296,10 @@ impl DevicePool {
                     })
                     .collect();
                 self.log(format_args!(
-                    "stitched a {} segment from {} cached pieces ({}) and {} created",
+                    "stitched a {} segment for a request of {} from {} cached pieces ({}) and {} \
+                     created",
                     human(offset),
+                    human(requested),
                     pieces.len(),
                     human(have),
                     human(offset - have)
