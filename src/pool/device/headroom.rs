@@ -23,10 +23,11 @@
 //!   it, and must not buy headroom the size of the model.
 //!
 //! The larger of the two is taken, for a large request only (a small request's range is a small
-//! segment, whose pages serve only small requests), and neither where it would take more than half of the memory
-//! the pool may still take (the driver's free memory; under a cap, no more than the cap leaves),
-//! so headroom never takes memory a later request needs, nor makes the pool return cache to stay
-//! under its cap. `free_reusable` ends both: growth afterwards starts afresh.
+//! segment, whose pages serve only small requests), and neither where it would take more than
+//! half of the memory the pool may still take (the driver's free memory; under a cap, no more
+//! than the cap leaves), so headroom never takes memory a later request needs, nor makes the
+//! pool return cache to stay under its cap. `free_reusable` ends both: growth afterwards starts
+//! afresh.
 //!
 //! On the replayed snapshots and shipped traces (`scripts/policy-check.py`), growth alone brought
 //! the memory-creating calls to PyTorch's or below on all but two (interleaved-lifetimes 73

@@ -70,7 +70,7 @@ pub(super) enum VmmMode {
 /// beside 748 MiB cached in 20 MiB segments that each keep a live block, reserves 1,226 MiB at
 /// the trace's peak with 32 pieces at most and 1,030 MiB with 64 (the smallest device that runs
 /// the trace: 1.22 GiB, and 0.97).
-pub(super) const MAX_PIECES: usize = 64;
+const MAX_PIECES: usize = 64;
 
 /// The most pieces a segment is stitched from when the request would otherwise fail: after the
 /// growth policy returned every idle range and the driver still could not create what
@@ -81,7 +81,7 @@ pub(super) const MAX_PIECES: usize = 64;
 /// warm-up over the blocks that outlived the last one failed with 12.9 GiB so held and 37.5 GiB
 /// free on the device for 49.3 GiB, where PyTorch's policy, returning its idle segments, served
 /// it.
-pub(super) const LAST_RESORT_PIECES: usize = 1024;
+const LAST_RESORT_PIECES: usize = 1024;
 
 /// How many free blocks the search for the smallest piece that covers an amount looks at, at
 /// most, and the search for the largest pieces past the first [`MAX_PIECES`] (see
@@ -431,9 +431,9 @@ impl DevicePool {
     }
 
     /// Take cached pieces for up to `size` bytes out of the books, at most `most` of them: spare
-    /// pages, and aligned interiors of free blocks lent as holes. Work queued before those blocks were released may
-    /// still use them: the range is not handed out before the device's work is waited for
-    /// (`make_range`), unless their segments are settled (`streams.rs`).
+    /// pages, and aligned interiors of free blocks lent as holes. Work queued before those
+    /// blocks were released may still use them: the range is not handed out before the device's
+    /// work is waited for (`make_range`), unless their segments are settled (`streams.rs`).
     fn gather(
         &mut self,
         cx: &Context<'_>,
