@@ -89,7 +89,7 @@ fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
 /// smallest device is `scripts/policy-check.py`'s, with the real snapshots): peak reserved at
 /// most PyTorch's + 0.5% (where PyTorch's run completes), no more out-of-memory events, no more
 /// memory-creating calls, and at most half of PyTorch's fragmentation where that exceeds 5%.
-/// interleaved-lifetimes misses the last two, by the figures its own test pins.
+/// interleaved-lifetimes misses the last, by the figures its own test pins.
 #[test]
 fn the_default_meets_the_policy_criteria_on_every_shipped_trace() {
     for kind in generate::KINDS {
@@ -107,16 +107,16 @@ fn the_default_meets_the_policy_criteria_on_every_shipped_trace() {
                 t.peak_reserved_bytes
             );
         }
-        if kind == "interleaved-lifetimes" {
-            assert_eq!((default.creating_calls(), torch.creating_calls()), (51, 50));
-            continue;
-        }
         assert!(
             default.creating_calls() <= torch.creating_calls(),
             "{kind}: {} creating calls against {}",
             default.creating_calls(),
             torch.creating_calls()
         );
+        if kind == "interleaved-lifetimes" {
+            assert_eq!((default.creating_calls(), torch.creating_calls()), (45, 50));
+            continue;
+        }
         if torch.fragmentation() > 0.05 {
             assert!(
                 default.fragmentation() <= torch.fragmentation() / 2.0,
@@ -155,9 +155,9 @@ fn classic_segments_replay_every_shipped_trace_as_pytorchs_policy() {
 
 /// Interleaved lifetimes on 4 GiB: at the last 256 MiB buffer PyTorch runs out of memory,
 /// empties its cache and grows again; the default, with room left on the driver, keeps its
-/// cache, and reserves 0.6% less, having built ranges half made of the free pieces between live
-/// blocks (in one memory-creating call more than PyTorch: 51 against 50). Exact figures, so
-/// that a change shows.
+/// cache, and reserves 0.1% less, having built ranges half made of the free pieces between live
+/// blocks (in 45 memory-creating calls against PyTorch's 50). Exact figures, so that a change
+/// shows.
 #[test]
 fn interleaved_lifetimes_figures() {
     let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), 0).unwrap();
@@ -174,7 +174,7 @@ fn interleaved_lifetimes_figures() {
             peak(Policy::ResmemClassic),
             peak(Policy::Resmem)
         ),
-        (4_146_069_504, 4_146_069_504, 4_120_903_680)
+        (4_146_069_504, 4_146_069_504, 4_141_875_200)
     );
 }
 
@@ -198,9 +198,10 @@ fn decoding_and_training_figures() {
     let (resmem, torch) = both(&decode);
     assert_eq!(figures(&resmem), figures(&torch));
     assert_eq!(figures(&torch), (17_016_823_808, 17_263_755_264, 54, 0, 0));
+    // 0.4% below PyTorch's peak in 16 memory-creating calls against 54.
     assert_eq!(
         figures(&default(&decode)),
-        (17_016_823_808, 17_020_485_632, 24, 0, 0)
+        (17_016_823_808, 17_200_840_704, 16, 0, 0)
     );
     let training = generate::by_name("qwen3-0.6b-training").unwrap();
     let (resmem, torch) = both(&training);

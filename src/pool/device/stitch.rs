@@ -268,7 +268,7 @@ impl DevicePool {
         };
         let have: u64 = pieces.iter().map(|p| p.pages.size).sum();
         if have >= size {
-            self.headroom.met_from_cache();
+            self.headroom.met_from_cache(have, pieces.len());
         } else if have > 0 {
             self.headroom.took_cache(have, size - have);
         }
