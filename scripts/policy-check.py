@@ -44,26 +44,45 @@ def figures(path):
     return report
 
 
+# The criteria, as `checks` names them, with a column header for each.
+PEAK = "peak reserved <= torch +0.5%"
+DEVICE = "smallest device <= torch"
+OOMS = "OOMs <= torch"
+CALLS = "creating calls <= torch"
+FRAGMENTATION = "fragmentation <= torch / 2"
+CRITERIA = {PEAK: "peak", DEVICE: "smallest device", OOMS: "OOMs", CALLS: "creating",
+            FRAGMENTATION: "fragmentation"}
+
+
 def checks(torch, default):
     """(criterion, passed) for resmem's default against PyTorch's policy."""
     t_dev, d_dev = torch["smallest_device"], default["smallest_device"]
     device_ok = d_dev is not None and (t_dev is None or d_dev <= t_dev)
     # A PyTorch run that failed requests the default served did less work: its peak is no bar.
     torch_failed = torch["ooms"] > default["ooms"]
-    peak = ("peak reserved <= torch +0.5%"
+    peak = (PEAK
             + (f" (n/a: PyTorch's policy failed {torch['ooms']} request(s) the default served)"
                if torch_failed else ""),
             torch_failed or default["peak_reserved"] <= torch["peak_reserved"] * 1.005)
     out = [
         peak,
-        ("smallest device <= torch", device_ok),
-        ("OOMs <= torch", default["ooms"] <= torch["ooms"]),
-        ("creating calls <= torch", default["creating_calls"] <= torch["creating_calls"]),
+        (DEVICE, device_ok),
+        (OOMS, default["ooms"] <= torch["ooms"]),
+        (CALLS, default["creating_calls"] <= torch["creating_calls"]),
     ]
     if torch["fragmentation"] > 0.05:
-        out.append(("fragmentation <= torch / 2",
+        out.append((FRAGMENTATION,
                     default["fragmentation"] <= torch["fragmentation"] / 2))
     return out
+
+
+def judged(path):
+    """The trace's report, PyTorch's figures, the default's, and the criteria checked."""
+    report = figures(path)
+    policies = report["policies"]
+    torch = next(p for p in policies if p["policy"] == "torch")
+    default = next(p for p in policies if p["default"])
+    return report, torch, default, checks(torch, default)
 
 
 def gib(n):
@@ -102,11 +121,8 @@ def main():
         print("| trace | " + " | ".join(HEADER) + " | default vs torch |")
         print("| --- | " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " | --- |")
     for path in paths:
-        report = figures(path)
+        report, torch, default, results = judged(path)
         policies = report["policies"]
-        torch = next(p for p in policies if p["policy"] == "torch")
-        default = next(p for p in policies if p["default"])
-        results = checks(torch, default)
         verdict = "PASS" if all(ok for _, ok in results) else "FAIL"
         if verdict == "FAIL":
             failed.append(report["trace"])

@@ -273,14 +273,6 @@ FAMILIES = {
 }
 
 
-def verdict(path):
-    report = policy_check.figures(path)
-    policies = report["policies"]
-    torch = next(p for p in policies if p["policy"] == "torch")
-    default = next(p for p in policies if p["default"])
-    return torch, default, policy_check.checks(torch, default)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=12, help="traces per family")
@@ -306,7 +298,8 @@ def main():
                 make(args.base + i).write(path)
                 paths.append((family, path))
         with ThreadPoolExecutor(2) as pool:
-            results = list(pool.map(lambda fp: (fp[0], fp[1].stem, *verdict(fp[1])), paths))
+            results = list(pool.map(
+                lambda fp: (fp[0], fp[1].stem, *policy_check.judged(fp[1])[1:]), paths))
     failed_by = collections.defaultdict(collections.Counter)
     if args.markdown:
         print("| trace | torch: peak (GiB), smallest device, calls, fragmentation "
@@ -325,13 +318,9 @@ def main():
         else:
             print(f"{name:18} torch {cells[0]:34} default {cells[1]:34} "
                   f"{'FAIL: ' + ', '.join(missed) if missed else 'PASS'}")
-    criteria = [c for c, _ in policy_check.checks(
-        *(dict(peak_reserved=1, smallest_device=1, ooms=0, creating_calls=0,
-               fragmentation=0.1),) * 2)]
-    short = {c: c.split(" ")[0] + (" " + c.split(" ")[1] if c.startswith("smallest") else "")
-             for c in criteria}
+    criteria = policy_check.CRITERIA
     print()
-    print("| family | traces | failed | " + " | ".join(short[c] for c in criteria) + " |")
+    print("| family | traces | failed | " + " | ".join(criteria.values()) + " |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in criteria) + " |")
     total = collections.Counter()
     for family in FAMILIES:
