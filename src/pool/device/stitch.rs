@@ -42,7 +42,9 @@ use super::{Backing, BlockId, Context, DevicePool, Fresh, Grow, SegId, State};
 use crate::driver::DevicePtr;
 use crate::error::rm_status;
 use crate::error::{Error, Result};
-use crate::pool::size::{human, segment_size, Class, SEGMENT_ROUND, SMALL_MAX};
+use crate::pool::size::{
+    block_size, class_of, human, segment_size, Class, SEGMENT_ROUND, SMALL_MAX,
+};
 
 /// One mapping in a stitched segment: `pages` at `offset` from its base.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,7 +258,7 @@ impl DevicePool {
         // Built from the cache, a range needs only the request's pages; a segment's worth of
         // memory (20 MiB for a request under 10 MiB) is created only where memory is created.
         let segment = size.next_multiple_of(granularity);
-        let size = match crate::pool::size::block_size(requested) {
+        let size = match block_size(requested) {
             Ok(block) => block.next_multiple_of(granularity).min(size),
             Err(_) => size,
         }
@@ -349,7 +351,9 @@ impl DevicePool {
             // large request lacking 1 MiB or less is still a large one (the small class's 2 MiB
             // handle left each 9 MiB request with 8 MiB cached creating again: 48 calls on a
             // snapshot where PyTorch's policy makes 43); `segment` keeps a small request's 2 MiB.
-            let lacking = crate::pool::size::block_size(requested)
+            let block = block_size(requested);
+            let lacking = block
+                .as_ref()
                 .map_or(need, |block| block.saturating_sub(have))
                 .clamp(1, need);
             // Headroom for large requests only: a small request's range is a small segment,
@@ -357,8 +361,7 @@ impl DevicePool {
             // a 114 MiB small segment, and the next large request created 122 MiB beside it: a
             // real snapshot's peak 6% higher). And none for a warm-up, which asks for exactly
             // its shortfall.
-            let large = crate::pool::size::block_size(requested)
-                .is_ok_and(|block| crate::pool::size::class_of(block) == Class::Large);
+            let large = block.is_ok_and(|block| class_of(block) == Class::Large);
             let headroom = if mode == Grow::MayRelease && large {
                 self.headroom.bytes(
                     self.stats.reserved_bytes,
