@@ -121,6 +121,20 @@ pub struct Pool {
     spans: Spans,
 }
 
+/// A pool dropped (the library unloaded, or a pool the command made for a replay) gives its
+/// events back to the driver, so that loading and unloading the library in a loop leaves none
+/// behind. Its memory it does not: the caller returns the cache first (`free_reusable`, as
+/// the unload finalizer does), and blocks still live stay the driver's.
+impl Drop for Pool {
+    fn drop(&mut self) {
+        for device in 0..self.device_count() {
+            if let Ok((mut pool, cx)) = self.lock(device) {
+                pool.destroy_events(&cx);
+            }
+        }
+    }
+}
+
 /// What [`Pool::mem_get_info_capped`] reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemInfo {

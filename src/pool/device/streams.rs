@@ -107,6 +107,15 @@ impl DevicePool {
         }
     }
 
+    /// Give every event back to the driver: the spare ones and those of pending blocks (the
+    /// pool is being dropped). Failures are ignored: the events go with the context anyway.
+    pub fn destroy_events(&mut self, cx: &Context<'_>) {
+        let pending = self.pending.iter_mut().flat_map(|p| p.events.drain(..));
+        for event in self.spare_events.drain(..).chain(pending) {
+            let _ = cx.driver.event_destroy(self.device, event);
+        }
+    }
+
     pub(super) fn take_event(
         &mut self,
         cx: &Context<'_>,

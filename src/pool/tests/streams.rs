@@ -85,3 +85,31 @@ fn free_reusable_waits_for_pending_blocks() {
     );
     assert_books(&pool, sim);
 }
+
+#[test]
+fn a_dropped_pool_gives_its_events_back() {
+    use cuda_sim::Call;
+    for (config, pending) in [
+        (classic(), false),
+        (classic(), true),
+        (PoolConfig::default(), false),
+        (PoolConfig::default(), true),
+    ] {
+        let (pool, sim) = pool_with(&[24 * GIB], config);
+        let (s1, s2) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
+        // An idle segment moving to another stream: one event, spare afterwards.
+        let p = pool.reserve(0, 8 * MIB, s1).unwrap();
+        sim.enqueue_work(0, s1).unwrap();
+        pool.release(p).unwrap();
+        let q = pool.reserve(0, 8 * MIB, s2).unwrap();
+        if pending {
+            // A block pending on another stream's work takes the spare event.
+            pool.record_stream(q, s1).unwrap();
+            pool.release(q).unwrap();
+        }
+        assert_eq!(sim.call_count(Call::EventCreate), 1);
+        assert_eq!(sim.call_count(Call::EventDestroy), 0);
+        drop(pool);
+        assert_eq!(sim.call_count(Call::EventDestroy), 1);
+    }
+}
