@@ -4,6 +4,7 @@
 
 use resmem::driver::{DevicePtr, StreamHandle};
 use resmem::error::Result;
+use resmem::pool::Layout;
 use resmem::{Pool, Stats};
 
 /// A caching device-memory allocator over some driver.
@@ -29,6 +30,8 @@ pub trait Allocator: Send + Sync {
     fn stats(&self, device: i32) -> Result<Stats>;
     /// Set the peaks of `device` to the current values.
     fn reset_peak_stats(&self, device: i32) -> Result<()>;
+    /// Where `device`'s reserved memory lies, by page (a walk of every block).
+    fn layout(&self, device: i32) -> Result<Layout>;
 }
 
 impl Allocator for Pool {
@@ -61,5 +64,8 @@ impl Allocator for Pool {
     }
     fn reset_peak_stats(&self, device: i32) -> Result<()> {
         Pool::reset_peak_stats(self, device)
+    }
+    fn layout(&self, device: i32) -> Result<Layout> {
+        Pool::layout(self, device)
     }
 }

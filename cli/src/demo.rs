@@ -191,6 +191,7 @@ pub fn outcome(policy: crate::replay::Policy, run: &Run) -> crate::replay::Outco
         timeline: run.timeline.clone(),
         first_oom: None,
         calls: Vec::new(),
+        peak_layout: Default::default(),
     }
 }
 

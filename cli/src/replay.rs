@@ -9,6 +9,7 @@ use std::sync::Arc;
 use cuda_sim::{ledger, Call, CallTally, Sim};
 use resmem::driver::sim::SimDriver;
 use resmem::error::rm_status;
+use resmem::pool::Layout;
 use resmem::{Pool, PoolConfig, Stats};
 
 use crate::allocator::Allocator;
@@ -123,6 +124,9 @@ pub struct Outcome {
     pub first_oom: Option<String>,
     /// The policy's driver calls by kind (those of creating the simulated device left out).
     pub calls: Vec<CallTally>,
+    /// Where the reserved memory lay after the operation that left the most reserved (the
+    /// first such): what fragmentation is made of.
+    pub peak_layout: Layout,
 }
 
 impl Outcome {
@@ -191,6 +195,7 @@ pub fn replay_logged(
         timeline: Vec::with_capacity(trace.events.len()),
         first_oom: None,
         calls: Vec::new(),
+        peak_layout: Layout::default(),
     };
     let (mut allocated, mut reserved, mut requested) = (0, 0, 0u64);
     for (n, event) in trace.events.iter().enumerate() {
@@ -248,6 +253,9 @@ pub fn replay_logged(
                     gib_or_mib(reserved),
                     gib_or_mib(s.reserved_bytes)
                 );
+            }
+            if s.reserved_bytes > outcome.peak_layout.total() {
+                outcome.peak_layout = alloc.layout(0).map_err(fail)?;
             }
             (allocated, reserved) = (s.allocated_bytes, s.reserved_bytes);
         }

@@ -8,6 +8,16 @@ fn gib(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / f64::from(1u32 << 30))
 }
 
+/// The rows of the peak's layout (`Outcome::peak_layout`), in the order of its fields.
+const LAYOUT_ROWS: [&str; 6] = [
+    "at the peak (MiB)",
+    "  live: requested",
+    "  live: rounding",
+    "  cached beside live",
+    "  cached whole pages",
+    "  cached idle",
+];
+
 /// The side-by-side table of several outcomes (sizes in GiB), with the smallest device of each
 /// when `min_devices` has them (in the same order).
 pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -> String {
@@ -16,6 +26,9 @@ pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -
         ("peak reserved (GiB)".into(), vec![]),
         ("fragmentation".into(), vec![]),
     ];
+    for label in LAYOUT_ROWS {
+        rows.push((label.into(), vec![]));
+    }
     if !min_devices.is_empty() {
         rows.push(("smallest device (GiB)".into(), vec![]));
     }
@@ -31,6 +44,17 @@ pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -
             gib(o.stats.peak_reserved_bytes),
             format!("{:.2} %", 100.0 * o.fragmentation()),
         ];
+        let l = &o.peak_layout;
+        for bytes in [
+            l.total(),
+            l.requested,
+            l.rounding,
+            l.beside_live,
+            l.free_pages,
+            l.idle,
+        ] {
+            cells.push(format!("{:.0}", bytes as f64 / f64::from(1u32 << 20)));
+        }
         if !min_devices.is_empty() {
             cells.push(match min_devices.get(i).copied().flatten() {
                 Some(bytes) => gib(bytes),
@@ -110,6 +134,14 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
                 "peak_allocated": o.stats.peak_allocated_bytes,
                 "peak_reserved": o.stats.peak_reserved_bytes,
                 "fragmentation": o.fragmentation(),
+                "peak_layout": {
+                    "reserved": o.peak_layout.total(),
+                    "requested": o.peak_layout.requested,
+                    "rounding": o.peak_layout.rounding,
+                    "beside_live": o.peak_layout.beside_live,
+                    "free_pages": o.peak_layout.free_pages,
+                    "idle": o.peak_layout.idle,
+                },
                 "smallest_device": min_devices.get(i).copied().flatten(),
                 "ooms": o.ooms,
                 "creating_calls": o.creating_calls(),
@@ -171,6 +203,13 @@ mod tests {
         assert_eq!(row("peak requested (GiB)"), "0.00");
         assert_eq!(row("peak reserved (GiB)"), "0.02");
         assert_eq!(row("fragmentation"), "85.00");
+        // The 3 MiB block's second page holds 1 MiB free; the other 8 pages are free.
+        assert_eq!(row("at the peak (MiB)"), "20");
+        assert_eq!(row("  live: requested"), "3");
+        assert_eq!(row("  live: rounding"), "0");
+        assert_eq!(row("  cached beside live"), "1");
+        assert_eq!(row("  cached whole pages"), "16");
+        assert_eq!(row("  cached idle"), "0");
         assert_eq!(row("smallest device (GiB)"), "0.03");
         assert_eq!(row("driver allocations (creating memory)"), "1");
         assert!(text.ends_with("* resmem's default policy (PoolConfig::default())\n"));
@@ -183,6 +222,17 @@ mod tests {
         assert_eq!(torch["peak_reserved"], 20 << 20);
         assert_eq!(torch["smallest_device"], 32 << 20);
         assert_eq!(torch["calls"]["cuMemAlloc"], 1);
+        assert_eq!(
+            torch["peak_layout"],
+            serde_json::json!({
+                "reserved": 20 << 20,
+                "requested": 3 << 20,
+                "rounding": 0,
+                "beside_live": 1 << 20,
+                "free_pages": 16 << 20,
+                "idle": 0,
+            })
+        );
         assert_eq!(json["policies"][1]["default"], true);
         assert_eq!(
             json["policies"][1]["smallest_device"],

@@ -15,7 +15,7 @@
 //!   creation takes;
 //! - `unstitch.rs`: taking such segments apart and returning their memory;
 //! - `phys.rs`: their physical-memory books;
-//! - `check.rs`: the invariant check.
+//! - `check.rs`: the invariant check; `layout.rs`: where the reserved memory lies, page by page.
 //!
 //! A segment belongs to one stream at a time, and so do its blocks: a block released on its own
 //! stream is reusable there at once. A segment that is entirely free (*idle*) can move to another
@@ -58,6 +58,7 @@ mod check;
 mod deferred;
 mod growing;
 mod headroom;
+mod layout;
 mod parking;
 mod phys;
 mod segments;

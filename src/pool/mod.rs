@@ -45,6 +45,7 @@ pub(crate) mod blocks;
 pub(crate) mod device;
 pub(crate) mod hash;
 pub(crate) mod ids;
+pub mod layout;
 #[cfg(feature = "hold-probe")]
 mod probe;
 pub(crate) mod size;
@@ -58,6 +59,7 @@ use std::time::{Duration, Instant};
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
 use device::{DevicePool, Pass, Sweep};
+pub use layout::Layout;
 use spans::{Owner, Spans};
 pub use stats::Stats;
 
@@ -452,6 +454,14 @@ impl Pool {
     pub fn stats(&self, device: i32) -> Result<Stats> {
         let (pool, _) = self.lock(device)?;
         Ok(pool.stats())
+    }
+
+    /// Where `device`'s reserved memory lies, by page: what live blocks hold, and what the
+    /// cache holds by how it can be used again (see [`Layout`]). A walk of every block, under
+    /// the device's lock: for a replay or a diagnosis, not for a hot path.
+    pub fn layout(&self, device: i32) -> Result<Layout> {
+        let (pool, _) = self.lock(device)?;
+        Ok(pool.layout())
     }
 
     /// Set the peaks of `device` to the current values.

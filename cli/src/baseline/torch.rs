@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use resmem::driver::{DevicePtr, Driver, EventHandle, StreamHandle};
 use resmem::error::{rm_status, Error, Result};
+use resmem::pool::layout::{Layout, Piece};
 use resmem::Stats;
 
 use super::keys::{bytes as human, AddrMap};
@@ -646,5 +647,26 @@ impl Allocator for TorchAllocator {
     fn reset_peak_stats(&self, device: i32) -> Result<()> {
         self.lock(device)?.stats.reset_peaks();
         Ok(())
+    }
+    fn layout(&self, device: i32) -> Result<Layout> {
+        let dev = self.lock(device)?;
+        let mut layout = Layout::default();
+        // Each segment from its first block (none before it), along its chain.
+        for (&first, _) in dev.blocks.iter().filter(|(_, b)| b.prev.is_none()) {
+            let mut at = Some(first);
+            layout.add_segment(std::iter::from_fn(|| {
+                let b = &dev.blocks[&at?];
+                at = b.next;
+                Some(if b.allocated {
+                    Piece::Live {
+                        size: b.size,
+                        requested: b.requested,
+                    }
+                } else {
+                    Piece::Free(b.size)
+                })
+            }));
+        }
+        Ok(layout)
     }
 }

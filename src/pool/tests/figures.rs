@@ -60,3 +60,41 @@ fn the_largest_reusable_block_counts_parked_blocks_as_the_free_blocks_they_are()
     }
     assert_books(&pool, sim);
 }
+
+#[test]
+fn the_layout_tells_free_bytes_beside_live_blocks_from_whole_free_pages() {
+    let (pool, sim) = pool_with(&[GIB], PoolConfig::default());
+    // A 20 MiB range (PyTorch's segment for requests under 10 MiB): a [0, 3), b [3, 8).
+    let a = pool.reserve(0, 3 * MIB, 0).unwrap();
+    let b = pool.reserve(0, 5 * MIB, 0).unwrap();
+    assert_eq!(b, a + 3 * MIB);
+    pool.release(a).unwrap();
+    // Page 1 holds 1 MiB free beside b; pages 0 and 4 to 9 are free.
+    let expected = Layout {
+        requested: 5 * MIB,
+        rounding: 0,
+        beside_live: MIB,
+        free_pages: 14 * MIB,
+        idle: 0,
+    };
+    assert_eq!(pool.layout(0).unwrap(), expected);
+    // 14 MiB from those pages: mapped again into a range of its own (lent, holes here).
+    let c = pool.reserve(0, 14 * MIB, 0).unwrap();
+    assert_eq!(sim.used_bytes(0), 20 * MIB);
+    let l = pool.layout(0).unwrap();
+    assert_eq!(
+        l,
+        Layout {
+            requested: 19 * MIB,
+            free_pages: 0,
+            ..expected
+        }
+    );
+    assert_eq!(l.total(), pool.stats(0).unwrap().reserved_bytes);
+    // Everything released: the ranges are idle.
+    pool.release(b).unwrap();
+    pool.release(c).unwrap();
+    let l = pool.layout(0).unwrap();
+    assert_eq!((l.requested, l.beside_live, l.idle), (0, 0, 20 * MIB));
+    assert_books(&pool, sim);
+}
