@@ -1,11 +1,12 @@
 //! [`Allocator`]: what a caching allocator offers its callers. resmem's [`Pool`] implements it,
-//! and so does the PyTorch-policy baseline, so that trace replay, demos and benchmarks drive
+//! so does its [`Front`] (the pool behind the per-thread caches the C library uses), and so does
+//! the PyTorch-policy baseline, so that trace replay, demos and benchmarks drive
 //! either one through the same calls and compare their figures.
 
 use resmem::driver::{DevicePtr, StreamHandle};
 use resmem::error::Result;
 use resmem::pool::Layout;
-use resmem::{Pool, Stats};
+use resmem::{Front, Pool, Stats};
 
 /// A caching device-memory allocator over some driver.
 pub trait Allocator: Send + Sync {
@@ -67,5 +68,43 @@ impl Allocator for Pool {
     }
     fn layout(&self, device: i32) -> Result<Layout> {
         Pool::layout(self, device)
+    }
+}
+
+impl Allocator for Front {
+    fn name(&self) -> &'static str {
+        "resmem-front"
+    }
+    fn device_count(&self) -> i32 {
+        Front::device_count(self)
+    }
+    fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        Front::reserve(self, device, size, stream)
+    }
+    fn release(&self, ptr: DevicePtr) -> Result<()> {
+        Front::release(self, ptr)
+    }
+    fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
+        Front::record_stream(self, ptr, stream)
+    }
+    fn mem_get_info(&self, device: i32) -> Result<(u64, u64)> {
+        Front::mem_get_info(self, device)
+    }
+    fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
+        Front::free_reusable(self, device)
+    }
+    fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
+        Front::warmup(self, device, bytes)
+    }
+    fn stats(&self, device: i32) -> Result<Stats> {
+        Front::stats(self, device)
+    }
+    fn reset_peak_stats(&self, device: i32) -> Result<()> {
+        Front::reset_peak_stats(self, device)
+    }
+    /// The pool's layout: blocks waiting in a front cache count as live there. A replay's new
+    /// peaks come from growth, which drains the caches first, so they hold none then.
+    fn layout(&self, device: i32) -> Result<Layout> {
+        self.pool().layout(device)
     }
 }

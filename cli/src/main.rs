@@ -124,6 +124,9 @@ enum Which {
     ResmemClassic,
     /// resmem's pool on the virtual-memory API (vmm:true).
     ResmemVmm,
+    /// resmem's default pool behind the per-thread front caches, as the C library and PyTorch
+    /// programs use it.
+    ResmemFront,
     /// PyTorch's caching-allocator policy.
     Torch,
     /// resmem's default and torch side by side.
@@ -298,6 +301,7 @@ fn run_replay(
         Which::Resmem => &[Policy::Resmem],
         Which::ResmemClassic => &[Policy::ResmemClassic],
         Which::ResmemVmm => &[Policy::ResmemVmm],
+        Which::ResmemFront => &[Policy::ResmemFront],
         Which::Torch => &[Policy::Torch],
         Which::Both => &[Policy::Torch, Policy::Resmem],
         Which::All => &[Policy::Torch, Policy::ResmemClassic, Policy::ResmemVmm],

@@ -14,6 +14,7 @@ fn colour(policy: Policy) -> RGBColor {
         Policy::Resmem => RGBColor(0x1f, 0x77, 0xb4),
         Policy::ResmemClassic => RGBColor(0x94, 0x67, 0xbd),
         Policy::ResmemVmm => RGBColor(0x2c, 0xa0, 0x2c),
+        Policy::ResmemFront => RGBColor(0xff, 0x7f, 0x0e),
         Policy::Torch => RGBColor(0xd6, 0x27, 0x28),
     }
 }

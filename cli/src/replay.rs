@@ -10,7 +10,7 @@ use cuda_sim::{ledger, Call, CallTally, Sim};
 use resmem::driver::sim::SimDriver;
 use resmem::error::rm_status;
 use resmem::pool::Layout;
-use resmem::{Pool, PoolConfig, Stats};
+use resmem::{Front, Pool, PoolConfig, Stats};
 
 use crate::allocator::Allocator;
 use crate::baseline::{TorchAllocator, TorchConfig};
@@ -26,6 +26,10 @@ pub enum Policy {
     ResmemClassic,
     /// resmem's pool on the CUDA virtual-memory API (`vmm:true`).
     ResmemVmm,
+    /// resmem's default pool behind the per-thread front caches ([`Front`]), as the C library
+    /// and PyTorch programs use it: a released block waits in the caller's cache for the next
+    /// request of its size and stream, unmerged, until a growth drains the caches.
+    ResmemFront,
     /// PyTorch's caching allocator.
     Torch,
 }
@@ -37,6 +41,7 @@ impl Policy {
             Policy::Resmem => "resmem",
             Policy::ResmemClassic => "resmem-classic",
             Policy::ResmemVmm => "resmem-vmm",
+            Policy::ResmemFront => "resmem-front",
             Policy::Torch => "torch",
         }
     }
@@ -44,7 +49,7 @@ impl Policy {
     /// The pool settings of a resmem policy; `None` for PyTorch's.
     pub fn pool_config(self) -> Option<PoolConfig> {
         match self {
-            Policy::Resmem => Some(PoolConfig::default()),
+            Policy::Resmem | Policy::ResmemFront => Some(PoolConfig::default()),
             Policy::ResmemClassic => Some(PoolConfig {
                 vmm: false,
                 ..PoolConfig::default()
@@ -57,9 +62,10 @@ impl Policy {
         }
     }
 
-    /// Whether this policy is resmem's default (a named policy may coincide with it).
+    /// Whether this policy is resmem's default pool (a named policy may coincide with it); the
+    /// default behind the front caches is told apart.
     pub fn is_default(self) -> bool {
-        self.pool_config() == Some(PoolConfig::default())
+        self != Policy::ResmemFront && self.pool_config() == Some(PoolConfig::default())
     }
 
     /// An allocator of this policy over `driver`.
@@ -70,6 +76,10 @@ impl Policy {
     /// [`Policy::build`], a resmem pool logging its decisions to standard error if `logging`.
     fn build_logged(self, driver: Arc<dyn resmem::Driver>, logging: bool) -> Box<dyn Allocator> {
         match self.pool_config() {
+            Some(config) if self == Policy::ResmemFront => Box::new(Front::new(Pool::new(
+                driver,
+                PoolConfig { logging, ..config },
+            ))),
             Some(config) => Box::new(Pool::new(driver, PoolConfig { logging, ..config })),
             None => Box::new(
                 TorchAllocator::new(driver, TorchConfig::default())
