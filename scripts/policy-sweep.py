@@ -8,6 +8,7 @@ PyTorch's, fragmentation at most half of PyTorch's where that exceeds 5%).
     scripts/policy-sweep.py                      # 12 seeds per family from 1000
     scripts/policy-sweep.py --seeds 12 --base 5000 --markdown
     scripts/policy-sweep.py --resmem /tmp/old/target/release/resmem   # another build
+    scripts/policy-sweep.py --front              # the default behind the C library's front caches
 
 The families (all on a 512 GiB device, so that the replays do not diverge at capacity; the
 smallest device each policy needs is found by bisection to 32 MiB):
@@ -282,6 +283,9 @@ def main():
     parser.add_argument("--keep", metavar="DIR", help="write the traces to DIR and keep them")
     parser.add_argument("--resmem", help="another build of the command to measure (implies "
                         "--no-build)")
+    parser.add_argument("--front", action="store_true",
+                        help="judge the default behind the C library's front caches "
+                        "(resmem-front) instead of the pool alone")
     args = parser.parse_args()
     if args.resmem:
         policy_check.RESMEM = pathlib.Path(args.resmem).resolve()
@@ -297,9 +301,17 @@ def main():
                 path = pathlib.Path(folder) / f"{family}-{args.base + i}.jsonl"
                 make(args.base + i).write(path)
                 paths.append((family, path))
+        def judge(path):
+            """PyTorch's figures, the judged policy's, and the criteria checked."""
+            if not args.front:
+                return policy_check.judged(path)[1:]
+            policies = policy_check.figures(path, front=True)["policies"]
+            torch = next(p for p in policies if p["policy"] == "torch")
+            front = next(p for p in policies if p["policy"] == "resmem-front")
+            return torch, front, policy_check.checks(torch, front)
+
         with ThreadPoolExecutor(2) as pool:
-            results = list(pool.map(
-                lambda fp: (fp[0], fp[1].stem, *policy_check.judged(fp[1])[1:]), paths))
+            results = list(pool.map(lambda fp: (fp[0], fp[1].stem, *judge(fp[1])), paths))
     failed_by = collections.defaultdict(collections.Counter)
     if args.markdown:
         print("| trace | torch: peak (GiB), smallest device, calls, fragmentation "
