@@ -89,6 +89,13 @@ def judged(path, front=False):
     return report, torch, default, checks(torch, default)
 
 
+def judged_front(path):
+    """PyTorch's figures, the default's behind the front caches (`resmem-front`), and the
+    criteria checked: those two replays alone."""
+    torch, front = (replay(path, p)["policies"][0] for p in ("torch", "resmem-front"))
+    return torch, front, checks(torch, front)
+
+
 def gib(n):
     return "none" if n is None else f"{n / GIB:.2f}"
 

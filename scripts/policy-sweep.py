@@ -303,12 +303,9 @@ def main():
                 paths.append((family, path))
         def judge(path):
             """PyTorch's figures, the judged policy's, and the criteria checked."""
-            if not args.front:
-                return policy_check.judged(path)[1:]
-            policies = policy_check.figures(path, front=True)["policies"]
-            torch = next(p for p in policies if p["policy"] == "torch")
-            front = next(p for p in policies if p["policy"] == "resmem-front")
-            return torch, front, policy_check.checks(torch, front)
+            if args.front:
+                return policy_check.judged_front(path)
+            return policy_check.judged(path)[1:]
 
         with ThreadPoolExecutor(2) as pool:
             results = list(pool.map(lambda fp: (fp[0], fp[1].stem, *judge(fp[1])), paths))
