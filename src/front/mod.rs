@@ -15,7 +15,10 @@
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange while
 //! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`,
 //! `set_memory_limit`, `reset_peak_stats` and `trim` (another process sharing the device asks),
-//! before a reserve that the pool could serve only from the driver (so the pool grows only
+//! the calling thread's large blocks on a device and stream that no reserve wanted since its
+//! last large miss there, before its next (so that the pool places it as it would with no
+//! front; see `Inner::miss`), every cache's before a reserve that the pool could serve only
+//! from the driver (so the pool grows only
 //! after the caches gave back what they held, and another stream's need is met from it), after
 //! an out-of-memory with blocks cached, and when a thread exits (its cache is handed back).
 //!
@@ -55,6 +58,7 @@ use std::sync::Arc;
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
+use crate::pool::size::{self, Class};
 use crate::pool::Pool;
 use crate::tls;
 pub(crate) use bindings::forget_key;
@@ -605,9 +609,23 @@ impl Inner {
         }
     }
 
-    /// A reserve no front cache could serve: from the pool's memory; else, after giving the
-    /// cached blocks back to the pool, from the driver. The block is noted for caching unless
-    /// `block` is 0.
+    /// A reserve no front cache could serve: from the pool's memory (for a large request, after
+    /// the calling thread gave back its large blocks on the stream that no reserve wanted since
+    /// its last such miss); else, after every cache gave back what it holds, from the driver.
+    /// The block is noted for caching unless `block` is 0.
+    ///
+    /// The first give-back keeps the front from costing memory. A block waiting in a bin is
+    /// live to the pool: the pool's best fit cannot choose it, nor merge it with its free
+    /// neighbours, so a request of another size splits a larger block instead, and the cache
+    /// fragments. On generated workloads the front then needed more memory than PyTorch's
+    /// policy about twice as often as the pool alone; with the give-back, about as often
+    /// (BENCHMARKS.md, "Generated workloads"). Only blocks the request could be placed among
+    /// go back: the same stream's (another stream's wait for the next growth, which drains
+    /// every cache), and large ones. Small requests have segments of their own, 2 MiB each, so
+    /// small blocks waiting cost little memory; they miss often (a decoding step's sizes vary),
+    /// and giving back at each of their misses emptied the bins the next requests would hit:
+    /// 17,575 of a decoding workload's 25,000 reserves missed, against 202 now. A bin hit since
+    /// the last such miss keeps its blocks for the next hit: its size is in use.
     fn miss(
         self: &Arc<Self>,
         device: i32,
@@ -615,6 +633,11 @@ impl Inner {
         block: u64,
         stream: StreamHandle,
     ) -> Result<DevicePtr> {
+        // The class of `size` is that of its block: the bound between the classes is a
+        // multiple of the block rounding.
+        if size::class_of(size) == Class::Large {
+            tls::with(|t| self.with_cache(t, |cache| self.give_back_cold(cache, device, stream)));
+        }
         let ptr = match self.pool.reserve_cached(device, size, stream)? {
             Some(ptr) => ptr,
             None => {

@@ -27,6 +27,29 @@ fn front() -> (Front, &'static Sim) {
     front_with(&[24 * GIB])
 }
 
+/// Classic segments, whose placement is PyTorch's: a 4 MiB block starts a 20 MiB segment.
+fn classic() -> PoolConfig {
+    PoolConfig {
+        vmm: false,
+        ..PoolConfig::default()
+    }
+}
+
+/// A pool on a fresh simulated 24 GiB device.
+fn pool_over(config: PoolConfig) -> (Pool, &'static Sim) {
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[24 * GIB])));
+    (
+        Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config),
+        sim,
+    )
+}
+
+/// A front over [`pool_over`]'s pool.
+fn front_over(config: PoolConfig) -> (Front, &'static Sim) {
+    let (pool, sim) = pool_over(config);
+    (Front::new(pool), sim)
+}
+
 /// The figures a quiescent front reports: allocated, requested, live blocks, reserve calls,
 /// cache hits; and the rest consistent with the driver.
 fn figures(front: &Front, sim: &Sim, device: i32) -> (u64, u64, u64, u64, u64) {
@@ -113,6 +136,74 @@ fn a_block_cached_on_one_stream_reaches_another_only_through_the_pool() {
     assert_eq!(front.reserve(0, 64 * MIB, s2).unwrap(), b);
     assert_eq!(front.pool().stats(0).unwrap().reserve_calls, pool_calls + 1);
     front.release(b).unwrap();
+}
+
+#[test]
+fn a_large_miss_gives_back_the_threads_large_blocks_of_its_stream_first() {
+    // The same calls to a pool alone, for where it places the request.
+    let (alone, alone_sim) = pool_over(classic());
+    let (front, sim) = front_over(classic());
+    let s1 = sim.stream_create(0).unwrap();
+    assert_eq!(alone_sim.stream_create(0).unwrap(), s1);
+    let calls = [(4 * MIB, 0), (1000, 0), (4 * MIB, s1)];
+    let cached = calls.map(|(size, stream)| front.reserve(0, size, stream).unwrap());
+    let freed = calls.map(|(size, stream)| alone.reserve(0, size, stream).unwrap());
+    assert_eq!(cached, freed);
+    for (p, q) in cached.into_iter().zip(freed) {
+        front.release(p).unwrap();
+        alone.release(q).unwrap();
+    }
+    assert_eq!(front.inner.sum(0).cached_blocks, 3);
+    // 6 MiB on stream 0 misses the front. The 4 MiB block waiting there goes back to the pool
+    // first and merges with the free rest of its segment, so the pool places the request as it
+    // would with no front: where it was (were the block still waiting, the request would go
+    // beside it, in the segment's free rest).
+    let b = front.reserve(0, 6 * MIB, 0).unwrap();
+    assert_eq!(b, alone.reserve(0, 6 * MIB, 0).unwrap());
+    assert_eq!(b, cached[0]);
+    assert_eq!(sim.used_bytes(0), alone_sim.used_bytes(0));
+    // The small block (the other class) and stream s1's block stay cached: the pool could not
+    // have placed the request among them.
+    assert_eq!(front.inner.sum(0).cached_blocks, 2);
+    let hits = front.stats(0).unwrap().cache_hits;
+    assert_eq!(front.reserve(0, 1000, 0).unwrap(), cached[1]);
+    assert_eq!(front.reserve(0, 4 * MIB, s1).unwrap(), cached[2]);
+    assert_eq!(front.stats(0).unwrap().cache_hits, hits + 2);
+    for p in [b, cached[1], cached[2]] {
+        front.release(p).unwrap();
+    }
+    // Three hits: the two above and the pool's for 6 MiB.
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 6, 3));
+}
+
+#[test]
+fn a_large_miss_gives_back_only_bins_no_reserve_wanted_since_the_last() {
+    let (front, sim) = front_over(classic());
+    // A 4 MiB bin hit once: its size is in use, so the next large miss leaves it cached, and
+    // the pool places 6 MiB beside its block.
+    let x = front.reserve(0, 4 * MIB, 0).unwrap();
+    front.release(x).unwrap();
+    assert_eq!(front.reserve(0, 4 * MIB, 0).unwrap(), x);
+    front.release(x).unwrap();
+    let y = front.reserve(0, 6 * MIB, 0).unwrap();
+    assert_eq!(y, x + 4 * MIB);
+    assert_eq!(front.inner.sum(0).cached_blocks, 1);
+    front.release(y).unwrap();
+    // Not hit again by the next large miss: both bins go back, the segment is one free block
+    // again, and 8 MiB goes at its start.
+    let z = front.reserve(0, 8 * MIB, 0).unwrap();
+    assert_eq!(z, x);
+    assert_eq!(front.inner.sum(0).cached_blocks, 0);
+    // A small miss gives nothing back: small requests have segments of their own.
+    let s = front.reserve(0, 1000, 0).unwrap();
+    front.release(s).unwrap();
+    let t = front.reserve(0, 2000, 0).unwrap();
+    assert_eq!(front.inner.sum(0).cached_blocks, 1);
+    for p in [z, t] {
+        front.release(p).unwrap();
+    }
+    // Four hits: the front's of 4 MiB, and the pool's of 6 MiB, 8 MiB and 2000 bytes.
+    assert_eq!(figures(&front, sim, 0), (0, 0, 0, 6, 4));
 }
 
 #[test]

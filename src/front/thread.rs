@@ -26,6 +26,7 @@ use super::counters::{Counters, Delta};
 use super::entries::{Entry, NIL};
 use super::gate::{Gate, Owner};
 use crate::driver::StreamHandle;
+use crate::pool::size::{self, Class};
 
 /// Bins per thread cache: distinct (device, stream, size) keys it can hold at once.
 pub const BINS: usize = 64;
@@ -61,6 +62,9 @@ pub struct Bin {
     /// What its pops and pushes since keyed change in the requested bytes (owner only; folded
     /// likewise): the callers' requests of the blocks it handed out less those it took back.
     requested: AtomicI64,
+    /// `hits` when its owner last missed on its stream and class (owner only; see
+    /// [`Bin::is_cold_for`]).
+    seen: AtomicU64,
 }
 
 /// A cache's flag for the gate (`gate.rs`), which its owner sets and clears around every hit,
@@ -86,6 +90,7 @@ impl Default for Busy {
 const _: () = assert!(std::mem::offset_of!(Busy, flag) == 12);
 const _: () = assert!(std::mem::offset_of!(Bin, cap) + 4 == 12);
 const _: () = assert!(std::mem::offset_of!(Bin, stream) == 16);
+const _: () = assert!(std::mem::size_of::<Bin>() == 64);
 
 /// A bin's device and block size (a multiple of 512, below 2 TiB) in one word, so that a key
 /// is compared in two: the device in the high half, the size in 512-byte units in the low.
@@ -125,6 +130,7 @@ impl Default for Bin {
             list: AtomicU64::new(EMPTY),
             hits: AtomicU64::new(0),
             requested: AtomicI64::new(0),
+            seen: AtomicU64::new(0),
         }
     }
 }
@@ -133,6 +139,26 @@ impl Bin {
     #[inline(always)]
     fn is(&self, device: i32, stream: StreamHandle, size: u64) -> bool {
         self.key.load(Relaxed) == key_of(device, size) && self.stream.load(Relaxed) == stream
+    }
+
+    /// At a miss of its owner on `stream` and `device` in the pool's size class `class`:
+    /// whether it holds blocks of that stream and class that no reserve took from it since the
+    /// owner's last such miss (owner only), blocks the pool would have had to place the missed
+    /// request among. A bin hit meanwhile keeps its blocks for its next hit, and is cold at the
+    /// next miss if it is not hit again.
+    pub fn is_cold_for(&self, device: i32, stream: StreamHandle, class: Class) -> bool {
+        let size = self.holds();
+        if size == 0
+            || !self.on(device)
+            || self.stream.load(Relaxed) != stream
+            || size::class_of(size) != class
+        {
+            return false;
+        }
+        let hits = self.hits.load(Relaxed);
+        let cold = hits == self.seen.load(Relaxed);
+        self.seen.store(hits, Relaxed);
+        cold
     }
 
     /// The device of its key.
@@ -199,6 +225,7 @@ impl Bin {
         };
         self.requested.store(0, Relaxed);
         self.hits.store(0, Relaxed);
+        self.seen.store(0, Relaxed);
         d
     }
 
