@@ -11,7 +11,6 @@ use super::thread::ThreadCache;
 use super::Inner;
 use crate::driver::{DevicePtr, StreamHandle};
 use crate::error::Result;
-use crate::pool::size::Class;
 
 /// Where a block given back to the pool was, for the figures: a bin's blocks are counted by
 /// the bin's length (gone with the list taken), a remote list's by counters.
@@ -121,15 +120,14 @@ impl Inner {
         }
     }
 
-    /// Give back the large blocks `cache` (the caller's own) holds for `stream` on `device` in
-    /// bins no reserve took a block from since the caller's last such give-back: before a large
-    /// reserve on that stream goes to the pool, so that the pool places it among the free
-    /// blocks it would have with no front, merged with their neighbours (see `Inner::miss`).
-    /// Owner only; no gate and no barrier: only the owner pushes to its bins, and a drain
-    /// racing with it takes each list with an exchange as this does.
-    pub(super) fn give_back_cold(&self, cache: &ThreadCache, device: i32, stream: StreamHandle) {
+    /// Give back the large blocks `cache` (the caller's own) holds for `stream` on `device`:
+    /// before a large reserve on that stream goes to the pool, so that the pool places it among
+    /// the free blocks it would have with no front, merged with their neighbours (see
+    /// `Inner::miss`). Owner only; no gate and no barrier: only the owner pushes to its bins,
+    /// and a drain racing with it takes each list with an exchange as this does.
+    pub(super) fn give_back_large(&self, cache: &ThreadCache, device: i32, stream: StreamHandle) {
         for bin in cache.bins.iter() {
-            if bin.is_cold_for(device, stream, Class::Large) {
+            if bin.holds_large_for(device, stream) {
                 self.evict_list(bin.take(), Was::InBin);
             }
         }

@@ -15,10 +15,10 @@
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange while
 //! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`,
 //! `set_memory_limit`, `reset_peak_stats` and `trim` (another process sharing the device asks),
-//! the calling thread's large blocks on a device and stream that no reserve wanted since its
-//! last large miss there, before its next (so that the pool places it as it would with no
-//! front; see `Inner::miss`), every cache's before a reserve that the pool could serve only
-//! from the driver (so the pool grows only
+//! the calling thread's large blocks on a device and stream before a large reserve there that
+//! its cache cannot serve (so that the pool places it as it would with no front; see
+//! `Inner::miss`), every cache's before a reserve that the pool could serve only from the
+//! driver (so the pool grows only
 //! after the caches gave back what they held, and another stream's need is met from it), after
 //! an out-of-memory with blocks cached, and when a thread exits (its cache is handed back).
 //!
@@ -58,7 +58,7 @@ use std::sync::Arc;
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
-use crate::pool::size::{self, Class};
+use crate::pool::size::SMALL_MAX;
 use crate::pool::Pool;
 use crate::tls;
 pub(crate) use bindings::forget_key;
@@ -610,9 +610,9 @@ impl Inner {
     }
 
     /// A reserve no front cache could serve: from the pool's memory (for a large request, after
-    /// the calling thread gave back its large blocks on the stream that no reserve wanted since
-    /// its last such miss); else, after every cache gave back what it holds, from the driver.
-    /// The block is noted for caching unless `block` is 0.
+    /// the calling thread gave back its large blocks on the device and stream); else, after
+    /// every cache gave back what it holds, from the driver. The block is noted for caching
+    /// unless `block` is 0.
     ///
     /// The first give-back keeps the front from costing memory. A block waiting in a bin is
     /// live to the pool: the pool's best fit cannot choose it, nor merge it with its free
@@ -624,8 +624,7 @@ impl Inner {
     /// every cache), and large ones. Small requests have segments of their own, 2 MiB each, so
     /// small blocks waiting cost little memory; they miss often (a decoding step's sizes vary),
     /// and giving back at each of their misses emptied the bins the next requests would hit:
-    /// 17,575 of a decoding workload's 25,000 reserves missed, against 202 now. A bin hit since
-    /// the last such miss keeps its blocks for the next hit: its size is in use.
+    /// 17,575 of a decoding workload's 25,000 reserves missed, against 202 now.
     fn miss(
         self: &Arc<Self>,
         device: i32,
@@ -633,10 +632,10 @@ impl Inner {
         block: u64,
         stream: StreamHandle,
     ) -> Result<DevicePtr> {
-        // The class of `size` is that of its block: the bound between the classes is a
-        // multiple of the block rounding.
-        if size::class_of(size) == Class::Large {
-            tls::with(|t| self.with_cache(t, |cache| self.give_back_cold(cache, device, stream)));
+        // A large request (its block over SMALL_MAX: the bound is a multiple of the block
+        // rounding, so the size's side is the block's).
+        if size > SMALL_MAX {
+            tls::with(|t| self.with_cache(t, |cache| self.give_back_large(cache, device, stream)));
         }
         let ptr = match self.pool.reserve_cached(device, size, stream)? {
             Some(ptr) => ptr,

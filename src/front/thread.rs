@@ -26,7 +26,7 @@ use super::counters::{Counters, Delta};
 use super::entries::{Entry, NIL};
 use super::gate::{Gate, Owner};
 use crate::driver::StreamHandle;
-use crate::pool::size::{self, Class};
+use crate::pool::size::SMALL_MAX;
 
 /// Bins per thread cache: distinct (device, stream, size) keys it can hold at once.
 pub const BINS: usize = 64;
@@ -62,9 +62,6 @@ pub struct Bin {
     /// What its pops and pushes since keyed change in the requested bytes (owner only; folded
     /// likewise): the callers' requests of the blocks it handed out less those it took back.
     requested: AtomicI64,
-    /// `hits` when its owner last missed on its stream and class (owner only; see
-    /// [`Bin::is_cold_for`]).
-    seen: AtomicU64,
 }
 
 /// A cache's flag for the gate (`gate.rs`), which its owner sets and clears around every hit,
@@ -130,7 +127,6 @@ impl Default for Bin {
             list: AtomicU64::new(EMPTY),
             hits: AtomicU64::new(0),
             requested: AtomicI64::new(0),
-            seen: AtomicU64::new(0),
         }
     }
 }
@@ -141,24 +137,10 @@ impl Bin {
         self.key.load(Relaxed) == key_of(device, size) && self.stream.load(Relaxed) == stream
     }
 
-    /// At a miss of its owner on `stream` and `device` in the pool's size class `class`:
-    /// whether it holds blocks of that stream and class that no reserve took from it since the
-    /// owner's last such miss (owner only), blocks the pool would have had to place the missed
-    /// request among. A bin hit meanwhile keeps its blocks for its next hit, and is cold at the
-    /// next miss if it is not hit again.
-    pub fn is_cold_for(&self, device: i32, stream: StreamHandle, class: Class) -> bool {
-        let size = self.holds();
-        if size == 0
-            || !self.on(device)
-            || self.stream.load(Relaxed) != stream
-            || size::class_of(size) != class
-        {
-            return false;
-        }
-        let hits = self.hits.load(Relaxed);
-        let cold = hits == self.seen.load(Relaxed);
-        self.seen.store(hits, Relaxed);
-        cold
+    /// Whether it holds blocks over [`SMALL_MAX`] for `stream` on `device`: blocks a large
+    /// reserve on that stream may be placed among in the pool.
+    pub fn holds_large_for(&self, device: i32, stream: StreamHandle) -> bool {
+        self.holds() > SMALL_MAX && self.on(device) && self.stream.load(Relaxed) == stream
     }
 
     /// The device of its key.
@@ -225,7 +207,6 @@ impl Bin {
         };
         self.requested.store(0, Relaxed);
         self.hits.store(0, Relaxed);
-        self.seen.store(0, Relaxed);
         d
     }
 
