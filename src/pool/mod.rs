@@ -123,12 +123,14 @@ pub struct Pool {
     spans: Spans,
 }
 
-/// A pool dropped (the library unloaded, or a pool the command made for a replay) gives its
-/// events back to the driver, so that loading and unloading the library in a loop leaves none
-/// behind. Its memory it does not: the caller returns the cache first (`free_reusable`, as
-/// the unload finalizer does), and blocks still live stay the driver's.
+/// A pool dropped (the library unloaded, a pool a Rust program or the command made) gives its
+/// cache back to the driver as [`Pool::free_reusable`] does (after the devices' work), and its
+/// events, so that loading and unloading the library in a loop leaves nothing behind. Blocks
+/// still live stay the driver's, and so do the segments holding them: their users may still
+/// use them. Failures are ignored: there is no caller left to tell.
 impl Drop for Pool {
     fn drop(&mut self) {
+        let _ = self.free_reusable(None);
         for device in 0..self.device_count() {
             if let Ok((mut pool, cx)) = self.lock(device) {
                 pool.destroy_events(&cx);

@@ -111,5 +111,25 @@ fn a_dropped_pool_gives_its_events_back() {
         assert_eq!(sim.call_count(Call::EventDestroy), 0);
         drop(pool);
         assert_eq!(sim.call_count(Call::EventDestroy), 1);
+        if pending {
+            // Nothing was live: all its memory went back too.
+            assert_eq!(sim.used_bytes(0), 0);
+        }
+    }
+}
+
+#[test]
+fn a_dropped_pool_gives_its_cache_back_and_keeps_what_is_live() {
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[24 * GIB], config);
+        let live = pool.reserve(0, 8 * MIB, 0).unwrap();
+        let holding = sim.used_bytes(0);
+        let cached = pool.reserve(0, 256 * MIB, 0).unwrap();
+        pool.release(cached).unwrap();
+        assert!(sim.used_bytes(0) >= holding + 256 * MIB);
+        drop(pool);
+        // The live block's segment stays: its user may still use it.
+        assert_eq!(sim.used_bytes(0), holding, "{config:?}");
+        let _ = live;
     }
 }
