@@ -126,7 +126,7 @@ impl Inner {
     /// `Inner::miss`). Owner only; no gate and no barrier: only the owner pushes to its bins,
     /// and a drain racing with it takes each list with an exchange as this does.
     pub(super) fn give_back_large(&self, cache: &ThreadCache, device: i32, stream: StreamHandle) {
-        for bin in cache.bins.iter() {
+        for bin in cache.large_bins() {
             if bin.holds_large_for(device, stream) {
                 self.evict_list(bin.take(), Was::InBin);
             }

@@ -282,6 +282,9 @@ pub struct ThreadCache {
     pub busy: Busy,
     /// Keyings of its bins so far (owner only), for their tags.
     keyings: AtomicU64,
+    /// The bins keyed for blocks over [`SMALL_MAX`], a bit per slot (owner only): where a large
+    /// miss looks for blocks to give back, so that a miss looks at no bin where there are none.
+    large: AtomicU64,
     /// A fixed number, in the cache itself, so that a bin's slot indexes them with no bounds
     /// check and no load of where they are.
     pub bins: [Bin; BINS],
@@ -316,6 +319,7 @@ impl ThreadCache {
             alive: AtomicBool::new(true),
             busy: Busy::default(),
             keyings: AtomicU64::new(0),
+            large: AtomicU64::new(0),
             bins: std::array::from_fn(|_| Bin::default()),
             remote: Line(AtomicU32::new(NIL)),
             counters: (0..devices).map(|_| Counters::default()).collect(),
@@ -381,11 +385,24 @@ impl ThreadCache {
         bin.cap.store(cap_of(size), Relaxed);
         let keyings = self.keyings.load(Relaxed) + 1;
         self.keyings.store(keyings, Relaxed);
+        let large = self.large.load(Relaxed) & !(1 << slot);
+        self.large
+            .store(large | u64::from(size > SMALL_MAX) << slot, Relaxed);
         bin.tag.store(
             keyings << 16 | (self.index as u64) << 6 | slot as u64,
             Relaxed,
         );
         Some(bin)
+    }
+
+    /// The bins keyed for blocks over [`SMALL_MAX`] (owner only).
+    pub fn large_bins(&self) -> impl Iterator<Item = &Bin> {
+        let mut bits = self.large.load(Relaxed);
+        std::iter::from_fn(move || {
+            let slot = bits.trailing_zeros() as usize;
+            bits &= bits.wrapping_sub(1);
+            self.bins.get(slot)
+        })
     }
 
     /// The bin whose tag is `tag`, if it still is (owner only). A tag is the bin's keying
@@ -511,6 +528,37 @@ mod tests {
         assert!(bin.pop(&o, |_| unreachable!()).is_none());
         assert_eq!(bin.holds(), 0);
         assert!(!cache.find_or_key(0, 7, 1024).unwrap().is(0, 7, 512));
+    }
+
+    #[test]
+    fn the_bins_keyed_for_large_blocks_are_known_without_a_look_at_the_others() {
+        let cache = ThreadCache::new(0, 1);
+        assert_eq!(cache.large_bins().count(), 0);
+        let small = cache.find_or_key(0, 7, SMALL_MAX).unwrap() as *const Bin;
+        let large = cache.find_or_key(0, 7, SMALL_MAX + 512).unwrap() as *const Bin;
+        let larger = cache.find_or_key(0, 8, 64 << 20).unwrap() as *const Bin;
+        let mut keyed: Vec<*const Bin> = cache.large_bins().map(|b| b as *const Bin).collect();
+        let mut expected = vec![large, larger];
+        keyed.sort();
+        expected.sort();
+        assert_eq!(keyed, expected);
+        assert!(!keyed.contains(&small));
+        // Empty, the large bins are keyed again for small blocks when their keys' homes need
+        // them, and then are no longer among the large ones.
+        for size in (1..=SMALL_MAX / 512).map(|k| k * 512) {
+            for stream in 0..4 {
+                let _ = cache.find_or_key(0, stream, size);
+            }
+        }
+        let left: Vec<*const Bin> = cache.large_bins().map(|b| b as *const Bin).collect();
+        for bin in cache.large_bins() {
+            assert!(bin.size() > SMALL_MAX);
+        }
+        assert!(left.len() <= 2);
+        assert_eq!(
+            cache.bins.iter().filter(|b| b.size() > SMALL_MAX).count(),
+            left.len()
+        );
     }
 
     #[test]
