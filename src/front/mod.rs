@@ -15,12 +15,12 @@
 //! Blocks come back to the pool (*drains*, each list taken whole with an atomic exchange while
 //! the lists' owners are out of the gate, no lock per thread) on `free_reusable`, `warmup`,
 //! `set_memory_limit`, `reset_peak_stats` and `trim` (another process sharing the device asks),
-//! the calling thread's large blocks on a device and stream before a large reserve there that
-//! its cache cannot serve (so that the pool places it as it would with no front; see
-//! `Inner::miss`), every cache's before a reserve that the pool could serve only from the
-//! driver (so the pool grows only
-//! after the caches gave back what they held, and another stream's need is met from it), after
-//! an out-of-memory with blocks cached, and when a thread exits (its cache is handed back).
+//! before a reserve that the pool could serve only from the driver (so the pool grows only after
+//! the caches gave back what they held, and another stream's need is met from it), after an
+//! out-of-memory with blocks cached, when a thread exits (its cache is handed back), and when
+//! the front is dropped. A thread also gives back its own large blocks on a device and stream
+//! before a large reserve there that its cache cannot serve, so that the pool places it as it
+//! would with no front (see `Inner::miss`).
 //!
 //! Pointer checks stay as strict as the pool's: every block the front knows is in an
 //! `map::AddressMap` read without a lock; a release of a block waiting in a cache is refused
@@ -394,6 +394,14 @@ fn already_released(ptr: DevicePtr) -> Box<Error> {
         "{ptr:#x} was already released (double release); the pool is unchanged (pass each \
          pointer from rm_reserve to rm_release once)"
     )))
+}
+
+/// A front dropped (with the last [`Front`]; the threads' bindings do not keep it) gives the
+/// blocks its caches hold back to the pool, whose own drop then returns its cache to the driver.
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.drain();
+    }
 }
 
 impl Inner {

@@ -423,6 +423,22 @@ fn many_threads_with_drains(gate: Gate) {
 }
 
 #[test]
+fn a_dropped_front_gives_every_cached_block_back_to_the_driver() {
+    let (front, sim) = front();
+    let a = front.reserve(0, 512, 0).unwrap();
+    let b = front.reserve(0, 64 * MIB, 0).unwrap();
+    front.release(a).unwrap();
+    front.release(b).unwrap();
+    let kept = front.reserve(0, 1000, 0).unwrap();
+    assert_eq!(front.inner.sum(0).cached_blocks, 2);
+    assert!(sim.used_bytes(0) > 64 * MIB);
+    drop(front);
+    // One block stayed live (its small segment stays); all else went back.
+    assert_eq!(sim.used_bytes(0), 2 * MIB);
+    let _ = kept;
+}
+
+#[test]
 fn a_dropped_front_leaves_the_threads_that_used_it_working() {
     let (first, _) = front();
     let a = first.reserve(0, 512, 0).unwrap();
