@@ -155,3 +155,35 @@ fn the_pair_benchmark_runs_its_stack_shift_sweep() {
         }
     }
 }
+
+#[test]
+fn the_trace_benchmark_replays_a_trace_and_counts_its_reserves() {
+    let exe = compile("trace");
+    let ops = artifacts().work.join("bench-trace-ops.txt");
+    // Two streams; a release of a block another reserve then takes; a block left live at the
+    // end of each repetition, which the program releases.
+    std::fs::write(
+        &ops,
+        "a 0 4194304 0\na 1 1000 1\nf 0\na 2 4194304 0\nf 1\nf 2\na 3 8388608 0\n",
+    )
+    .unwrap();
+    let out = run(
+        &exe,
+        &[ops.to_str().unwrap(), "3"],
+        Driver::SimLibrary,
+        &[("CUDA_SIM_DEVICES", "24GiB")],
+    );
+    let f: Vec<&str> = out.trim_end().split(' ').collect();
+    assert_eq!(f.len(), 8, "{out}");
+    assert_eq!(f[..3], ["trace", "7", "3"], "{out}");
+    assert!(f[3].parse::<f64>().unwrap() > 0.0, "{out}");
+    // Four reserves in each of three repetitions; only the first repetition's two segments
+    // are not hits: the 20 MiB one created for 4 MiB, and stream 1's small one, mapped from a
+    // page of its free rest, so that the peak is that one 20 MiB.
+    assert_eq!(f[5..], ["12", "10", "20971520"], "{out}");
+    // A bad line is refused with a message.
+    std::fs::write(&ops, "x 0\n").unwrap();
+    let bad = common::spawn(&exe, &[ops.to_str().unwrap(), "2"], Driver::SimLibrary, &[]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("bad operation"));
+}

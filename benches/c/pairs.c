@@ -41,23 +41,12 @@
 #include <sched.h>
 #include <time.h>
 
+#include "bench.h"
 #include "resmem.h"
 
 typedef int (*cu_fn)();
 static cu_fn cu_init, cu_retain, cu_push, cu_stream_create;
 
-static double now_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
-}
-
-static void check(rm_status s, const char *what) {
-  if (s != RM_SUCCESS) {
-    fprintf(stderr, "%s failed: %s\n", what, rm_last_error());
-    exit(1);
-  }
-}
 
 static void *reserve_on(int device, size_t size, void *stream) {
   void *p = NULL;
@@ -100,12 +89,6 @@ struct worker {
   unsigned long long pairs;
   double ns, cpu_ns;
 };
-
-static double thread_cpu_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
-}
 
 static struct worker workers[64];
 

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench.h"
 #include "resmem.h"
 
 typedef int (*cu_fn)();
@@ -34,19 +35,6 @@ typedef struct {
   uint32_t stream;
   uint64_t size;
 } op;
-
-static double cpu_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return (double)t.tv_sec * 1e9 + (double)t.tv_nsec;
-}
-
-static void check(rm_status s, const char *what) {
-  if (s != RM_SUCCESS) {
-    fprintf(stderr, "%s failed: %s\n", what, rm_last_error());
-    exit(1);
-  }
-}
 
 static int by_value(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -109,7 +97,7 @@ int main(int argc, char **argv) {
   void **live = calloc(ids, sizeof *live);
   double *times = malloc(reps * sizeof *times);
   for (int r = 0; r < reps; r++) {
-    double t0 = cpu_ns();
+    double t0 = thread_cpu_ns();
     for (size_t i = 0; i < n; i++) {
       const op *o = &ops[i];
       if (o->kind == 'a') {
@@ -119,7 +107,7 @@ int main(int argc, char **argv) {
         live[o->id] = NULL;
       }
     }
-    times[r] = (cpu_ns() - t0) / (double)n;
+    times[r] = (thread_cpu_ns() - t0) / (double)n;
     for (uint32_t i = 0; i < ids; i++) {
       if (live[i]) {
         check(rm_release(live[i]), "rm_release");
