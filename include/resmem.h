@@ -108,7 +108,8 @@ typedef struct rm_stats {
    */
   uint64_t reserve_calls;
   /**
-   * Of those, the ones served without a driver allocation.
+   * Of those, the ones served from a free block the pool held, with no new segment (a
+   * segment mapped from cached pages, which allocates no memory, is not counted).
    */
   uint64_t cache_hits;
   /**

@@ -5,7 +5,7 @@
 # scripts/policy-sweep.py's families, each replayed REPS times over (default 20) on one thread,
 # RUNS times (default 3). Prints a Markdown table: CPU time per operation, the minimum and the
 # median over the runs of each run's minimum over its repetitions (the first left out), and the
-# reserves served with no new memory. With BEFORE_LIB=DIR (a directory holding another build's
+# reserves served from a free block (rm_get_stats' cache hits: no new segment). With BEFORE_LIB=DIR (a directory holding another build's
 # libresmem.so, e.g. of an earlier commit), each run times that library too, right after this
 # one, and the table gives both and their ratio.
 #
@@ -87,7 +87,7 @@ rule = "| --- | ---: | ---: |"
 if before:
     head += " before, min / median | now / before (minima) |"
     rule += " ---: | ---: |"
-print(head + " reserves served with no new memory |")
+print(head + " reserves served from a free block |")
 print(rule + " ---: |")
 for name in names:
     ops, reserves, hit = hits[name, "now"]

@@ -39,7 +39,8 @@ pub struct rm_stats {
     pub segments: u64,
     /// `rm_reserve` calls with a non-zero size.
     pub reserve_calls: u64,
-    /// Of those, the ones served without a driver allocation.
+    /// Of those, the ones served from a free block the pool held, with no new segment (a
+    /// segment mapped from cached pages, which allocates no memory, is not counted).
     pub cache_hits: u64,
     /// Successful driver allocations.
     pub driver_allocs: u64,

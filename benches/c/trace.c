@@ -14,7 +14,7 @@
  *   trace <ops> <reps> <CPU ns per op, min over reps> <median> <reserves> <cache hits>
  *         <peak reserved bytes>
  * reserves and cache hits are rm_get_stats' over every repetition (a hit is a reserve served
- * with no new memory: from the front cache or from the pool's).
+ * from a free block, by the front cache or the pool, with no new segment).
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

@@ -24,7 +24,8 @@ pub struct Stats {
     pub segments: u64,
     /// Calls of `reserve` with a non-zero size.
     pub reserve_calls: u64,
-    /// Those served without a driver allocation.
+    /// Those served from a free block the pool held, with no new segment (a segment mapped
+    /// from cached pages, which allocates no memory, is not counted).
     pub cache_hits: u64,
     /// Successful driver allocations.
     pub driver_allocs: u64,
