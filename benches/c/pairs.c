@@ -44,9 +44,6 @@
 #include "bench.h"
 #include "resmem.h"
 
-typedef int (*cu_fn)();
-static cu_fn cu_init, cu_retain, cu_push, cu_stream_create;
-
 
 static void *reserve_on(int device, size_t size, void *stream) {
   void *p = NULL;
@@ -55,21 +52,6 @@ static void *reserve_on(int device, size_t size, void *stream) {
 }
 
 static void *reserve(size_t size, void *stream) { return reserve_on(0, size, stream); }
-
-/* A new simulated stream on `device` for the calling thread (its context made current first);
- * with `reuse`, the stream `*reuse` if made already. */
-static void *stream_on(int device, void **reuse) {
-  void *ctx = NULL, *stream = reuse ? *reuse : NULL;
-  if (cu_retain(&ctx, device) != 0 || cu_push(ctx) != 0 ||
-      (!stream && cu_stream_create(&stream, 0) != 0)) {
-    fprintf(stderr, "creating a simulated stream on device %d failed\n", device);
-    exit(1);
-  }
-  if (reuse) *reuse = stream;
-  return stream;
-}
-
-static void *new_stream(int device) { return stream_on(device, NULL); }
 
 /* ----- pairs from N threads ----- */
 
@@ -594,23 +576,10 @@ static void shift_sweep(const size_t sizes[4], size_t cached, size_t step, long 
 }
 
 int main(int argc, char **argv) {
-  const char *lib = getenv("RESMEM_CUDA_LIBRARY");
   const char *shift = getenv("PAIRS_STACK_SHIFT");
   stack_shift = shift ? (size_t)atol(shift) : 0;
   shift_stack = shift != NULL;
-  void *cuda = lib ? dlopen(lib, RTLD_NOW | RTLD_GLOBAL) : NULL;
-  if (!cuda) {
-    fprintf(stderr, "set RESMEM_CUDA_LIBRARY to libcuda_sim.so (%s)\n", dlerror());
-    return 1;
-  }
-  cu_init = (cu_fn)dlsym(cuda, "cuInit");
-  cu_retain = (cu_fn)dlsym(cuda, "cuDevicePrimaryCtxRetain");
-  cu_push = (cu_fn)dlsym(cuda, "cuCtxPushCurrent_v2");
-  cu_stream_create = (cu_fn)dlsym(cuda, "cuStreamCreate");
-  if (!cu_init || !cu_retain || !cu_push || !cu_stream_create || cu_init(0) != 0) {
-    fprintf(stderr, "%s lacks the stream functions\n", lib);
-    return 1;
-  }
+  load_driver();
   const size_t sizes[] = {512, 64 << 10, 4 << 20, 64 << 20};
   const size_t cached[] = {0, 1000, 100000};
   const int threads[] = {1, 2, 4, 8};

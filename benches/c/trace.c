@@ -17,7 +17,6 @@
  * from a free block, by the front cache or the pool, with no new segment).
  */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,8 +25,6 @@
 
 #include "bench.h"
 #include "resmem.h"
-
-typedef int (*cu_fn)();
 
 typedef struct {
   char kind;      /* 'a' or 'f' */
@@ -78,20 +75,8 @@ int main(int argc, char **argv) {
   /* The trace's streams: 0 is the default stream, each other a simulated stream of device 0. */
   void **handles = calloc(streams ? streams : 1, sizeof *handles);
   if (streams > 1) {
-    void *lib = dlopen(getenv("RESMEM_CUDA_LIBRARY"), RTLD_NOW);
-    cu_fn init = lib ? (cu_fn)dlsym(lib, "cuInit") : NULL;
-    cu_fn retain = lib ? (cu_fn)dlsym(lib, "cuDevicePrimaryCtxRetain") : NULL;
-    cu_fn push = lib ? (cu_fn)dlsym(lib, "cuCtxPushCurrent_v2") : NULL;
-    cu_fn create = lib ? (cu_fn)dlsym(lib, "cuStreamCreate") : NULL;
-    void *ctx = NULL;
-    if (!init || !retain || !push || !create || init(0) != 0 || retain(&ctx, 0) != 0 ||
-        push(ctx) != 0) {
-      fprintf(stderr, "the simulated driver (RESMEM_CUDA_LIBRARY) gives no streams\n");
-      return 1;
-    }
-    for (uint32_t s = 1; s < streams; s++) {
-      if (create(&handles[s], 0) != 0) return 1;
-    }
+    load_driver();
+    for (uint32_t s = 1; s < streams; s++) handles[s] = new_stream(0);
   }
 
   void **live = calloc(ids, sizeof *live);
