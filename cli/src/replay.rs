@@ -28,7 +28,8 @@ pub enum Policy {
     ResmemVmm,
     /// resmem's default pool behind the per-thread front caches ([`Front`]), as the C library
     /// and PyTorch programs use it: a released block waits in the caller's cache for the next
-    /// request of its size and stream, unmerged, until a growth drains the caches.
+    /// request of its size and stream, unmerged, until a growth drains the caches (or, a block
+    /// over 1 MiB, until a request over 1 MiB on its thread and stream misses the cache).
     ResmemFront,
     /// PyTorch's caching allocator.
     Torch,

@@ -203,9 +203,9 @@ fn interleaved_lifetimes_figures() {
             0
         )
     );
-    // Behind the front caches (what the C library's callers get): a reserve the thread's cache
-    // cannot serve first gives back its blocks of that stream and class, so the pool places
-    // it among them; the same peak as the pool alone. Blocks waiting for their size in the
+    // Behind the front caches (what the C library's callers get): a reserve over 1 MiB the
+    // thread's cache cannot serve first gives back its blocks over 1 MiB on that stream, so
+    // the pool places it among them; the same peak as the pool alone. Blocks waiting for their size in the
     // cache meanwhile make other placements, so the peak's bytes lie elsewhere.
     assert_eq!(
         peak(Policy::ResmemFront),
