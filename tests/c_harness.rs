@@ -203,7 +203,12 @@ fn hostile_input_with_stitched_segments_too() {
             "{out}"
         );
         // The first chunk creation fails with a launch failure, the next two run out of memory.
-        let faults = "cuMemCreate@1=719,cuMemCreate@2=2,cuMemCreate@3=2";
+        // Through the loaded library the first cuMemCreate is the driver's check that it maps
+        // at offsets into an allocation (`driver/cuda.rs`), before the pool's first growth.
+        let faults = match driver {
+            Driver::InProcess => "cuMemCreate@1=719,cuMemCreate@2=2,cuMemCreate@3=2",
+            _ => "cuMemCreate@2=719,cuMemCreate@3=2,cuMemCreate@4=2",
+        };
         let env = [("CUDA_SIM_FAULTS", faults), ("RESMEM_CONF", "vmm:true")];
         let out = run(&exe, &["faults", "cuMemCreate"], driver, &env);
         assert!(out.contains(", 0 failure(s)"), "{out}");

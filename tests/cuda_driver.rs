@@ -268,3 +268,98 @@ fn stitching_through_the_loaded_driver() {
     assert_eq!(pool.free_reusable(None).unwrap(), 1024 * MIB);
     pool.check().unwrap();
 }
+
+/// Where the loaded library is the simulator: its hook making `cuMemMap` refuse offsets into
+/// allocations, and its count of a device's live `cuMemAlloc` allocations and used bytes.
+struct OffsetHooks {
+    refuse: unsafe extern "C" fn(c_int) -> c_int,
+    live: unsafe extern "C" fn(c_int) -> u64,
+    used: unsafe extern "C" fn(c_int) -> u64,
+}
+
+impl OffsetHooks {
+    fn find(library: &str) -> Option<OffsetHooks> {
+        let name = CString::new(library).unwrap();
+        // SAFETY: a NUL-terminated path; the library CudaDriver opens, so the same handle.
+        let handle = unsafe { dlopen(name.as_ptr(), RTLD_NOW) };
+        let sym = |s: &str| {
+            let s = CString::new(s).unwrap();
+            // SAFETY: a live handle and a NUL-terminated name.
+            Some(unsafe { dlsym(handle, s.as_ptr()) }).filter(|p| !p.is_null())
+        };
+        let (refuse, live, used) = (
+            sym("cudasim_refuse_map_offsets")?,
+            sym("cudasim_live_allocations")?,
+            sym("cudasim_used_bytes")?,
+        );
+        // SAFETY: non-null symbols of the simulator with these signatures.
+        unsafe {
+            Some(OffsetHooks {
+                refuse: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> c_int>(
+                    refuse,
+                ),
+                live: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> u64>(live),
+                used: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> u64>(used),
+            })
+        }
+    }
+    fn refuse(&self, refuse: bool) {
+        // SAFETY: a value argument.
+        assert_eq!(unsafe { (self.refuse)(c_int::from(refuse)) }, 0);
+    }
+    fn live(&self) -> u64 {
+        // SAFETY: a value argument.
+        unsafe { (self.live)(0) }
+    }
+    fn used(&self) -> u64 {
+        // SAFETY: a value argument.
+        unsafe { (self.used)(0) }
+    }
+}
+
+/// Maps at offsets again when the test ends, however it ends.
+struct OffsetsBack<'a>(&'a OffsetHooks);
+
+impl Drop for OffsetsBack<'_> {
+    fn drop(&mut self) {
+        self.0.refuse(false);
+    }
+}
+
+#[test]
+fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
+    let _serial = one_at_a_time();
+    let library = library();
+    let Some(hooks) = OffsetHooks::find(&library) else {
+        println!("{library} is not the simulator: its mappings are what they are");
+        return;
+    };
+    let used = hooks.used();
+    hooks.refuse(true);
+    let _back = OffsetsBack(&hooks);
+    // The probe finds out, and gives back all it took.
+    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    assert_eq!(driver.vmm_granularity(0), None);
+    assert_eq!(hooks.used(), used);
+    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    let live = hooks.live();
+    let p = pool.reserve(0, 3 * MIB, 0).unwrap();
+    // A classic segment of PyTorch's size for it, from cuMemAlloc.
+    assert_eq!(hooks.live(), live + 1);
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.segments), (20 * MIB, 1));
+    pool.release(p).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), 20 * MIB);
+    assert_eq!((hooks.live(), hooks.used()), (live, used));
+    // A driver that maps at offsets is found to: the pool stitches.
+    hooks.refuse(false);
+    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    assert_eq!(driver.vmm_granularity(0), Some(2 * MIB));
+    assert_eq!(hooks.used(), used);
+    let pool = Pool::new(driver, PoolConfig::default());
+    let p = pool.reserve(0, 3 * MIB, 0).unwrap();
+    assert_eq!(hooks.live(), live, "a handle, not a cuMemAlloc allocation");
+    pool.release(p).unwrap();
+    pool.free_reusable(None).unwrap();
+    assert_eq!(hooks.used(), used);
+}

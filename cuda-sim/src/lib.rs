@@ -207,6 +207,8 @@ const FAULTS_VAR: &str = "CUDA_SIM_FAULTS";
 const SHARED_VAR: &str = "CUDA_SIM_SHARED";
 /// The delays of driver calls (see `delays.rs`).
 const DELAYS_VAR: &str = "CUDA_SIM_DELAYS";
+/// `0`: no virtual-memory API; `offset0`: `cuMemMap` only from an allocation's start.
+const VMM_VAR: &str = "CUDA_SIM_VMM";
 /// The configuration used when `CUDA_SIM_DEVICES` is unset.
 const DEFAULT_DEVICES: &str = "24GiB";
 
@@ -656,8 +658,16 @@ impl Sim {
         let sim = parse_devices(&spec)
             .map(|caps| Sim::new(&caps))
             .map_err(|e| format!("{ENV_VAR}={spec:?}: {e}"))?;
-        if var("CUDA_SIM_VMM").is_some_and(|v| v.to_str().is_some_and(|v| v.trim() == "0")) {
-            sim.disable_vmm();
+        match text(VMM_VAR)?.as_deref().map(str::trim) {
+            None | Some("1") => {}
+            Some("0") => sim.disable_vmm(),
+            Some("offset0") => sim.refuse_map_offsets(true),
+            Some(other) => {
+                return Err(format!(
+                    "{VMM_VAR}={other:?}: use 0 (no virtual-memory API), offset0 (cuMemMap \
+                     only from an allocation's start) or 1 (the API in full, the default)"
+                ))
+            }
         }
         if let Some(name) = text(SHARED_VAR)? {
             sim.share_capacity(&name)

@@ -540,6 +540,30 @@ fn global_instance_follows_the_environment() {
 }
 
 #[test]
+fn the_virtual_memory_variable_takes_three_values_and_refuses_others() {
+    let with = |value: &'static str| {
+        Sim::from_vars(&move |name| (name == "CUDA_SIM_VMM").then(|| value.into()))
+            .inspect(|s| s.init().unwrap())
+    };
+    let full = with("1").unwrap();
+    assert_eq!(full.device_attribute(0, ATTRIBUTE_VMM_SUPPORTED), Ok(1));
+    assert!(full.maps_at_offsets());
+    let none = with(" 0 ").unwrap();
+    assert_eq!(none.device_attribute(0, ATTRIBUTE_VMM_SUPPORTED), Ok(0));
+    let start_only = with("offset0").unwrap();
+    assert_eq!(
+        start_only.device_attribute(0, ATTRIBUTE_VMM_SUPPORTED),
+        Ok(1)
+    );
+    assert!(!start_only.maps_at_offsets());
+    assert_eq!(
+        with("yes").err().unwrap(),
+        "CUDA_SIM_VMM=\"yes\": use 0 (no virtual-memory API), offset0 (cuMemMap only from an \
+         allocation's start) or 1 (the API in full, the default)"
+    );
+}
+
+#[test]
 fn malformed_configuration_fails_init() {
     let s = Sim {
         config_error: Some("bad".into()),

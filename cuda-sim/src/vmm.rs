@@ -51,6 +51,9 @@ struct Range {
 #[derive(Debug)]
 pub(crate) struct VmmState {
     pub(crate) supported: bool,
+    /// Whether `cuMemMap` maps memory from an offset into an allocation; if not, only from its
+    /// start (the driver API's note on the parameter: "currently must be zero").
+    offsets: bool,
     next_handle: u64,
     handles: HashMap<u64, Physical>,
     ranges: BTreeMap<u64, Range>,
@@ -62,6 +65,7 @@ impl VmmState {
     pub(crate) fn new() -> VmmState {
         VmmState {
             supported: true,
+            offsets: true,
             next_handle: FIRST_HANDLE,
             handles: HashMap::new(),
             ranges: BTreeMap::new(),
@@ -147,6 +151,20 @@ impl Sim {
     /// `CUDA_SIM_VMM=0` does this for [`Sim::from_env`].
     pub fn disable_vmm(&self) {
         self.lock().vmm.supported = false;
+    }
+
+    /// Make `cuMemMap` refuse an offset other than 0 into an allocation with
+    /// `CUDA_ERROR_INVALID_VALUE`: a driver that holds to the API's note on the parameter
+    /// ("currently must be zero"), which its description of the call contradicts.
+    /// `CUDA_SIM_VMM=offset0` does this for [`Sim::from_env`].
+    pub fn refuse_map_offsets(&self, refuse: bool) {
+        self.lock().vmm.offsets = !refuse;
+    }
+
+    /// Whether `cuMemMap` maps memory from an offset into an allocation (see
+    /// [`Sim::refuse_map_offsets`]).
+    pub fn maps_at_offsets(&self) -> bool {
+        self.lock().vmm.offsets
     }
 
     /// `cuMemGetAllocationGranularity` for a pinned device allocation on `dev`.
@@ -244,8 +262,9 @@ impl Sim {
 
     /// `cuMemMap`: `size` bytes of `handle` from `offset` on, at `ptr`, a granularity-aligned
     /// address inside a reserved range where nothing is mapped yet. Offset and size are
-    /// granularity multiples inside the allocation; one allocation may be mapped in any number
-    /// of places at once, each mapping counted until it is unmapped.
+    /// granularity multiples inside the allocation (the offset 0 only, after
+    /// [`Sim::refuse_map_offsets`]); one allocation may be mapped in any number of places at
+    /// once, each mapping counted until it is unmapped.
     pub fn mem_map(&self, ptr: u64, size: u64, offset: u64, handle: u64) -> CuResult<()> {
         let mut st = self.call(Call::MemMap);
         st.vmm_check(Call::MemMap, None)?;
@@ -256,6 +275,7 @@ impl Sim {
                     && size > 0
                     && size % GRANULARITY == 0
                     && offset % GRANULARITY == 0
+                    && (offset == 0 || st.vmm.offsets)
                     && offset.checked_add(size).is_some_and(|end| end <= p.size) => {}
             Some(_) => return Err(invalid),
             None => return Err(CuError(CUDA_ERROR_INVALID_HANDLE)),
@@ -589,6 +609,30 @@ mod tests {
         assert_eq!(sim.mem_address_reserve(4 * MIB, 0).unwrap(), b + 4 * MIB);
         let aligned = sim.mem_address_reserve(2 * MIB, 64 * MIB).unwrap();
         assert_eq!(aligned % (64 * MIB), 0);
+    }
+
+    #[test]
+    fn refusing_offsets_maps_only_from_an_allocations_start() {
+        let sim = sim(64 * MIB);
+        assert!(sim.maps_at_offsets());
+        sim.refuse_map_offsets(true);
+        assert!(!sim.maps_at_offsets());
+        let handle = sim.mem_create(0, 4 * MIB).unwrap();
+        let va = sim.mem_address_reserve(4 * MIB, 0).unwrap();
+        let invalid = Err(err(CUDA_ERROR_INVALID_VALUE));
+        assert_eq!(sim.mem_map(va, 2 * MIB, 2 * MIB, handle), invalid);
+        // From the start, a part or the whole, in several places at once.
+        sim.mem_map(va, 2 * MIB, 0, handle).unwrap();
+        sim.mem_map(va + 2 * MIB, 2 * MIB, 0, handle).unwrap();
+        sim.mem_unmap(va, 4 * MIB).unwrap();
+        sim.mem_map(va, 4 * MIB, 0, handle).unwrap();
+        sim.mem_unmap(va, 4 * MIB).unwrap();
+        sim.refuse_map_offsets(false);
+        sim.mem_map(va, 2 * MIB, 2 * MIB, handle).unwrap();
+        sim.mem_unmap(va, 2 * MIB).unwrap();
+        sim.mem_release(handle).unwrap();
+        sim.mem_address_free(va, 4 * MIB).unwrap();
+        assert_eq!(sim.used_bytes(0), 0);
     }
 
     #[test]

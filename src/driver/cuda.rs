@@ -189,6 +189,9 @@ pub struct CudaDriver {
     devices: Vec<CUdevice>,
     /// Each device's primary context, retained on first use.
     contexts: Vec<OnceLock<usize>>,
+    /// Per device, whether `cuMemMap` maps memory at an offset into an allocation and one
+    /// allocation in two places at once, once a probe could tell (`maps_at_offsets`).
+    offsets: Vec<OnceLock<bool>>,
 }
 
 // SAFETY: the table holds plain function pointers into the driver, which is thread-safe; the
@@ -239,6 +242,7 @@ impl CudaDriver {
             version: 0,
             devices: Vec::new(),
             contexts: Vec::new(),
+            offsets: Vec::new(),
         };
         let init_failed = |e: DriverError| no_driver(format!("{e}; {advice}"));
         // SAFETY: cuInit takes flags 0; the table entries have the declared signatures.
@@ -272,6 +276,7 @@ impl CudaDriver {
         }
         driver.version = version;
         driver.contexts = devices.iter().map(|_| OnceLock::new()).collect();
+        driver.offsets = devices.iter().map(|_| OnceLock::new()).collect();
         driver.devices = devices;
         Ok(driver)
     }
@@ -395,6 +400,51 @@ impl CudaDriver {
         // pushes again anyway; there is nothing better to do with it.
         let _ = unsafe { (self.table.ctx_pop)(&mut popped) };
         self.check(name, result)
+    }
+
+    /// Whether the driver maps memory at an offset into a physical allocation, and one
+    /// allocation in two places at once, as page-granular reuse needs (a cached page is mapped
+    /// into a new range while the rest of its allocation stays where it is). The API's
+    /// description of `cuMemMap` allows any granularity-aligned offset, but its note on the
+    /// parameter still says "currently must be zero"; so it is tried once per device, on two
+    /// pages of `granularity` bytes: the allocation's second page mapped first, then its first
+    /// page after it, both unmapped and everything given back. `Some(false)` where the driver
+    /// refuses either mapping as invalid or unsupported; `None` where the probe could not run
+    /// (no memory for its two pages, say) or failed otherwise.
+    fn maps_at_offsets(&self, device: i32, granularity: u64) -> Option<bool> {
+        const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+        const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+        let handle = self.vmm_create(device, 2 * granularity).ok()?;
+        let answer = self
+            .vmm_reserve(device, 2 * granularity)
+            .ok()
+            .and_then(|va| {
+                let second = self.vmm_map(device, va, granularity, handle, granularity);
+                let first = second
+                    .as_ref()
+                    .ok()
+                    .map(|()| self.vmm_map(device, va + granularity, granularity, handle, 0));
+                // A failure to undo cannot be mended here and has no caller to tell: at worst
+                // the probe's two pages stay with the driver.
+                if second.is_ok() {
+                    let _ = self.vmm_unmap(device, va, granularity);
+                }
+                if let Some(Ok(())) = first {
+                    let _ = self.vmm_unmap(device, va + granularity, granularity);
+                }
+                let _ = self.vmm_free(device, va, 2 * granularity);
+                match (second, first) {
+                    (Ok(()), Some(Ok(()))) => Some(true),
+                    (Err(e), _) | (_, Some(Err(e))) => {
+                        [CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED]
+                            .contains(&e.code)
+                            .then_some(false)
+                    }
+                    (Ok(()), None) => unreachable!("the first page is mapped once the second is"),
+                }
+            });
+        let _ = self.vmm_release(device, handle);
+        answer
     }
 }
 
@@ -567,7 +617,17 @@ impl Driver for CudaDriver {
             (v.granularity)(&mut granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
         })
         .ok()?;
-        (granularity > 0).then_some(granularity as u64)
+        let granularity = u64::try_from(granularity).ok().filter(|&g| g > 0)?;
+        // Asked once per device; where the probe cannot tell, the call's description holds.
+        let known = &self.offsets[usize::try_from(device).ok()?];
+        let offsets = match known.get() {
+            Some(&offsets) => offsets,
+            None => match self.maps_at_offsets(device, granularity) {
+                Some(offsets) => *known.get_or_init(|| offsets),
+                None => true,
+            },
+        };
+        offsets.then_some(granularity)
     }
 
     fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr> {

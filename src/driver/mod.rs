@@ -109,7 +109,9 @@ pub trait Driver: Send + Sync {
     // The virtual-memory API (`cuMemCreate`, `cuMemMap`, ...), where driver and device have it.
 
     /// The allocation granularity of the virtual-memory API on `device`, or `None` where the
-    /// driver lacks the API or the device does not support it.
+    /// driver lacks the API, the device does not support it, or the driver maps no memory at
+    /// an offset into an allocation (or not one allocation in two places at once), which the
+    /// pool's page-granular reuse needs.
     fn vmm_granularity(&self, device: i32) -> Option<u64>;
     /// Reserve `size` bytes of address space (`cuMemAddressReserve`).
     fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr>;

@@ -128,7 +128,10 @@ impl Driver for SimDriver {
         let supported = self
             .sim
             .device_attribute(device, cuda_sim::ATTRIBUTE_VMM_SUPPORTED);
-        if supported != Ok(1) {
+        // A simulator made to refuse offsets into allocations (`CUDA_SIM_VMM=offset0`) says so
+        // without the probe the CUDA driver needs (`cuda.rs`), which would add calls to every
+        // replay.
+        if supported != Ok(1) || !self.sim.maps_at_offsets() {
             return None;
         }
         self.sim.mem_granularity(device).ok()

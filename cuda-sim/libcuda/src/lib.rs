@@ -1051,6 +1051,20 @@ pub unsafe extern "C" fn cudasim_inject_faults(spec: *const c_char) -> CUresult 
     })
 }
 
+/// Test-only (not CUDA): with `refuse` non-zero, `cuMemMap` refuses an offset other than 0
+/// into an allocation with `CUDA_ERROR_INVALID_VALUE` (as `CUDA_SIM_VMM=offset0`); with 0, maps
+/// at any granularity-aligned offset again.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_refuse_map_offsets(refuse: c_int) -> CUresult {
+    guard(|| {
+        sim().refuse_map_offsets(refuse != 0);
+        Ok(())
+    })
+}
+
 /// Test-only (not CUDA): disarms every injected fault.
 ///
 /// # Safety

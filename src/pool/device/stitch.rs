@@ -182,12 +182,14 @@ impl DevicePool {
     /// Whether this pool stitches; asks the driver once.
     pub(super) fn stitching(&mut self, cx: &Context<'_>) -> bool {
         if self.vmm == VmmMode::Undecided {
-            self.vmm = match (self.config.vmm, cx.driver.vmm_granularity(self.device)) {
+            // Not asked with stitching off: the CUDA driver tries a mapping to answer.
+            let granularity = || cx.driver.vmm_granularity(self.device);
+            self.vmm = match (self.config.vmm, self.config.vmm.then(granularity).flatten()) {
                 (true, Some(granularity)) => VmmMode::On(granularity),
                 (true, None) => {
                     self.log(format_args!(
-                        "the driver or device lacks the virtual-memory API: using classic \
-                         segments"
+                        "the driver or device lacks the virtual-memory API, or maps no memory \
+                         at an offset into an allocation: using classic segments"
                     ));
                     VmmMode::Off
                 }

@@ -136,16 +136,24 @@ fn vmm_free_reusable_keeps_the_handles_of_segments_with_live_blocks() {
 
 #[test]
 fn vmm_falls_back_to_classic_segments_without_the_api() {
-    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
-    sim.disable_vmm();
-    let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), vmm());
-    let p = pool.reserve(0, 8 * MIB, 0).unwrap();
-    let q = pool.reserve(0, 4096, 0).unwrap();
-    assert_eq!(sim.physical_allocations(0), 0);
-    assert_eq!(sim.live_allocations(0), 2);
-    pool.release(p).unwrap();
-    pool.release(q).unwrap();
-    assert_books(&pool, sim);
+    // Without the API, and with a driver that maps nothing at an offset into an allocation
+    // (page-granular reuse maps a cached page while the rest of its handle stays where it is).
+    for refuse_offsets in [false, true] {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
+        if refuse_offsets {
+            sim.refuse_map_offsets(true);
+        } else {
+            sim.disable_vmm();
+        }
+        let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), vmm());
+        let p = pool.reserve(0, 8 * MIB, 0).unwrap();
+        let q = pool.reserve(0, 4096, 0).unwrap();
+        assert_eq!(sim.physical_allocations(0), 0);
+        assert_eq!(sim.live_allocations(0), 2);
+        pool.release(p).unwrap();
+        pool.release(q).unwrap();
+        assert_books(&pool, sim);
+    }
 }
 
 #[test]
