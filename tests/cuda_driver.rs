@@ -229,7 +229,8 @@ fn stitching_through_the_loaded_driver() {
     let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
     if driver.vmm_granularity(0).is_none() {
         println!(
-            "{}: no virtual-memory API on device 0; stitching not exercised",
+            "{}: no virtual-memory API on device 0, or no mapping at an offset into an \
+             allocation; stitching not exercised",
             driver.describe()
         );
         return;

@@ -20,23 +20,27 @@ pub struct Row {
     pub driver_free: u64,
     /// What this process's pool holds unused.
     pub reusable: u64,
+    /// How cached memory is reused: `pages` (page-granular, with the virtual-memory API) or
+    /// `segments` (classic).
+    pub reuse: &'static str,
 }
 
-/// The devices as a table: total, driver-free, reusable, and the free memory resmem reports
-/// (driver free + reusable).
+/// The devices as a table: total, driver-free, reusable, the free memory resmem reports
+/// (driver free + reusable), and how the cache is reused.
 pub fn table(rows: &[Row]) -> String {
     let mut out = format!(
-        "{:<8}{:>14}{:>14}{:>14}{:>16}\n",
-        "device", "total", "driver free", "reusable", "reported free"
+        "{:<8}{:>14}{:>14}{:>14}{:>16}{:>10}\n",
+        "device", "total", "driver free", "reusable", "reported free", "reuse"
     );
     for r in rows {
         out.push_str(&format!(
-            "{:<8}{:>14}{:>14}{:>14}{:>16}\n",
+            "{:<8}{:>14}{:>14}{:>14}{:>16}{:>10}\n",
             r.device,
             gib_or_mib(r.total),
             gib_or_mib(r.driver_free),
             gib_or_mib(r.reusable),
-            gib_or_mib(r.driver_free + r.reusable)
+            gib_or_mib(r.driver_free + r.reusable),
+            r.reuse
         ));
     }
     out
@@ -72,14 +76,23 @@ pub fn run(env: &Environment) -> Result<(), String> {
     for device in 0..pool.device_count() {
         let (driver_free, total) = driver.mem_get_info(device).map_err(|e| e.to_string())?;
         let s = pool.stats(device).map_err(|e| e.message)?;
+        // As the pool decides at its first growth: the driver's virtual-memory API, where it
+        // maps memory at offsets into an allocation, unless vmm:false.
+        let pages = c.vmm && driver.vmm_granularity(device).is_some();
         rows.push(Row {
             device,
             total,
             driver_free,
             reusable: s.reusable_bytes,
+            reuse: if pages { "pages" } else { "segments" },
         });
     }
     print!("\n{}", table(&rows));
+    println!(
+        "\nreuse: pages (cached memory mapped again page by page, with the virtual-memory API) \
+         or segments (classic: vmm:false, or a driver without the API or without mappings at \
+         offsets into an allocation)"
+    );
     Ok(())
 }
 
@@ -95,19 +108,21 @@ mod tests {
                 total: 24 << 30,
                 driver_free: 16 << 30,
                 reusable: 512 << 20,
+                reuse: "pages",
             },
             Row {
                 device: 1,
                 total: 80 << 30,
                 driver_free: 80 << 30,
                 reusable: 0,
+                reuse: "segments",
             },
         ];
         assert_eq!(
             table(&rows),
-            "device           total   driver free      reusable   reported free\n\
-             0            24.00 GiB     16.00 GiB    512.00 MiB       16.50 GiB\n\
-             1            80.00 GiB     80.00 GiB           0 B       80.00 GiB\n"
+            "device           total   driver free      reusable   reported free     reuse\n\
+             0            24.00 GiB     16.00 GiB    512.00 MiB       16.50 GiB     pages\n\
+             1            80.00 GiB     80.00 GiB           0 B       80.00 GiB  segments\n"
         );
     }
 }

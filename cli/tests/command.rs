@@ -107,11 +107,32 @@ fn info_prints_a_table_of_the_configured_devices() {
              settings (RESMEM_CONF): release_before_grow true, vmm true, logging false, \
              preload_allocations false, record off\n\
              \n\
-             device           total   driver free      reusable   reported free\n\
-             0            24.00 GiB     24.00 GiB           0 B       24.00 GiB\n\
-             1            80.00 GiB     80.00 GiB           0 B       80.00 GiB\n",
+             device           total   driver free      reusable   reported free     reuse\n\
+             0            24.00 GiB     24.00 GiB           0 B       24.00 GiB     pages\n\
+             1            80.00 GiB     80.00 GiB           0 B       80.00 GiB     pages\n\
+             \n\
+             reuse: pages (cached memory mapped again page by page, with the virtual-memory \
+             API) or segments (classic: vmm:false, or a driver without the API or without \
+             mappings at offsets into an allocation)\n",
             env!("CARGO_PKG_VERSION")
         )
+    );
+    // Stitching turned off: classic segments. (A driver that maps nothing at an offset into an
+    // allocation gets them too: tests/cuda_driver.rs.)
+    let (code, out, err) = resmem_with(
+        &["info"],
+        &[
+            ("RESMEM_DRIVER", "sim"),
+            ("CUDA_SIM_DEVICES", "24GiB"),
+            ("RESMEM_CONF", "vmm:false"),
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(
+            "\n0            24.00 GiB     24.00 GiB           0 B       24.00 GiB  segments\n"
+        ),
+        "{out}"
     );
 }
 
