@@ -9,7 +9,9 @@
  *   hostile panic           with RESMEM_TEST_PANIC=rm_reserve: RM_ERROR_INTERNAL, then usable
  *   hostile faults [CALL]   with CUDA_SIM_FAULTS=cuMemAlloc_v2@1=719,cuMemAlloc_v2@2=2,
  *                           cuMemAlloc_v2@3=2: a driver error, an out-of-memory, then success
- *                           (CALL: the function the faults are on, cuMemCreate with vmm:true)
+ *                           (CALL: the function the faults are on, cuMemCreate with vmm:true;
+ *                           through a loaded driver library its faults start at the 2nd call:
+ *                           the first is the driver's check that it maps at offsets)
  */
 #include <limits.h>
 #include <stdint.h>
