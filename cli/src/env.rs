@@ -1,8 +1,10 @@
 //! The environment, read once and the same way for every subcommand, before it runs:
 //! `RESMEM_DRIVER`, `RESMEM_CUDA_LIBRARY` and `RESMEM_CONF` through the library's own parser
 //! (an unknown key or a bad value is refused, exactly as the library refuses it), and
-//! `CUDA_SIM_DEVICES` through the simulator's. Then where a subcommand that needs a device runs
-//! ([`Environment::device`]): the GPU, or simulated devices with the reason said.
+//! `CUDA_SIM_DEVICES` and `CUDA_SIM_VMM` through the simulator's. Then where a subcommand that
+//! needs a device runs ([`Environment::device`]): the GPU, or simulated devices with the reason
+//! said ([`Environment::simulated`] makes them; `replay` makes its own, with the API in full, to
+//! compare policies).
 
 use std::sync::Arc;
 
@@ -19,6 +21,8 @@ pub struct Environment {
     pub driver_given: bool,
     /// `CUDA_SIM_DEVICES`' capacities (one 24 GiB device when unset).
     pub sim_devices: Vec<u64>,
+    /// `CUDA_SIM_VMM`: the simulated devices' virtual-memory API (in full when unset).
+    pub sim_vmm: cuda_sim::VmmSetting,
 }
 
 /// Where a subcommand runs.
@@ -41,10 +45,15 @@ pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Environment, St
     let sim_devices =
         cuda_sim::parse_devices(var("CUDA_SIM_DEVICES").as_deref().unwrap_or("24GiB"))
             .map_err(|e| format!("CUDA_SIM_DEVICES: {e}"))?;
+    let sim_vmm = var("CUDA_SIM_VMM")
+        .map(|v| cuda_sim::VmmSetting::parse(&v))
+        .transpose()?
+        .unwrap_or_default();
     Ok(Environment {
         settings,
         driver_given: driver.is_some_and(|d| !d.trim().is_empty()),
         sim_devices,
+        sim_vmm,
     })
 }
 
@@ -54,6 +63,14 @@ pub fn read() -> Result<Environment, String> {
 }
 
 impl Environment {
+    /// Simulated devices of these capacities, with the virtual-memory API `CUDA_SIM_VMM` asks
+    /// for. Kept for the life of the process, as a driver's devices are.
+    pub fn simulated(&self, capacities: &[u64]) -> &'static cuda_sim::Sim {
+        let sim = Box::leak(Box::new(cuda_sim::Sim::new(capacities)));
+        sim.set_vmm(self.sim_vmm);
+        sim
+    }
+
     /// `RESMEM_DRIVER=sim`: simulated devices. Unset: the CUDA driver when it loads and finds a
     /// GPU, else simulated devices. `RESMEM_DRIVER=cuda`: the CUDA driver, or an error.
     pub fn device(&self) -> Result<Device, String> {

@@ -54,7 +54,7 @@ pub fn run(env: &Environment) -> Result<(), String> {
             (driver, place)
         }
         Device::Simulated(why) => {
-            let sim = Box::leak(Box::new(cuda_sim::Sim::new(&env.sim_devices)));
+            let sim = env.simulated(&env.sim_devices);
             let driver = SimDriver::new(sim).map_err(|e| e.message)?;
             let place = format!("simulated devices from CUDA_SIM_DEVICES ({why})");
             (Arc::new(driver), place)

@@ -242,7 +242,7 @@ fn run_demo(
         let driver: Arc<dyn Driver> = match &gpu {
             Some(d) => d.clone(),
             None => {
-                let sim = Box::leak(Box::new(cuda_sim::Sim::new(&[device_memory])));
+                let sim = env.simulated(&[device_memory]);
                 Arc::new(SimDriver::new(sim).map_err(|e| e.message)?)
             }
         };

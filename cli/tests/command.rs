@@ -18,6 +18,7 @@ fn resmem_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
         "RESMEM_CONF",
         "RESMEM_CUDA_LIBRARY",
         "CUDA_SIM_DEVICES",
+        "CUDA_SIM_VMM",
     ] {
         cmd.env_remove(var);
     }
@@ -117,23 +118,29 @@ fn info_prints_a_table_of_the_configured_devices() {
             env!("CARGO_PKG_VERSION")
         )
     );
-    // Stitching turned off: classic segments. (A driver that maps nothing at an offset into an
-    // allocation gets them too: tests/cuda_driver.rs.)
-    let (code, out, err) = resmem_with(
-        &["info"],
-        &[
-            ("RESMEM_DRIVER", "sim"),
-            ("CUDA_SIM_DEVICES", "24GiB"),
-            ("RESMEM_CONF", "vmm:false"),
-        ],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(
-        out.contains(
-            "\n0            24.00 GiB     24.00 GiB           0 B       24.00 GiB  segments\n"
-        ),
-        "{out}"
-    );
+    // Stitching turned off, devices without the virtual-memory API, or whose cuMemMap maps only
+    // from an allocation's start (through the CUDA driver: tests/cuda_driver.rs): segments.
+    for (var, value) in [
+        ("RESMEM_CONF", "vmm:false"),
+        ("CUDA_SIM_VMM", "0"),
+        ("CUDA_SIM_VMM", "offset0"),
+    ] {
+        let (code, out, err) = resmem_with(
+            &["info"],
+            &[
+                ("RESMEM_DRIVER", "sim"),
+                ("CUDA_SIM_DEVICES", "24GiB"),
+                (var, value),
+            ],
+        );
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains(
+                "\n0            24.00 GiB     24.00 GiB           0 B       24.00 GiB  segments\n"
+            ),
+            "{var}={value}: {out}"
+        );
+    }
 }
 
 #[test]
@@ -182,6 +189,11 @@ fn every_subcommand_refuses_a_bad_environment_in_one_line() {
              logging:true|false, vmm:true|false, preload_allocations:true|false, record:PATH, \
              share:true|false, share_count:true|false, share_wait_ms:<milliseconds, at most \
              60000>\n",
+        ),
+        (
+            ("CUDA_SIM_VMM", "yes"),
+            "resmem: CUDA_SIM_VMM=\"yes\": use 0 (no virtual-memory API), offset0 (cuMemMap only \
+             from an allocation's start) or 1 (the API in full, the default)\n",
         ),
         (
             ("CUDA_SIM_DEVICES", "banana"),

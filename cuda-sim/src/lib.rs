@@ -48,7 +48,7 @@ use faults::Faults;
 pub use faults::{Call, Fault};
 pub use ledger::CallTally;
 use ledger::Ledger;
-pub use vmm::{ATTRIBUTE_VMM_SUPPORTED, GRANULARITY};
+pub use vmm::{VmmSetting, ATTRIBUTE_VMM_SUPPORTED, GRANULARITY};
 
 /// The result of a simulated driver call.
 pub type CuResult<T> = Result<T, CuError>;
@@ -207,7 +207,7 @@ const FAULTS_VAR: &str = "CUDA_SIM_FAULTS";
 const SHARED_VAR: &str = "CUDA_SIM_SHARED";
 /// The delays of driver calls (see `delays.rs`).
 const DELAYS_VAR: &str = "CUDA_SIM_DELAYS";
-/// `0`: no virtual-memory API; `offset0`: `cuMemMap` only from an allocation's start.
+/// The shape of the virtual-memory API (see [`VmmSetting`]).
 const VMM_VAR: &str = "CUDA_SIM_VMM";
 /// The configuration used when `CUDA_SIM_DEVICES` is unset.
 const DEFAULT_DEVICES: &str = "24GiB";
@@ -658,16 +658,8 @@ impl Sim {
         let sim = parse_devices(&spec)
             .map(|caps| Sim::new(&caps))
             .map_err(|e| format!("{ENV_VAR}={spec:?}: {e}"))?;
-        match text(VMM_VAR)?.as_deref().map(str::trim) {
-            None | Some("1") => {}
-            Some("0") => sim.disable_vmm(),
-            Some("offset0") => sim.refuse_map_offsets(true),
-            Some(other) => {
-                return Err(format!(
-                    "{VMM_VAR}={other:?}: use 0 (no virtual-memory API), offset0 (cuMemMap \
-                     only from an allocation's start) or 1 (the API in full, the default)"
-                ))
-            }
+        if let Some(value) = text(VMM_VAR)? {
+            sim.set_vmm(VmmSetting::parse(&value)?);
         }
         if let Some(name) = text(SHARED_VAR)? {
             sim.share_capacity(&name)

@@ -133,7 +133,41 @@ impl State {
     }
 }
 
+/// What `CUDA_SIM_VMM` asks of the simulated virtual-memory API.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum VmmSetting {
+    /// `1` or unset: the API in full.
+    #[default]
+    Full,
+    /// `0`: no API (the attribute reads 0, every call fails with `CUDA_ERROR_NOT_SUPPORTED`).
+    Absent,
+    /// `offset0`: `cuMemMap` maps only from an allocation's start.
+    StartOnly,
+}
+
+impl VmmSetting {
+    /// A value of `CUDA_SIM_VMM` (surrounding spaces ignored); an error names the three.
+    pub fn parse(value: &str) -> Result<VmmSetting, String> {
+        match value.trim() {
+            "1" => Ok(VmmSetting::Full),
+            "0" => Ok(VmmSetting::Absent),
+            "offset0" => Ok(VmmSetting::StartOnly),
+            other => Err(format!(
+                "CUDA_SIM_VMM={other:?}: use 0 (no virtual-memory API), offset0 (cuMemMap only \
+                 from an allocation's start) or 1 (the API in full, the default)"
+            )),
+        }
+    }
+}
+
 impl Sim {
+    /// Shape the virtual-memory API as `setting` says (see [`VmmSetting`]).
+    pub fn set_vmm(&self, setting: VmmSetting) {
+        let mut st = self.lock();
+        st.vmm.supported = setting != VmmSetting::Absent;
+        st.vmm.offsets = setting != VmmSetting::StartOnly;
+    }
+
     /// `cuDeviceGetAttribute`: only `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`
     /// (102) is simulated; other attributes give `CUDA_ERROR_INVALID_VALUE`.
     pub fn device_attribute(&self, dev: i32, attribute: i32) -> CuResult<i32> {
