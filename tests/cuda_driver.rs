@@ -276,6 +276,8 @@ struct OffsetHooks {
     refuse: unsafe extern "C" fn(c_int) -> c_int,
     live: unsafe extern "C" fn(c_int) -> u64,
     used: unsafe extern "C" fn(c_int) -> u64,
+    inject: unsafe extern "C" fn(*const c_char) -> c_int,
+    clear: unsafe extern "C" fn() -> c_int,
 }
 
 impl OffsetHooks {
@@ -288,10 +290,12 @@ impl OffsetHooks {
             // SAFETY: a live handle and a NUL-terminated name.
             Some(unsafe { dlsym(handle, s.as_ptr()) }).filter(|p| !p.is_null())
         };
-        let (refuse, live, used) = (
+        let (refuse, live, used, inject, clear) = (
             sym("cudasim_refuse_map_offsets")?,
             sym("cudasim_live_allocations")?,
             sym("cudasim_used_bytes")?,
+            sym("cudasim_inject_faults")?,
+            sym("cudasim_clear_faults")?,
         );
         // SAFETY: non-null symbols of the simulator with these signatures.
         unsafe {
@@ -301,6 +305,11 @@ impl OffsetHooks {
                 ),
                 live: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> u64>(live),
                 used: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> u64>(used),
+                inject: std::mem::transmute::<
+                    *mut c_void,
+                    unsafe extern "C" fn(*const c_char) -> c_int,
+                >(inject),
+                clear: std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(clear),
             })
         }
     }
@@ -315,6 +324,16 @@ impl OffsetHooks {
     fn used(&self) -> u64 {
         // SAFETY: a value argument.
         unsafe { (self.used)(0) }
+    }
+    /// Faults in the `CUDA_SIM_FAULTS` syntax, counted from now.
+    fn inject(&self, spec: &str) {
+        let spec = CString::new(spec).unwrap();
+        // SAFETY: a NUL-terminated string.
+        assert_eq!(unsafe { (self.inject)(spec.as_ptr()) }, 0);
+    }
+    fn clear(&self) {
+        // SAFETY: no arguments.
+        assert_eq!(unsafe { (self.clear)() }, 0);
     }
 }
 
@@ -363,4 +382,48 @@ fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
     pool.release(p).unwrap();
     pool.free_reusable(None).unwrap();
     assert_eq!(hooks.used(), used);
+}
+
+#[test]
+fn the_drivers_offset_check_says_no_only_when_a_mapping_is_refused() {
+    let _serial = one_at_a_time();
+    let library = library();
+    let Some(hooks) = OffsetHooks::find(&library) else {
+        println!("{library} is not the simulator: its answers cannot be scripted");
+        return;
+    };
+    let used = hooks.used();
+    let granularity = Some(2 * MIB);
+    // Each case on a freshly loaded driver (nothing known yet): what its first answer is, and
+    // whether the check is made again at the next question (an answer it could not reach is
+    // not kept).
+    let cases = [
+        // No memory for the check's two pages: it cannot tell, and the API's description holds.
+        ("cuMemCreate@1=2", granularity, true),
+        // Its address range refused: the same.
+        ("cuMemAddressReserve@1=2", granularity, true),
+        // A mapping refused as invalid or unsupported: no stitching, kept.
+        ("cuMemMap@1=1", None, false),
+        ("cuMemMap@2=1", None, false),
+        ("cuMemMap@1=801", None, false),
+        // A mapping failing otherwise (a launch failure): it cannot tell.
+        ("cuMemMap@2=719", granularity, true),
+        // Undoing it failing: the mappings were made, so yes, kept.
+        ("cuMemUnmap@1=719", granularity, false),
+        ("cuMemRelease@1=719", granularity, false),
+    ];
+    for (fault, first, asked_again) in cases {
+        let driver = CudaDriver::load(&library).expect("load the driver library");
+        hooks.inject(fault);
+        let answer = driver.vmm_granularity(0);
+        hooks.clear();
+        assert_eq!(answer, first, "{fault}");
+        // The next question: asked again (and answered yes now), or the kept answer.
+        let again = if asked_again { granularity } else { first };
+        assert_eq!(driver.vmm_granularity(0), again, "{fault}: asked again");
+    }
+    // A failed undo leaves the check's two pages with the driver (a mapping left, or the handle
+    // unreleased), once per device and only where the driver fails a call it accepted a moment
+    // before: the unmap and the release cases here, 4 MiB each. Every other case gave all back.
+    assert_eq!(hooks.used(), used + 2 * 4 * MIB);
 }
