@@ -12,6 +12,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::sync::Arc;
 use std::time::Instant;
 
+use common::hooks::SimHooks;
 use resmem::driver::cuda::CudaDriver;
 use resmem::driver::Driver;
 use resmem::{Pool, PoolConfig};
@@ -270,79 +271,12 @@ fn stitching_through_the_loaded_driver() {
     pool.check().unwrap();
 }
 
-/// Where the loaded library is the simulator: its hook making `cuMemMap` refuse offsets into
-/// allocations, and its count of a device's live `cuMemAlloc` allocations and used bytes.
-struct OffsetHooks {
-    refuse: unsafe extern "C" fn(c_int) -> c_int,
-    live: unsafe extern "C" fn(c_int) -> u64,
-    used: unsafe extern "C" fn(c_int) -> u64,
-    inject: unsafe extern "C" fn(*const c_char) -> c_int,
-    clear: unsafe extern "C" fn() -> c_int,
-}
-
-impl OffsetHooks {
-    fn find(library: &str) -> Option<OffsetHooks> {
-        let name = CString::new(library).unwrap();
-        // SAFETY: a NUL-terminated path; the library CudaDriver opens, so the same handle.
-        let handle = unsafe { dlopen(name.as_ptr(), RTLD_NOW) };
-        let sym = |s: &str| {
-            let s = CString::new(s).unwrap();
-            // SAFETY: a live handle and a NUL-terminated name.
-            Some(unsafe { dlsym(handle, s.as_ptr()) }).filter(|p| !p.is_null())
-        };
-        let (refuse, live, used, inject, clear) = (
-            sym("cudasim_refuse_map_offsets")?,
-            sym("cudasim_live_allocations")?,
-            sym("cudasim_used_bytes")?,
-            sym("cudasim_inject_faults")?,
-            sym("cudasim_clear_faults")?,
-        );
-        // SAFETY: non-null symbols of the simulator with these signatures.
-        unsafe {
-            Some(OffsetHooks {
-                refuse: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> c_int>(
-                    refuse,
-                ),
-                live: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> u64>(live),
-                used: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> u64>(used),
-                inject: std::mem::transmute::<
-                    *mut c_void,
-                    unsafe extern "C" fn(*const c_char) -> c_int,
-                >(inject),
-                clear: std::mem::transmute::<*mut c_void, unsafe extern "C" fn() -> c_int>(clear),
-            })
-        }
-    }
-    fn refuse(&self, refuse: bool) {
-        // SAFETY: a value argument.
-        assert_eq!(unsafe { (self.refuse)(c_int::from(refuse)) }, 0);
-    }
-    fn live(&self) -> u64 {
-        // SAFETY: a value argument.
-        unsafe { (self.live)(0) }
-    }
-    fn used(&self) -> u64 {
-        // SAFETY: a value argument.
-        unsafe { (self.used)(0) }
-    }
-    /// Faults in the `CUDA_SIM_FAULTS` syntax, counted from now.
-    fn inject(&self, spec: &str) {
-        let spec = CString::new(spec).unwrap();
-        // SAFETY: a NUL-terminated string.
-        assert_eq!(unsafe { (self.inject)(spec.as_ptr()) }, 0);
-    }
-    fn clear(&self) {
-        // SAFETY: no arguments.
-        assert_eq!(unsafe { (self.clear)() }, 0);
-    }
-}
-
 /// Maps at offsets again when the test ends, however it ends.
-struct OffsetsBack<'a>(&'a OffsetHooks);
+struct OffsetsBack<'a>(&'a SimHooks);
 
 impl Drop for OffsetsBack<'_> {
     fn drop(&mut self) {
-        self.0.refuse(false);
+        self.0.refuse_map_offsets(false);
     }
 }
 
@@ -350,12 +284,12 @@ impl Drop for OffsetsBack<'_> {
 fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
     let _serial = one_at_a_time();
     let library = library();
-    let Some(hooks) = OffsetHooks::find(&library) else {
+    let Some(hooks) = SimHooks::find(&library) else {
         println!("{library} is not the simulator: its mappings are what they are");
         return;
     };
     let used = hooks.used();
-    hooks.refuse(true);
+    hooks.refuse_map_offsets(true);
     let _back = OffsetsBack(&hooks);
     // The probe finds out, and gives back all it took.
     let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
@@ -372,7 +306,7 @@ fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
     assert_eq!(pool.free_reusable(None).unwrap(), 20 * MIB);
     assert_eq!((hooks.live(), hooks.used()), (live, used));
     // A driver that maps at offsets is found to: the pool stitches.
-    hooks.refuse(false);
+    hooks.refuse_map_offsets(false);
     let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
     assert_eq!(driver.vmm_granularity(0), Some(2 * MIB));
     assert_eq!(hooks.used(), used);
@@ -388,7 +322,7 @@ fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
 fn the_drivers_offset_check_says_no_only_when_a_mapping_is_refused() {
     let _serial = one_at_a_time();
     let library = library();
-    let Some(hooks) = OffsetHooks::find(&library) else {
+    let Some(hooks) = SimHooks::find(&library) else {
         println!("{library} is not the simulator: its answers cannot be scripted");
         return;
     };

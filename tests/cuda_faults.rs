@@ -11,6 +11,7 @@ mod common;
 use std::ffi::{c_char, c_int, c_uint, c_void, CString};
 use std::sync::Arc;
 
+use common::hooks::SimHooks;
 use resmem::driver::cuda::CudaDriver;
 use resmem::{rm_status, Pool, PoolConfig};
 
@@ -23,22 +24,20 @@ extern "C" {
 }
 
 type Hook1 = unsafe extern "C" fn(*mut c_void) -> c_int;
-type Inject = unsafe extern "C" fn(*const c_char) -> c_int;
-type Clear = unsafe extern "C" fn() -> c_int;
-type Count = unsafe extern "C" fn() -> u64;
-type Used = unsafe extern "C" fn(c_int) -> u64;
 type StreamCreate = unsafe extern "C" fn(*mut *mut c_void, c_uint) -> c_int;
 type Retain = unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int;
 
-/// The simulator's hooks in the loaded library.
+/// The simulator's hooks in the loaded library, and two streams made there.
 struct Hooks {
-    inject: Inject,
-    clear: Clear,
-    injected: Count,
-    used: Used,
-    enqueue: Hook1,
-    complete: Hook1,
+    sim: SimHooks,
     streams: [u64; 2],
+}
+
+impl std::ops::Deref for Hooks {
+    type Target = SimHooks;
+    fn deref(&self) -> &SimHooks {
+        &self.sim
+    }
 }
 
 fn library() -> String {
@@ -62,7 +61,7 @@ fn hooks(library: &str) -> Hooks {
         p
     };
     // SAFETY: each symbol is the function of that name with the declared signature.
-    unsafe {
+    let streams = unsafe {
         let retain = std::mem::transmute::<*mut c_void, Retain>(sym("cuDevicePrimaryCtxRetain"));
         let push = std::mem::transmute::<*mut c_void, Hook1>(sym("cuCtxPushCurrent_v2"));
         let pop = std::mem::transmute::<*mut c_void, Hook1>(sym("cuCtxPopCurrent_v2"));
@@ -77,36 +76,10 @@ fn hooks(library: &str) -> Hooks {
             *s = handle as u64;
         }
         assert_eq!(pop(std::ptr::null_mut()), 0);
-        Hooks {
-            inject: std::mem::transmute::<*mut c_void, Inject>(sym("cudasim_inject_faults")),
-            clear: std::mem::transmute::<*mut c_void, Clear>(sym("cudasim_clear_faults")),
-            injected: std::mem::transmute::<*mut c_void, Count>(sym("cudasim_injected_failures")),
-            used: std::mem::transmute::<*mut c_void, Used>(sym("cudasim_used_bytes")),
-            enqueue: std::mem::transmute::<*mut c_void, Hook1>(sym("cudasim_enqueue_work")),
-            complete: std::mem::transmute::<*mut c_void, Hook1>(sym("cudasim_complete_work")),
-            streams,
-        }
-    }
-}
-
-impl Hooks {
-    fn injected(&self) -> u64 {
-        // SAFETY: no arguments.
-        unsafe { (self.injected)() }
-    }
-    fn used(&self) -> u64 {
-        // SAFETY: a value argument.
-        unsafe { (self.used)(0) }
-    }
-    fn inject(&self, spec: &str) {
-        let spec = CString::new(spec).unwrap();
-        // SAFETY: a NUL-terminated string.
-        assert_eq!(unsafe { (self.inject)(spec.as_ptr()) }, 0);
-    }
-    fn clear(&self) {
-        // SAFETY: no arguments.
-        assert_eq!(unsafe { (self.clear)() }, 0);
-    }
+        streams
+    };
+    let sim = SimHooks::find(library).expect("the simulator's hooks");
+    Hooks { sim, streams }
 }
 
 /// One run of the workload on a fresh pool; the number of faults that fired, and of operations
@@ -178,8 +151,7 @@ fn run(
     step!("reserve b", reserve(&pool, 3 * MIB, s1, &mut live));
     if let Some(&b) = live.last() {
         step!("record_stream", pool.record_stream(b, s2));
-        // SAFETY: a live stream of the library.
-        unsafe { (hooks.enqueue)(s2 as *mut c_void) };
+        hooks.enqueue(s2);
         step!(
             "release b",
             pool.release(b).map(|()| {
@@ -188,8 +160,7 @@ fn run(
         );
     }
     step!("reserve c", reserve(&pool, 3 * MIB, s1, &mut live));
-    // SAFETY: as above.
-    unsafe { (hooks.complete)(s2 as *mut c_void) };
+    hooks.complete(s2);
     step!("reserve d", reserve(&pool, MIB + 1, s1, &mut live));
     while live.len() > 1 {
         let p = live[1];
@@ -208,8 +179,7 @@ fn run(
     if live.len() > 1 {
         let e = *live.last().unwrap();
         step!("record_stream e", pool.record_stream(e, s1));
-        // SAFETY: a live stream of the library.
-        unsafe { (hooks.enqueue)(s1 as *mut c_void) };
+        hooks.enqueue(s1);
         step!(
             "release e",
             pool.release(e).map(|()| {
