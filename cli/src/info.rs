@@ -76,9 +76,7 @@ pub fn run(env: &Environment) -> Result<(), String> {
     for device in 0..pool.device_count() {
         let (driver_free, total) = driver.mem_get_info(device).map_err(|e| e.to_string())?;
         let s = pool.stats(device).map_err(|e| e.message)?;
-        // As the pool decides at its first growth: the driver's virtual-memory API, where it
-        // maps memory at offsets into an allocation, unless vmm:false.
-        let pages = c.vmm && driver.vmm_granularity(device).is_some();
+        let pages = pool.reuses_pages(device).map_err(|e| e.message)?;
         rows.push(Row {
             device,
             total,

@@ -488,6 +488,11 @@ impl DevicePool {
         self.limit
     }
 
+    /// Whether this pool stitches its segments (see [`super::Pool::reuses_pages`]).
+    pub fn reuses_pages(&mut self, cx: &Context<'_>) -> bool {
+        self.stitching(cx)
+    }
+
     /// The figures, exact now, read without changing anything (a parked block has no free or
     /// parked neighbour, so it counts as the free block it is).
     pub fn stats(&self) -> Stats {

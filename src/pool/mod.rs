@@ -466,6 +466,14 @@ impl Pool {
         Ok(pool.layout())
     }
 
+    /// Whether `device`'s cache is reused page by page (segments stitched with the
+    /// virtual-memory API) rather than as classic segments: decided once per device, at its
+    /// first growth, or now if none came yet (the CUDA driver then tries a mapping to answer).
+    pub fn reuses_pages(&self, device: i32) -> Result<bool> {
+        let (mut pool, cx) = self.lock(device)?;
+        Ok(pool.reuses_pages(&cx))
+    }
+
     /// Set the peaks of `device` to the current values.
     pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
         let (mut pool, _) = self.lock(device)?;

@@ -146,6 +146,7 @@ fn vmm_falls_back_to_classic_segments_without_the_api() {
             sim.disable_vmm();
         }
         let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), vmm());
+        assert!(!pool.reuses_pages(0).unwrap());
         let p = pool.reserve(0, 8 * MIB, 0).unwrap();
         let q = pool.reserve(0, 4096, 0).unwrap();
         assert_eq!(sim.physical_allocations(0), 0);
@@ -159,6 +160,7 @@ fn vmm_falls_back_to_classic_segments_without_the_api() {
 #[test]
 fn vmm_small_requests_share_stitched_segments() {
     let (pool, sim) = pool_with(&[GIB], vmm());
+    assert!(pool.reuses_pages(0).unwrap());
     let a = pool.reserve(0, 512, 0).unwrap();
     let b = pool.reserve(0, 4096, 0).unwrap();
     assert_eq!(b, a + 512);
