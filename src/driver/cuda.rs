@@ -419,28 +419,29 @@ impl CudaDriver {
             .vmm_reserve(device, 2 * granularity)
             .ok()
             .and_then(|va| {
-                let second = self.vmm_map(device, va, granularity, handle, granularity);
-                let first = second
-                    .as_ref()
-                    .ok()
-                    .map(|()| self.vmm_map(device, va + granularity, granularity, handle, 0));
-                // A failure to undo cannot be mended here and has no caller to tell: at worst
-                // the probe's two pages stay with the driver.
-                if second.is_ok() {
-                    let _ = self.vmm_unmap(device, va, granularity);
+                // The second page first (an offset), then the first after it (a second mapping).
+                let mut mapped = Vec::new();
+                let mut refused = None;
+                for (at, offset) in [(va, granularity), (va + granularity, 0)] {
+                    match self.vmm_map(device, at, granularity, handle, offset) {
+                        Ok(()) => mapped.push(at),
+                        Err(e) => {
+                            refused = Some(e);
+                            break;
+                        }
+                    }
                 }
-                if let Some(Ok(())) = first {
-                    let _ = self.vmm_unmap(device, va + granularity, granularity);
+                // A failure to undo cannot be mended here and has no caller to tell: at worst the
+                // probe's two pages stay with the driver.
+                for at in mapped {
+                    let _ = self.vmm_unmap(device, at, granularity);
                 }
                 let _ = self.vmm_free(device, va, 2 * granularity);
-                match (second, first) {
-                    (Ok(()), Some(Ok(()))) => Some(true),
-                    (Err(e), _) | (_, Some(Err(e))) => {
-                        [CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED]
-                            .contains(&e.code)
-                            .then_some(false)
-                    }
-                    (Ok(()), None) => unreachable!("the first page is mapped once the second is"),
+                match refused {
+                    None => Some(true),
+                    Some(e) => [CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_SUPPORTED]
+                        .contains(&e.code)
+                        .then_some(false),
                 }
             });
         let _ = self.vmm_release(device, handle);

@@ -183,17 +183,20 @@ impl DevicePool {
     pub(super) fn stitching(&mut self, cx: &Context<'_>) -> bool {
         if self.vmm == VmmMode::Undecided {
             // Not asked with stitching off: the CUDA driver tries a mapping to answer.
-            let granularity = || cx.driver.vmm_granularity(self.device);
-            self.vmm = match (self.config.vmm, self.config.vmm.then(granularity).flatten()) {
-                (true, Some(granularity)) => VmmMode::On(granularity),
-                (true, None) => {
+            self.vmm = match self
+                .config
+                .vmm
+                .then(|| cx.driver.vmm_granularity(self.device))
+            {
+                None => VmmMode::Off,
+                Some(Some(granularity)) => VmmMode::On(granularity),
+                Some(None) => {
                     self.log(format_args!(
                         "the driver or device lacks the virtual-memory API, or maps no memory \
                          at an offset into an allocation: using classic segments"
                     ));
                     VmmMode::Off
                 }
-                (false, _) => VmmMode::Off,
             };
         }
         matches!(self.vmm, VmmMode::On(_))
