@@ -141,7 +141,9 @@ pub enum VmmSetting {
     Full,
     /// `0`: no API (the attribute reads 0, every call fails with `CUDA_ERROR_NOT_SUPPORTED`).
     Absent,
-    /// `offset0`: `cuMemMap` maps only from an allocation's start.
+    /// `offset0`: `cuMemMap` maps only from an allocation's start, refusing any other offset
+    /// with `CUDA_ERROR_INVALID_VALUE`: a driver that holds to the API's note on the parameter
+    /// ("currently must be zero"), which its description of the call contradicts.
     StartOnly,
 }
 
@@ -184,19 +186,11 @@ impl Sim {
     /// attribute reads 0 and the virtual-memory calls fail with `CUDA_ERROR_NOT_SUPPORTED`.
     /// `CUDA_SIM_VMM=0` does this for [`Sim::from_env`].
     pub fn disable_vmm(&self) {
-        self.lock().vmm.supported = false;
-    }
-
-    /// Make `cuMemMap` refuse an offset other than 0 into an allocation with
-    /// `CUDA_ERROR_INVALID_VALUE`: a driver that holds to the API's note on the parameter
-    /// ("currently must be zero"), which its description of the call contradicts.
-    /// `CUDA_SIM_VMM=offset0` does this for [`Sim::from_env`].
-    pub fn refuse_map_offsets(&self, refuse: bool) {
-        self.lock().vmm.offsets = !refuse;
+        self.set_vmm(VmmSetting::Absent);
     }
 
     /// Whether `cuMemMap` maps memory from an offset into an allocation (see
-    /// [`Sim::refuse_map_offsets`]).
+    /// [`VmmSetting::StartOnly`]).
     pub fn maps_at_offsets(&self) -> bool {
         self.lock().vmm.offsets
     }
@@ -296,8 +290,8 @@ impl Sim {
 
     /// `cuMemMap`: `size` bytes of `handle` from `offset` on, at `ptr`, a granularity-aligned
     /// address inside a reserved range where nothing is mapped yet. Offset and size are
-    /// granularity multiples inside the allocation (the offset 0 only, after
-    /// [`Sim::refuse_map_offsets`]); one allocation may be mapped in any number of places at
+    /// granularity multiples inside the allocation (the offset 0 only, under
+    /// [`VmmSetting::StartOnly`]); one allocation may be mapped in any number of places at
     /// once, each mapping counted until it is unmapped.
     pub fn mem_map(&self, ptr: u64, size: u64, offset: u64, handle: u64) -> CuResult<()> {
         let mut st = self.call(Call::MemMap);
@@ -649,7 +643,7 @@ mod tests {
     fn refusing_offsets_maps_only_from_an_allocations_start() {
         let sim = sim(64 * MIB);
         assert!(sim.maps_at_offsets());
-        sim.refuse_map_offsets(true);
+        sim.set_vmm(VmmSetting::StartOnly);
         assert!(!sim.maps_at_offsets());
         let handle = sim.mem_create(0, 4 * MIB).unwrap();
         let va = sim.mem_address_reserve(4 * MIB, 0).unwrap();
@@ -661,7 +655,7 @@ mod tests {
         sim.mem_unmap(va, 4 * MIB).unwrap();
         sim.mem_map(va, 4 * MIB, 0, handle).unwrap();
         sim.mem_unmap(va, 4 * MIB).unwrap();
-        sim.refuse_map_offsets(false);
+        sim.set_vmm(VmmSetting::Full);
         sim.mem_map(va, 2 * MIB, 2 * MIB, handle).unwrap();
         sim.mem_unmap(va, 2 * MIB).unwrap();
         sim.mem_release(handle).unwrap();

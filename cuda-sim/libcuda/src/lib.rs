@@ -31,7 +31,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};
 
 use sim::codes::*;
-use sim::{Call, CuResult, Sim};
+use sim::{Call, CuResult, Sim, VmmSetting};
 
 /// `CUresult`: 0 for success, otherwise an error code.
 pub type CUresult = c_int;
@@ -1052,15 +1052,19 @@ pub unsafe extern "C" fn cudasim_inject_faults(spec: *const c_char) -> CUresult 
 }
 
 /// Test-only (not CUDA): with `refuse` non-zero, `cuMemMap` refuses an offset other than 0
-/// into an allocation with `CUDA_ERROR_INVALID_VALUE` (as `CUDA_SIM_VMM=offset0`); with 0, maps
-/// at any granularity-aligned offset again.
+/// into an allocation with `CUDA_ERROR_INVALID_VALUE` (as `CUDA_SIM_VMM=offset0`); with 0, the
+/// virtual-memory API in full again (as `CUDA_SIM_VMM=1`).
 ///
 /// # Safety
 /// Always safe to call; `unsafe` only to match the other exports.
 #[no_mangle]
 pub unsafe extern "C" fn cudasim_refuse_map_offsets(refuse: c_int) -> CUresult {
     guard(|| {
-        sim().refuse_map_offsets(refuse != 0);
+        sim().set_vmm(if refuse != 0 {
+            VmmSetting::StartOnly
+        } else {
+            VmmSetting::Full
+        });
         Ok(())
     })
 }

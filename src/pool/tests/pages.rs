@@ -141,7 +141,7 @@ fn vmm_falls_back_to_classic_segments_without_the_api() {
     for refuse_offsets in [false, true] {
         let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
         if refuse_offsets {
-            sim.refuse_map_offsets(true);
+            sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
         } else {
             sim.disable_vmm();
         }
