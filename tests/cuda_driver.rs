@@ -38,8 +38,8 @@ struct Extra {
     ctx_push: Fn1,
     ctx_pop: Fn1,
     primary_ctx_retain: RetainFn,
-    enqueue_work: Option<Fn1>,
-    complete_work: Option<Fn1>,
+    /// The simulator's hooks, where the library is the simulator.
+    sim: Option<SimHooks>,
 }
 
 fn library() -> String {
@@ -67,8 +67,8 @@ fn extra(library: &str) -> Extra {
         assert!(!p.is_null(), "{library} lacks {s}");
         p
     };
-    // SAFETY: each symbol is non-null (or mapped to None) and is the driver function of that
-    // name, with the declared signature.
+    // SAFETY: each symbol is non-null and is the driver function of that name, with the
+    // declared signature.
     unsafe {
         Extra {
             stream_create: std::mem::transmute::<*mut c_void, Fn2>(required("cuStreamCreate")),
@@ -81,12 +81,7 @@ fn extra(library: &str) -> Extra {
             primary_ctx_retain: std::mem::transmute::<*mut c_void, RetainFn>(required(
                 "cuDevicePrimaryCtxRetain",
             )),
-            enqueue_work: std::mem::transmute::<*mut c_void, Option<Fn1>>(sym(
-                "cudasim_enqueue_work",
-            )),
-            complete_work: std::mem::transmute::<*mut c_void, Option<Fn1>>(sym(
-                "cudasim_complete_work",
-            )),
+            sim: SimHooks::find(library),
         }
     }
 }
@@ -125,7 +120,7 @@ fn the_pool_works_through_the_loaded_driver() {
     );
     let pool = Pool::new(driver.clone(), PoolConfig::default());
     let x = extra(&library);
-    let simulated = x.enqueue_work.is_some();
+    let simulated = x.sim.is_some();
 
     // Reserve, release, and see the block counted as free.
     let (free0, total) = pool.mem_get_info(0).unwrap();
@@ -151,21 +146,26 @@ fn the_pool_works_through_the_loaded_driver() {
     // Another stream takes the idle segment, ordered after the first stream's work.
     let (s1, s2) = (x.stream(), x.stream());
     let a = pool.reserve(0, 8 * MIB, s1).unwrap();
-    if let Some(enqueue) = x.enqueue_work {
-        // SAFETY: a stream of this driver.
-        assert_eq!(unsafe { enqueue(s1 as *mut c_void) }, 0);
+    if let Some(sim) = &x.sim {
+        assert_eq!(sim.enqueue(s1), 0);
     }
     pool.release(a).unwrap();
     let b = pool.reserve(0, 8 * MIB, s2).unwrap();
     assert_eq!(b, a, "the idle segment moved to the other stream");
-    if let (Some(enqueue), Some(complete)) = (x.enqueue_work, x.complete_work) {
-        // SAFETY: streams of this driver.
-        unsafe {
-            assert_eq!((x.stream_query)(s1 as *mut c_void), CUDA_ERROR_NOT_READY);
-            assert_eq!(enqueue(s2 as *mut c_void), 0);
-            assert_eq!(complete(s2 as *mut c_void), 0);
-            assert_eq!((x.stream_query)(s1 as *mut c_void), 0, "s2 waited for s1");
-        }
+    if let Some(sim) = &x.sim {
+        // SAFETY: a stream of this driver.
+        assert_eq!(
+            unsafe { (x.stream_query)(s1 as *mut c_void) },
+            CUDA_ERROR_NOT_READY
+        );
+        assert_eq!(sim.enqueue(s2), 0);
+        assert_eq!(sim.complete(s2), 0);
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { (x.stream_query)(s1 as *mut c_void) },
+            0,
+            "s2 waited for s1"
+        );
     }
     pool.release(b).unwrap();
 
@@ -173,9 +173,8 @@ fn the_pool_works_through_the_loaded_driver() {
     let fence = pool.reserve(0, 512, s1).unwrap();
     let c = pool.reserve(0, 4096, s1).unwrap();
     pool.record_stream(c, s2).unwrap();
-    if let Some(enqueue) = x.enqueue_work {
-        // SAFETY: a stream of this driver.
-        assert_eq!(unsafe { enqueue(s2 as *mut c_void) }, 0);
+    if let Some(sim) = &x.sim {
+        assert_eq!(sim.enqueue(s2), 0);
     }
     pool.release(c).unwrap();
     let held = simulated.then(|| {
