@@ -88,11 +88,14 @@ typedef struct rm_stats {
    */
   uint64_t largest_reusable_block;
   /**
-   * Highest `allocated_bytes` since start or the last `rm_reset_peak_stats`.
+   * Highest `allocated_bytes` since start or the last `rm_reset_peak_stats`. Where threads
+   * contended for the pool and their streams took separate shards of the device (README,
+   * "shards"), the sum of the shards' highs: at least the device's.
    */
   uint64_t peak_allocated_bytes;
   /**
-   * Highest `reserved_bytes` since start or the last `rm_reset_peak_stats`.
+   * Highest `reserved_bytes` since start or the last `rm_reset_peak_stats` (summed over
+   * shards as `peak_allocated_bytes` is).
    */
   uint64_t peak_reserved_bytes;
   /**

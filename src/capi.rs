@@ -29,9 +29,12 @@ pub struct rm_stats {
     pub reusable_bytes: u64,
     /// The largest single request servable without the driver (on the stream owning that block).
     pub largest_reusable_block: u64,
-    /// Highest `allocated_bytes` since start or the last `rm_reset_peak_stats`.
+    /// Highest `allocated_bytes` since start or the last `rm_reset_peak_stats`. Where threads
+    /// contended for the pool and their streams took separate shards of the device (README,
+    /// "shards"), the sum of the shards' highs: at least the device's.
     pub peak_allocated_bytes: u64,
-    /// Highest `reserved_bytes` since start or the last `rm_reset_peak_stats`.
+    /// Highest `reserved_bytes` since start or the last `rm_reset_peak_stats` (summed over
+    /// shards as `peak_allocated_bytes` is).
     pub peak_reserved_bytes: u64,
     /// Blocks reserved and not yet released.
     pub live_blocks: u64,

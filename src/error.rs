@@ -102,6 +102,11 @@ impl Error {
         Error::new(rm_status::RM_ERROR_OUT_OF_MEMORY, message)
     }
 
+    /// Whether this is `RM_ERROR_OUT_OF_MEMORY`.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.status == rm_status::RM_ERROR_OUT_OF_MEMORY
+    }
+
     /// `RM_ERROR_INTERNAL`.
     pub fn internal(message: impl Into<String>) -> Error {
         Error::new(rm_status::RM_ERROR_INTERNAL, message)

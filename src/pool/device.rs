@@ -129,9 +129,12 @@ enum Grow {
     KeepCache,
 }
 
-/// The pool of one device. Not thread-safe by itself: [`super::Pool`] holds it behind a lock.
+/// The pool of one device's shard (`shards.rs`). Not thread-safe by itself: [`super::Pool`]
+/// holds it behind a lock.
 pub struct DevicePool {
     device: i32,
+    /// The pool's index among every device's shards: its segments' owner in the span map.
+    owner: i32,
     config: PoolConfig,
     blocks: Blocks,
     segments: Table<SegId, Segment>,
@@ -206,10 +209,11 @@ pub struct DevicePool {
 }
 
 impl DevicePool {
-    /// An empty pool for `device`.
-    pub fn new(device: i32, config: PoolConfig) -> DevicePool {
+    /// An empty pool for `device`, the shard `owner` of every device's shards.
+    pub fn new(device: i32, owner: i32, config: PoolConfig) -> DevicePool {
         DevicePool {
             device,
+            owner,
             config,
             blocks: Blocks::default(),
             segments: Table::default(),
@@ -450,37 +454,40 @@ impl DevicePool {
         self.release_idle(cx, bytes)
     }
 
-    /// `(free, total)`: the driver's free bytes plus this pool's reusable bytes, and the total.
-    /// Under a memory limit, free is at most what the limit leaves to new blocks.
-    pub fn mem_get_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
-        let (free, total) = self.driver_info(cx)?;
-        let mut free = free.saturating_add(self.stats.reusable()).min(total);
-        if let Some(limit) = self.limit {
-            free = free.min(limit.saturating_sub(self.stats.allocated_bytes));
-        }
-        Ok((free, total))
-    }
-
     /// The driver's `(free, total)` bytes of the device, as it reports them.
-    fn driver_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
+    pub(crate) fn driver_info(&self, cx: &Context<'_>) -> Result<(u64, u64)> {
         cx.driver
             .mem_get_info(self.device)
             .map_err(|e| Error::driver("asking the driver for free memory", &e))
     }
 
-    /// Cap what this pool reserves (`None`: no cap). Idle cache above a new cap is returned to
-    /// the driver now; live blocks are never touched, so reserved may stay above the cap until
-    /// they are released. Returns the bytes returned.
+    /// Cap what the device reserves (`None`: no cap), this pool and the device's other shards
+    /// together. Idle cache of this pool above a new cap is returned to the driver now; live
+    /// blocks are never touched, so reserved may stay above the cap until they are released.
+    /// Returns the bytes returned.
     pub fn set_memory_limit(&mut self, cx: &Context<'_>, limit: Option<u64>) -> Result<u64> {
         self.limit = limit;
+        let reserved = self.stats.reserved_bytes + cx.reserved_elsewhere();
         match limit {
-            Some(limit) if self.stats.reserved_bytes > limit => {
+            Some(limit) if reserved > limit => {
                 self.flush_parked();
                 self.collect_pending(cx, false)?;
-                self.release_idle(cx, self.stats.reserved_bytes - limit)
+                self.release_idle(cx, reserved - limit)
             }
             _ => Ok(0),
         }
+    }
+
+    /// What this pool reserves and is creating without the lock: what the device's other
+    /// shards count against a cap.
+    pub(crate) fn committed(&self) -> u64 {
+        self.stats.reserved_bytes + self.growing
+    }
+
+    /// A request counted as failed for want of memory was served after all (once the device's
+    /// other shards returned their idle cache).
+    pub(crate) fn forgive_oom(&mut self) {
+        self.stats.ooms = self.stats.ooms.saturating_sub(1);
     }
 
     /// The cap set by [`DevicePool::set_memory_limit`].
@@ -678,12 +685,12 @@ impl DevicePool {
         let Some(limit) = self.limit else {
             return Ok(());
         };
-        let allowed = self.room_under_cap();
+        let allowed = self.room_under_cap(cx);
         if bytes > allowed && mode == Grow::MayRelease {
             // Under a cap, returning idle cache is the only way to grow.
             self.release_idle(cx, bytes - allowed)?;
         }
-        if bytes <= self.room_under_cap() {
+        if bytes <= self.room_under_cap(cx) {
             return Ok(());
         }
         self.stats.ooms += 1;
@@ -702,10 +709,10 @@ impl DevicePool {
     }
 
     /// What the cap leaves to grow by (all there is without one): memory other threads are
-    /// creating without the lock counts as reserved.
-    fn room_under_cap(&self) -> u64 {
+    /// creating without the lock counts as reserved, and so does the device's other shards'.
+    fn room_under_cap(&self, cx: &Context<'_>) -> u64 {
         self.limit.map_or(u64::MAX, |limit| {
-            limit.saturating_sub(self.stats.reserved_bytes + self.growing)
+            limit.saturating_sub(self.committed() + cx.reserved_elsewhere())
         })
     }
 
@@ -902,6 +909,13 @@ impl DevicePool {
     }
 
     // ----- pointers -----
+
+    /// Whether a segment of this pool belongs to `stream`.
+    pub fn holds_stream(&self, stream: StreamHandle) -> bool {
+        self.slot_of
+            .get(&stream)
+            .is_some_and(|&slot| self.slots[slot].segments > 0)
+    }
 
     /// Whether a live or parked block starts at `ptr`.
     pub fn has_block_at(&self, ptr: DevicePtr) -> bool {

@@ -97,6 +97,15 @@ impl Layout {
         self.idle += bytes;
     }
 
+    /// Add another layout of the same device (another shard's).
+    pub fn add(&mut self, other: &Layout) {
+        self.requested += other.requested;
+        self.rounding += other.rounding;
+        self.beside_live += other.beside_live;
+        self.free_pages += other.free_pages;
+        self.idle += other.idle;
+    }
+
     /// Every byte accounted for.
     pub fn total(&self) -> u64 {
         self.requested + self.rounding + self.beside_live + self.free_pages + self.idle

@@ -10,24 +10,26 @@
 //!   page-granular reuse of the virtual-memory mode; `device/unstitch.rs`: taking its segments
 //!   apart; `device/phys.rs`: its physical handles);
 //! - `stats`: the figures `rm_get_stats` reports;
-//! - `spans`: the lock-free map from a 2 MiB span of addresses to the device whose segments
-//!   touch it, which finds a pointer's device for `release` (kept with several devices only);
+//! - `spans`: the lock-free map from a 2 MiB span of addresses to the shard whose segments
+//!   touch it, which finds a pointer's shard for `release`;
 //! - `probe` (only with the cargo feature `hold-probe`, for `scripts/bench-pauses.sh`): the
 //!   timing of each hold of a device's lock by [`Pool::free_reusable`];
-//! - this module: the multi-device [`Pool`], one lock per device.
+//! - `shards`: a device's books in shards by stream, and which shard serves a stream;
+//! - this module: the multi-device [`Pool`], one lock per shard.
 //!
 //! # Locks
 //!
-//! Each device's books sit behind their own `Mutex`; nothing else is locked. So no cycle (and
+//! Each shard's books sit behind their own `Mutex`; nothing else is locked. So no cycle (and
 //! no deadlock) is possible:
 //!
-//! 1. at most one device mutex at a time: [`Pool::free_reusable`] and
-//!    [`Pool::set_memory_limit`] over every device take them one after the other, releasing each
-//!    before the next (and `free_reusable` releases it between batches of its work too), and so
-//!    does a release whose device the span map cannot tell;
-//! 2. the span map is written with atomic operations while a device's mutex is held (a segment
-//!    booked or forgotten) and read without a lock;
-//! 3. the driver is called with the device mutex held, save by `free_reusable` and `trim`,
+//! 1. at most one shard mutex at a time: calls over a device's shards ([`Pool::free_reusable`],
+//!    [`Pool::set_memory_limit`], the figures, a reserve returning the other shards' cache) and
+//!    over every device take them one after the other, releasing each before the next (and
+//!    `free_reusable` releases it between batches of its work too), and so does a release whose
+//!    shard the span map cannot tell;
+//! 2. the span map and each shard's published commitment are written with atomic operations
+//!    while its mutex is held and read without a lock;
+//! 3. the driver is called with a shard's mutex held, save by `free_reusable` and `trim`,
 //!    which wait for the device's work before they take the mutex, by `free_reusable`'s
 //!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`),
 //!    and by `reserve` and `warmup`, whose calls that create and map memory, and the waits for
@@ -35,8 +37,8 @@
 //!    (`device/growing.rs`); the driver takes no lock of the pool and
 //!    never calls back into it (the simulator's own mutex is a leaf).
 //!
-//! `release` and `record_stream` read the span map *before* taking a device mutex. A mutex
-//! poisoned by a panic is taken over (see `Pool::lock`).
+//! `release` and `record_stream` read the span map *before* taking a shard mutex. A mutex
+//! poisoned by a panic is taken over (see `Pool::lock_shard`).
 
 // Public: what the command and the PyTorch-policy baseline use (sizes and their printing, the
 // integer map, the figures). The rest is the pool's own business.
@@ -48,18 +50,21 @@ pub(crate) mod ids;
 pub mod layout;
 #[cfg(feature = "hold-probe")]
 mod probe;
+mod shards;
 pub(crate) mod size;
 pub(crate) mod spans;
 pub(crate) mod stats;
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
 use device::{DevicePool, Pass, Sweep};
 pub use layout::Layout;
+pub use shards::SHARDS;
+use shards::{Binding, Books, Shard};
 use spans::{Owner, Spans};
 pub use stats::Stats;
 
@@ -112,14 +117,31 @@ impl Default for PoolConfig {
 pub(crate) struct Context<'a> {
     driver: &'a dyn Driver,
     spans: &'a Spans,
+    /// The shards of the pool's device, and which of them this is.
+    shards: &'a [Shard],
+    own: usize,
+}
+
+impl Context<'_> {
+    /// What the device's other shards reserve and are creating, as of the end of their last
+    /// holds: counted against a cap on the device.
+    pub(crate) fn reserved_elsewhere(&self) -> u64 {
+        self.shards
+            .iter()
+            .enumerate()
+            .filter(|&(k, _)| k != self.own)
+            .map(|(_, shard)| shard.committed.load(Ordering::Relaxed))
+            .sum()
+    }
 }
 
 /// The pool of every device, safe to share between threads.
 pub struct Pool {
     driver: Arc<dyn Driver>,
-    devices: Box<[Mutex<DevicePool>]>,
-    /// Per device, the threads blocked on its lock (see [`Pool::let_waiters_in`]).
-    waiting: Box<[AtomicU32]>,
+    /// [`SHARDS`] per device, device by device (`shards.rs`).
+    shards: Box<[Shard]>,
+    /// Per device, which shard serves each stream.
+    bindings: Box<[Binding]>,
     spans: Spans,
 }
 
@@ -131,10 +153,9 @@ pub struct Pool {
 impl Drop for Pool {
     fn drop(&mut self) {
         let _ = self.free_reusable(None);
-        for device in 0..self.device_count() {
-            if let Ok((mut pool, cx)) = self.lock(device) {
-                pool.destroy_events(&cx);
-            }
+        for index in 0..self.shards.len() {
+            let (mut pool, cx) = self.lock_shard(index);
+            pool.destroy_events(&cx);
         }
     }
 }
@@ -152,19 +173,25 @@ pub struct MemInfo {
 impl Pool {
     /// A pool over every device `driver` sees.
     pub fn new(driver: Arc<dyn Driver>, config: PoolConfig) -> Pool {
-        let devices: Box<[Mutex<DevicePool>]> = (0..driver.device_count().max(0))
-            .map(|device| Mutex::new(DevicePool::new(device, config)))
+        let devices = driver.device_count().max(0);
+        let shards: Box<[Shard]> = (0..devices)
+            .flat_map(|device| (0..SHARDS).map(move |k| (device, k)))
+            .map(|(device, k)| {
+                let owner = device * SHARDS as i32 + k as i32;
+                Shard::new(DevicePool::new(device, owner, config))
+            })
             .collect();
         Pool {
             driver,
-            waiting: devices.iter().map(|_| AtomicU32::new(0)).collect(),
-            // One device is every pointer's device: the map would never be read.
-            spans: if devices.len() > 1 {
+            shards,
+            bindings: (0..devices).map(|_| Binding::default()).collect(),
+            // With one device, pointers in no recorded segment are shard 0's: its segments
+            // (all a pool whose calls never contended has) cost no entries.
+            spans: if devices > 1 {
                 Spans::default()
             } else {
-                Spans::unused()
+                Spans::except(0)
             },
-            devices,
         }
     }
 
@@ -175,36 +202,118 @@ impl Pool {
 
     /// Number of devices.
     pub fn device_count(&self) -> i32 {
-        self.devices.len() as i32
+        self.bindings.len() as i32
     }
 
-    /// `device`'s pool, locked. A lock poisoned by a panic is taken over: every book is updated
-    /// only after the driver call it depends on succeeded.
-    fn lock(&self, device: i32) -> Result<(MutexGuard<'_, DevicePool>, Context<'_>)> {
-        let slot = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or_else(|| self.invalid_device(device))?;
-        let guard = match slot.try_lock() {
+    /// The index of `device` among the devices, or the error naming the ordinals there are.
+    #[inline]
+    fn device_index(&self, device: i32) -> Result<usize> {
+        // A negative ordinal is a large unsigned one.
+        match device as u32 as usize {
+            d if d < self.bindings.len() => Ok(d),
+            _ => Err(self.invalid_device(device)),
+        }
+    }
+
+    /// The indexes of `device`'s shards that may hold memory.
+    fn opened_shards(&self, d: usize) -> std::ops::Range<usize> {
+        d * SHARDS..d * SHARDS + self.bindings[d].opened()
+    }
+
+    /// Shard `index`'s books, locked. A lock poisoned by a panic is taken over: every book is
+    /// updated only after the driver call it depends on succeeded.
+    fn lock_shard(&self, index: usize) -> (Books<'_>, Context<'_>) {
+        let shard = &self.shards[index];
+        (Books::new(self.take(shard), shard), self.context(index))
+    }
+
+    /// `shard`'s lock, taken at once where it is free.
+    #[inline]
+    fn take<'a>(&self, shard: &'a Shard) -> MutexGuard<'a, DevicePool> {
+        match shard.books.try_lock() {
             Ok(guard) => guard,
             Err(TryLockError::Poisoned(e)) => e.into_inner(),
-            Err(TryLockError::WouldBlock) => {
-                let waiting = &self.waiting[device as usize];
-                waiting.fetch_add(1, Ordering::Relaxed);
-                let guard = slot.lock().unwrap_or_else(|e| e.into_inner());
-                waiting.fetch_sub(1, Ordering::Relaxed);
-                guard
-            }
-        };
-        let cx = Context {
-            driver: &*self.driver,
-            spans: &self.spans,
-        };
-        Ok((guard, cx))
+            Err(TryLockError::WouldBlock) => self.wait_for(shard),
+        }
     }
 
+    /// Run `f` on shard `index`'s books under its lock (all of it inlined where the calls that
+    /// hit the pool come: nothing returned through memory).
+    #[inline]
+    fn with_shard<T>(&self, index: usize, f: impl FnOnce(&mut DevicePool, &Context<'_>) -> T) -> T {
+        let shard = &self.shards[index];
+        let mut books = Books::new(self.take(shard), shard);
+        f(&mut books, &self.context(index))
+    }
+
+    /// `shard`'s lock, waiting for it (counted among its waiters meanwhile).
+    #[cold]
+    fn wait_for<'a>(&self, shard: &'a Shard) -> MutexGuard<'a, DevicePool> {
+        shard.waiting.fetch_add(1, Ordering::Relaxed);
+        let guard = shard.books.lock().unwrap_or_else(|e| e.into_inner());
+        shard.waiting.fetch_sub(1, Ordering::Relaxed);
+        guard
+    }
+
+    #[inline]
+    fn context(&self, index: usize) -> Context<'_> {
+        let first = index - index % SHARDS;
+        Context {
+            driver: &*self.driver,
+            spans: &self.spans,
+            shards: &self.shards[first..first + SHARDS],
+            own: index % SHARDS,
+        }
+    }
+
+    /// `device`'s first shard, locked: the one a pool whose calls never contended uses alone.
+    fn lock(&self, device: i32) -> Result<(Books<'_>, Context<'_>)> {
+        let d = self.device_index(device)?;
+        Ok(self.lock_shard(d * SHARDS))
+    }
+
+    /// The shard serving `stream` on `device`, locked, and its index. Where another thread
+    /// holds its lock, the stream moves to a shard of its own if it may (`shards.rs`).
+    #[inline]
+    fn lock_stream(
+        &self,
+        device: i32,
+        stream: StreamHandle,
+    ) -> Result<(usize, MutexGuard<'_, DevicePool>)> {
+        let d = self.device_index(device)?;
+        let binding = &self.bindings[d];
+        let k = binding.shard(stream);
+        let index = d * SHARDS + k;
+        Ok(match self.shards[index].books.try_lock() {
+            Ok(guard) => (index, guard),
+            Err(TryLockError::Poisoned(e)) => (index, e.into_inner()),
+            Err(TryLockError::WouldBlock) => self.contended(d, k, stream),
+        })
+    }
+
+    /// `stream`'s shard `k` of device `d` is locked by another thread: its shard now, locked.
+    /// Once the lock is its, a stream that owns no segment there (nothing it would leave behind)
+    /// moves to a shard of its own if it may (`shards.rs`).
+    #[cold]
+    fn contended(
+        &self,
+        d: usize,
+        k: usize,
+        stream: StreamHandle,
+    ) -> (usize, MutexGuard<'_, DevicePool>) {
+        let index = d * SHARDS + k;
+        let guard = self.wait_for(&self.shards[index]);
+        if k != 0 || guard.holds_stream(stream) {
+            return (index, guard);
+        }
+        drop(guard);
+        let index = d * SHARDS + self.bindings[d].move_contended(stream, k).unwrap_or(k);
+        (index, self.take(&self.shards[index]))
+    }
+
+    #[cold]
     fn invalid_device(&self, device: i32) -> Error {
-        let seen = match self.devices.len() {
+        let seen = match self.bindings.len() {
             0 => "no devices".to_string(),
             1 => "1 device (ordinal 0)".to_string(),
             n => format!("{n} devices (ordinals 0 to {})", n - 1),
@@ -221,32 +330,69 @@ impl Pool {
     /// A block of at least `size` bytes on `device` for use on `stream`; `0` for size 0.
     pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
         if size == 0 {
-            return self.lock(device).map(|_| 0);
+            return self.device_index(device).map(|_| 0);
         }
-        self.unlocked_growth(device, |pool, cx| pool.reserve(cx, size, stream))
+        let (index, guard) = self.lock_stream(device, stream)?;
+        let books = Books::new(guard, &self.shards[index]);
+        self.growing(index, books, |pool, cx| pool.reserve(cx, size, stream))
     }
 
-    /// Run `f` on `device`'s pool, making the driver calls a growth needs without the device's
-    /// lock: a pass defers them, they are made once the lock is let go, and the next pass takes
-    /// what they made (`device/growing.rs`).
-    fn unlocked_growth<T>(
+    /// Run `f`, which may grow shard `index` (locked in `books`), as `unlocked_growth` does.
+    /// Where the shard runs out of memory while the device's other shards hold idle cache, that
+    /// cache goes back to the driver and `f` runs once more, as PyTorch's policy returns every
+    /// stream's cache before it fails.
+    fn growing<T>(
         &self,
-        device: i32,
+        index: usize,
+        books: Books<'_>,
         f: impl Fn(&mut DevicePool, &Context<'_>) -> Result<T>,
     ) -> Result<T> {
-        let (mut pool, cx) = self.lock(device)?;
-        let mut plan = match pool.deferring(&cx, |pool| f(pool, &cx)) {
+        let err = match self.unlocked_growth(index, books, self.context(index), &f) {
+            Err(err) if err.is_out_of_memory() => err,
+            done => return done,
+        };
+        if self.free_other_shards(index)? == 0 {
+            return Err(err);
+        }
+        // Tried again, the request counts as failed only if the second try fails.
+        let (mut books, cx) = self.lock_shard(index);
+        books.forgive_oom();
+        self.unlocked_growth(index, books, cx, f)
+    }
+
+    /// Return the idle cache of the shards of shard `index`'s device other than it; the bytes
+    /// returned.
+    fn free_other_shards(&self, index: usize) -> Result<u64> {
+        let d = index / SHARDS;
+        let mut total = 0;
+        for other in self.opened_shards(d).filter(|&i| i != index) {
+            total += self.free_shard(other)?;
+        }
+        Ok(total)
+    }
+
+    /// Run `f` on shard `index`'s pool, locked in `books`, making the driver calls a growth
+    /// needs without the lock: a pass defers them, they are made once the lock is let go, and
+    /// the next pass takes what they made (`device/growing.rs`).
+    fn unlocked_growth<T>(
+        &self,
+        index: usize,
+        mut books: Books<'_>,
+        cx: Context<'_>,
+        f: impl Fn(&mut DevicePool, &Context<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let mut plan = match books.deferring(&cx, |pool| f(pool, &cx)) {
             Pass::Done(done) => return done,
             Pass::Grow(plan) => plan,
         };
-        drop(pool);
+        drop(books);
         // A pass may defer again what the last one's calls made way for (a growth once a wait
         // for the device is done); the last pass makes its calls under the lock.
         for pass in 2.. {
             let made = plan.make(&*self.driver);
-            let (mut pool, cx) = self.lock(device)?;
+            let (mut books, cx) = self.lock_shard(index);
             let defer = pass <= DEFERRING_PASSES;
-            plan = match pool.prepared(&cx, plan, made, defer, |pool| f(pool, &cx)) {
+            plan = match books.prepared(&cx, plan, made, defer, |pool| f(pool, &cx)) {
                 Pass::Done(done) => return done,
                 Pass::Grow(plan) => plan,
             };
@@ -262,11 +408,12 @@ impl Pool {
         size: u64,
         stream: StreamHandle,
     ) -> Result<Option<DevicePtr>> {
-        let (mut pool, cx) = self.lock(device)?;
         if size == 0 {
-            return Ok(Some(0));
+            return self.device_index(device).map(|_| Some(0));
         }
-        pool.reserve_cached(&cx, size, stream)
+        let (index, guard) = self.lock_stream(device, stream)?;
+        let mut books = Books::new(guard, &self.shards[index]);
+        books.reserve_cached(&self.context(index), size, stream)
     }
 
     /// Give a block back to the pool. `0` is accepted and does nothing.
@@ -274,157 +421,194 @@ impl Pool {
         if ptr == 0 {
             return Ok(());
         }
-        self.on_device_of(ptr, |pool, cx| pool.release(cx, ptr))
+        self.on_shard_of(ptr, |pool, cx| pool.release(cx, ptr))
     }
 
     /// Note that the live block at `ptr` is also used on `stream`.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
-        self.on_device_of(ptr, |pool, _| pool.record_stream(ptr, stream))
+        self.on_shard_of(ptr, |pool, _| pool.record_stream(ptr, stream))
     }
 
-    /// Run `f` on the pool of the device whose segment holds `ptr`, found without a lock in the
-    /// span map (without a look when there is one device). Where the map cannot tell (segments
-    /// of several devices share the span, or an address beyond it), each device is asked in
-    /// turn: the one that handed out a block at `ptr`, else the one holding memory there (whose
-    /// `f` says what is wrong with the pointer).
-    fn on_device_of<T>(
+    /// Run `f` on the pool of the shard whose segment holds `ptr`, found without a lock in the
+    /// span map (without a look while a pool of one device uses one shard). Where the map
+    /// cannot tell (segments of several shards share the span, or an address beyond it), or
+    /// the shard it names has no block at `ptr` (a segment the map does not record shares the
+    /// span), each shard is asked in turn: the one that handed out a block at `ptr`, else the
+    /// one holding memory there (whose `f` says what is wrong with the pointer).
+    #[inline]
+    fn on_shard_of<T>(
         &self,
         ptr: DevicePtr,
-        f: impl FnOnce(&mut DevicePool, &Context<'_>) -> Result<T>,
+        f: impl Fn(&mut DevicePool, &Context<'_>) -> Result<T>,
     ) -> Result<T> {
-        let owner = match self.devices.len() {
-            1 => Owner::Device(0),
-            _ => self.spans.owner(ptr),
+        let one = self.bindings.len() == 1;
+        let owner = if one && self.bindings[0].opened() == 1 {
+            Owner::Shard(0)
+        } else {
+            match self.spans.owner(ptr) {
+                Owner::Nobody if one => Owner::Shard(0),
+                owner => owner,
+            }
         };
-        let device = match owner {
-            Owner::Device(device) => Some(device),
+        let index = match owner {
+            Owner::Shard(index) => Some(index as usize),
             Owner::Nobody => None,
-            Owner::Unknown => self.ask_each_device(ptr)?,
+            Owner::Unknown => self.ask_each_shard(ptr),
         };
-        let Some(device) = device else {
+        let Some(index) = index else {
             return Err(Error::invalid_pointer(format!(
                 "{ptr:#x} was not returned by rm_reserve: it lies in no memory the pool holds on \
                  any device (pass only pointers from rm_reserve, each once)"
             )));
         };
-        let (mut pool, cx) = self.lock(device)?;
-        f(&mut pool, &cx)
-    }
-
-    /// The device that handed out a block at `ptr`, else one whose memory holds it, asking each
-    /// under its lock.
-    fn ask_each_device(&self, ptr: DevicePtr) -> Result<Option<i32>> {
-        let mut holder = None;
-        for device in 0..self.device_count() {
-            let (pool, _) = self.lock(device)?;
-            if pool.has_block_at(ptr) {
-                return Ok(Some(device));
-            }
-            if holder.is_none() && pool.holds(ptr) {
-                holder = Some(device);
+        let done = self.with_shard(index, &f);
+        if done
+            .as_ref()
+            .is_err_and(|e| e.status == rm_status::RM_ERROR_INVALID_POINTER)
+            && self.shards.len() > 1
+        {
+            if let Some(other) = self.ask_each_shard(ptr).filter(|&i| i != index) {
+                return self.with_shard(other, f);
             }
         }
-        Ok(holder)
+        done
+    }
+
+    /// The shard that handed out a block at `ptr`, else one whose memory holds it, asking each
+    /// under its lock.
+    fn ask_each_shard(&self, ptr: DevicePtr) -> Option<usize> {
+        let mut holder = None;
+        for d in 0..self.bindings.len() {
+            for index in self.opened_shards(d) {
+                let (pool, _) = self.lock_shard(index);
+                if pool.has_block_at(ptr) {
+                    return Some(index);
+                }
+                if holder.is_none() && pool.holds(ptr) {
+                    holder = Some(index);
+                }
+            }
+        }
+        holder
     }
 
     /// `(free, total)` bytes of `device`, where free counts this pool's reusable memory.
     pub fn mem_get_info(&self, device: i32) -> Result<(u64, u64)> {
-        let (pool, cx) = self.lock(device)?;
-        pool.mem_get_info(&cx)
+        self.mem_get_info_capped(device)
+            .map(|info| (info.free, info.total))
     }
 
-    /// [`Pool::mem_get_info`] with the cap on `device`, read under one hold of the device's
-    /// lock.
+    /// [`Pool::mem_get_info`] with the cap on `device` (the driver asked under the lock of the
+    /// device's first shard, the figures of its other shards read under theirs).
     pub fn mem_get_info_capped(&self, device: i32) -> Result<MemInfo> {
-        let (pool, cx) = self.lock(device)?;
-        let (free, total) = pool.mem_get_info(&cx)?;
-        let cap = pool
-            .memory_limit()
-            .map(|limit| (limit, pool.stats().allocated_bytes));
+        let d = self.device_index(device)?;
+        let (mut reusable, mut allocated) = (0u64, 0u64);
+        for index in self.opened_shards(d).skip(1) {
+            let (pool, _) = self.lock_shard(index);
+            let stats = pool.stats();
+            reusable += stats.reusable_bytes;
+            allocated += stats.allocated_bytes;
+        }
+        let (pool, cx) = self.lock_shard(d * SHARDS);
+        let (free, total) = pool.driver_info(&cx)?;
+        let stats = pool.stats();
+        reusable += stats.reusable_bytes;
+        allocated += stats.allocated_bytes;
+        let mut free = free.saturating_add(reusable).min(total);
+        let cap = pool.memory_limit().map(|limit| (limit, allocated));
+        if let Some((limit, allocated)) = cap {
+            free = free.min(limit.saturating_sub(allocated));
+        }
         Ok(MemInfo { free, total, cap })
     }
 
     /// Return idle cached memory to the driver, on one device or (`None`) all. Returns bytes.
-    /// The device's queued work is waited for first, without the device's lock; then the work
+    /// The device's queued work is waited for first, without the device's locks; then the work
     /// goes in batches of bounded size (at most [`FREE_BATCH`] segments, fewer once a batch has
-    /// run for `BATCH_TIME`), the device's lock released between them (and the driver calls
-    /// that return memory made while it is released), so that reserves and releases on the
-    /// device wait for one batch's bookkeeping at most. Blocks released meanwhile may stay
-    /// cached.
+    /// run for `BATCH_TIME`), shard by shard, the shard's lock released between them (and the
+    /// driver calls that return memory made while it is released), so that reserves and
+    /// releases on the device wait for one batch's bookkeeping at most. Blocks released
+    /// meanwhile may stay cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
-        // One ordinal is checked by `lock`, INT_MAX included.
         let devices = match device {
-            Some(d) => vec![d],
-            None => (0..self.device_count()).collect(),
+            Some(d) => vec![self.device_index(d)?],
+            None => (0..self.bindings.len()).collect(),
         };
+        let mut total = 0;
+        for d in devices {
+            for index in self.opened_shards(d) {
+                total += self.free_shard(index)?;
+            }
+        }
+        Ok(total)
+    }
+
+    /// [`Pool::free_reusable`] on shard `index`.
+    fn free_shard(&self, index: usize) -> Result<u64> {
+        let device = (index / SHARDS) as i32;
         let mut total = 0;
         #[cfg(feature = "hold-probe")]
         let mut holds = probe::Holds::default();
-        for device in devices {
-            let mut sweep = Sweep::settled_at(self.wait_unlocked(device)?);
-            loop {
-                let (mut pool, cx) = self.lock(device)?;
-                #[cfg(feature = "hold-probe")]
-                let timing = probe::Holds::start(sweep.step_name());
-                let start = Instant::now();
-                let over = || start.elapsed() >= BATCH_TIME;
-                let batch = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over);
-                #[cfg(feature = "hold-probe")]
-                holds.end(timing);
-                drop(pool);
-                // The driver calls that return what the batch took out of the books, made
-                // without the lock (the next batch books the answers).
-                sweep.make_calls(&*self.driver, device);
-                let (bytes, more) = match batch {
-                    Ok(batch) => batch,
-                    Err(e) => {
-                        // What was returned is booked all the same; the first failure is told.
-                        let (mut pool, cx) = self.lock(device)?;
-                        let _ = pool.book_sweep_calls(&cx, &mut sweep);
-                        return Err(e);
-                    }
-                };
-                total += bytes;
-                if !more {
-                    break;
+        let mut sweep = Sweep::settled_at(self.wait_unlocked(index)?);
+        loop {
+            let (mut pool, cx) = self.lock_shard(index);
+            #[cfg(feature = "hold-probe")]
+            let timing = probe::Holds::start(sweep.step_name());
+            let start = Instant::now();
+            let over = || start.elapsed() >= BATCH_TIME;
+            let batch = pool.free_reusable_batch(&cx, &mut sweep, FREE_BATCH, &over);
+            #[cfg(feature = "hold-probe")]
+            holds.end(timing);
+            drop(pool);
+            // The driver calls that return what the batch took out of the books, made without
+            // the lock (the next batch books the answers).
+            sweep.make_calls(&*self.driver, device);
+            let (bytes, more) = match batch {
+                Ok(batch) => batch,
+                Err(e) => {
+                    // What was returned is booked all the same; the first failure is told.
+                    let (mut pool, cx) = self.lock_shard(index);
+                    let _ = pool.book_sweep_calls(&cx, &mut sweep);
+                    return Err(e);
                 }
-                self.let_waiters_in(device);
+            };
+            total += bytes;
+            if !more {
+                break;
             }
+            self.let_waiters_in(index);
         }
         #[cfg(feature = "hold-probe")]
         holds.print();
         Ok(total)
     }
 
-    /// Before memory of `device` goes back to the driver: the device's queued work, which may
-    /// still use blocks released before, waited for without the device's lock (where a block was
-    /// released since the last wait and cached memory is left), so that no reserve or release
-    /// on the device waits behind that work. Returns the count of releases the wait settled (0:
-    /// no wait was needed).
-    fn wait_unlocked(&self, device: i32) -> Result<u64> {
+    /// Before memory of shard `index` goes back to the driver: the device's queued work, which
+    /// may still use blocks released before, waited for without the shard's lock (where a block
+    /// was released since the last wait and cached memory is left), so that no reserve or
+    /// release waits behind that work. Returns the count of the shard's releases the wait
+    /// settled (0: no wait was needed).
+    fn wait_unlocked(&self, index: usize) -> Result<u64> {
         let (releases, needs_wait) = {
-            let (pool, _) = self.lock(device)?;
+            let (pool, _) = self.lock_shard(index);
             (pool.releases(), pool.needs_wait())
         };
         if !needs_wait {
             return Ok(0);
         }
-        self.driver.synchronize(device).map_err(|e| {
-            Error::driver("waiting for the device before returning cached memory", &e)
-        })?;
+        self.driver
+            .synchronize((index / SHARDS) as i32)
+            .map_err(|e| {
+                Error::driver("waiting for the device before returning cached memory", &e)
+            })?;
         Ok(releases)
     }
 
-    /// Between two batches of a long operation on `device`: give the threads blocked on its
-    /// lock the time to take it (a mutex lets the thread that just released it take it again
-    /// before a woken waiter runs), up to [`WAITERS_GRACE`].
-    fn let_waiters_in(&self, device: i32) {
-        let Some(waiting) = usize::try_from(device)
-            .ok()
-            .and_then(|d| self.waiting.get(d))
-        else {
-            return;
-        };
+    /// Between two batches of a long operation on shard `index`: give the threads blocked on
+    /// its lock the time to take it (a mutex lets the thread that just released it take it
+    /// again before a woken waiter runs), up to [`WAITERS_GRACE`].
+    fn let_waiters_in(&self, index: usize) {
+        let waiting = &self.shards[index].waiting;
         let start = Instant::now();
         while waiting.load(Ordering::Relaxed) > 0 && start.elapsed() < WAITERS_GRACE {
             std::thread::yield_now();
@@ -434,36 +618,57 @@ impl Pool {
     /// Return idle cached memory of `device` to the driver, up to `bytes` of it (whole idle
     /// segments, so possibly a little more), never a block in use: what another process asks
     /// for when it runs short. Returns the bytes returned. The device's queued work is waited
-    /// for first, without the device's lock; the driver calls are made under it (one hold,
-    /// bounded by the bytes asked).
+    /// for first, without the shards' locks; the driver calls are made under them (one hold
+    /// per shard, bounded by the bytes asked).
     pub fn trim(&self, device: i32, bytes: u64) -> Result<u64> {
-        if bytes == 0 {
-            // The ordinal is checked all the same.
-            return self.lock(device).map(|_| 0);
+        let d = self.device_index(device)?;
+        let mut total = 0;
+        for index in self.opened_shards(d) {
+            if total >= bytes {
+                break;
+            }
+            let settled = self.wait_unlocked(index)?;
+            let (mut pool, cx) = self.lock_shard(index);
+            pool.settled_at(settled);
+            total += pool.trim(&cx, bytes - total)?;
         }
-        let settled = self.wait_unlocked(device)?;
-        let (mut pool, cx) = self.lock(device)?;
-        pool.settled_at(settled);
-        pool.trim(&cx, bytes)
+        Ok(total)
     }
 
-    /// Ensure at least `bytes` are reusable on `device`. Returns the bytes newly allocated.
+    /// Ensure at least `bytes` are reusable on `device` for its default stream (whose shard a
+    /// load's blocks come from). Returns the bytes newly allocated.
     pub fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
-        self.unlocked_growth(device, |pool, cx| pool.warmup(cx, bytes))
+        let d = self.device_index(device)?;
+        let index = d * SHARDS + self.bindings[d].shard(0);
+        let (books, _) = self.lock_shard(index);
+        self.growing(index, books, |pool, cx| pool.warmup(cx, bytes))
     }
 
-    /// The figures of `device`, read without changing anything.
+    /// The figures of `device`, read without changing anything: the sums of its shards'
+    /// (`largest_reusable_block` their largest). A peak is the sum of the shards' peaks: the
+    /// device's own where one shard did all the work since the last reset (always, unless
+    /// threads contended for the pool), else at least it.
     pub fn stats(&self, device: i32) -> Result<Stats> {
-        let (pool, _) = self.lock(device)?;
-        Ok(pool.stats())
+        let d = self.device_index(device)?;
+        let mut sum = Stats::default();
+        for index in self.opened_shards(d) {
+            let (pool, _) = self.lock_shard(index);
+            sum.add(&pool.stats());
+        }
+        Ok(sum)
     }
 
     /// Where `device`'s reserved memory lies, by page: what live blocks hold, and what the
     /// cache holds by how it can be used again (see [`Layout`]). A walk of every block, under
-    /// the device's lock: for a replay or a diagnosis, not for a hot path.
+    /// the shards' locks in turn: for a replay or a diagnosis, not for a hot path.
     pub fn layout(&self, device: i32) -> Result<Layout> {
-        let (pool, _) = self.lock(device)?;
-        Ok(pool.layout())
+        let d = self.device_index(device)?;
+        let mut sum = Layout::default();
+        for index in self.opened_shards(d) {
+            let (pool, _) = self.lock_shard(index);
+            sum.add(&pool.layout());
+        }
+        Ok(sum)
     }
 
     /// Whether `device`'s cache is reused page by page (segments stitched with the
@@ -476,34 +681,29 @@ impl Pool {
 
     /// Set the peaks of `device` to the current values.
     pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
-        let (mut pool, _) = self.lock(device)?;
-        pool.reset_peak_stats();
+        let d = self.device_index(device)?;
+        for index in self.opened_shards(d) {
+            self.lock_shard(index).0.reset_peak_stats();
+        }
         Ok(())
     }
 
     /// Cap what the pool reserves on `device` (`None`: every device) at `limit` bytes (`None`:
-    /// no cap). Idle cache above the cap goes back to the driver now; a reserve that would grow
-    /// past it returns idle cache first, then fails with out-of-memory naming the cap. Returns
-    /// the bytes returned to the driver.
+    /// no cap), all its shards together. Idle cache above the cap goes back to the driver now;
+    /// a reserve that would grow past it returns idle cache first, then fails with
+    /// out-of-memory naming the cap. Returns the bytes returned to the driver.
     pub fn set_memory_limit(&self, device: Option<i32>, limit: Option<u64>) -> Result<u64> {
-        self.each_device(device, |pool, cx| pool.set_memory_limit(cx, limit))
-    }
-
-    /// Run `f` on one device's pool or (`None`) on each in turn, summing what it returns.
-    fn each_device(
-        &self,
-        device: Option<i32>,
-        mut f: impl FnMut(&mut DevicePool, &Context<'_>) -> Result<u64>,
-    ) -> Result<u64> {
-        // One ordinal is checked by `lock`, INT_MAX included (`d..d + 1` would overflow).
         let devices = match device {
-            Some(d) => vec![d],
-            None => (0..self.device_count()).collect(),
+            Some(d) => vec![self.device_index(d)?],
+            None => (0..self.bindings.len()).collect(),
         };
         let mut total = 0;
-        for device in devices {
-            let (mut pool, cx) = self.lock(device)?;
-            total += f(&mut pool, &cx)?;
+        for d in devices {
+            // Every shard, those not opened yet too: the cap is the device's.
+            for index in d * SHARDS..(d + 1) * SHARDS {
+                let (mut pool, cx) = self.lock_shard(index);
+                total += pool.set_memory_limit(&cx, limit)?;
+            }
         }
         Ok(total)
     }
@@ -514,16 +714,23 @@ impl Pool {
         Ok(pool.memory_limit())
     }
 
-    /// Check the books of every device and the span map; a description of the first broken
+    /// Check the books of every shard and the span map; a description of the first broken
     /// invariant. Exact only while no other thread calls the pool.
     pub fn check(&self) -> std::result::Result<(), String> {
         let mut segments = Vec::new();
-        for device in 0..self.device_count() {
-            let (pool, _) = self.lock(device).map_err(|e| e.message)?;
-            pool.check().map_err(|e| format!("device {device}: {e}"))?;
+        for index in 0..self.shards.len() {
+            let (pool, _) = self.lock_shard(index);
+            let (device, k) = (index / SHARDS, index % SHARDS);
+            if k >= self.bindings[device].opened() && pool.stats().segments > 0 {
+                return Err(format!(
+                    "device {device}: shard {k} holds segments but was never opened"
+                ));
+            }
+            pool.check()
+                .map_err(|e| format!("device {device} (shard {k}): {e}"))?;
             segments.extend(
                 pool.segment_ranges()
-                    .map(|(base, size)| (base, size, device)),
+                    .map(|(base, size)| (base, size, index as i32)),
             );
         }
         self.spans.check(&segments)

@@ -1,12 +1,12 @@
-//! From an address to the device whose segment holds it, without a lock: a radix tree over
-//! 48-bit addresses with one entry per 2 MiB span, written when a device books or forgets a
-//! segment (under that device's lock) and read with atomic loads by `release` and
-//! `record_stream`.
+//! From an address to the device shard whose segment holds it (its *owner*: the shard's index
+//! among every device's shards, `shards.rs`), without a lock: a radix tree over 48-bit addresses
+//! with one entry per 2 MiB span, written when a shard books or forgets a segment (under that
+//! shard's lock) and read with atomic loads by `release` and `record_stream`.
 //!
-//! An entry counts the segments that touch its span and names their device, or says that
-//! segments of several devices touch it (a span two devices' segments share, where segments are
+//! An entry counts the segments that touch its span and names their owner, or says that
+//! segments of several owners touch it (a span two shards' segments share, where segments are
 //! not 2 MiB-aligned; it stays so until its last segment goes): then, and for addresses at or
-//! above [`LIMIT`], which the tree does not cover, the caller asks each device in turn. Bits
+//! above [`LIMIT`], which the tree does not cover, the caller asks each shard in turn. Bits
 //! 47..39 pick one of 512 top slots (512 GiB each), 38..30 one of 512 in a middle level (1 GiB
 //! each), 29..21 the entry in a leaf of 512. Levels are made on first use and kept while the map
 //! lives, so a reader follows them with plain atomic loads.
@@ -14,9 +14,10 @@
 //! A segment leaves the map *before* the driver frees its addresses (which may be handed to
 //! another device at once) and is entered again if the free fails.
 //!
-//! A pool of one device never reads the map (every pointer is that device's to judge), so it
-//! keeps none ([`Spans::unused`]): booking a segment then costs nothing per 2 MiB span, where a
-//! 24 GiB segment's 12,288 entries took 200 µs under the device's lock.
+//! A pool of one device records no segment of its first shard ([`Spans::except`]): a pointer in
+//! no recorded segment is that shard's to judge. So a pool whose calls never contended (one
+//! shard) books a segment at no cost per 2 MiB span, where a 24 GiB segment's 12,288 entries
+//! took 200 µs under the lock, and never reads the map.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -32,17 +33,17 @@ const SPAN_BITS: u32 = 21;
 const LEVEL_BITS: u32 = 9;
 const WIDE: usize = 1 << LEVEL_BITS;
 
-/// An entry's device field when segments of several devices touch its span.
+/// An entry's owner field when segments of several owners touch its span.
 const SEVERAL: u64 = u32::MAX as u64;
 
 /// Who holds the segments touching an address's span.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Owner {
-    /// No segment.
+    /// No recorded segment.
     Nobody,
-    /// Segments of this device only.
-    Device(i32),
-    /// Segments of several devices, or an address the map does not cover: ask each device.
+    /// Segments of this owner only.
+    Shard(i32),
+    /// Segments of several owners, or an address the map does not cover: ask each shard.
     Unknown,
 }
 
@@ -53,10 +54,10 @@ fn level<T>() -> Level<T> {
     (0..WIDE).map(|_| OnceLock::new()).collect()
 }
 
-/// The map. An entry is `(device + 1) << 32 | segments`, or 0 for no segment.
+/// The map. An entry is `(owner + 1) << 32 | segments`, or 0 for no segment.
 pub struct Spans {
-    /// Kept: written and checked (not in a pool of one device).
-    kept: bool,
+    /// The owner whose segments are not recorded, if any.
+    unrecorded: Option<i32>,
     top: Level<Level<Leaf>>,
     /// Entries that are not 0, and the sum of their counts (for the check).
     occupied: AtomicUsize,
@@ -64,11 +65,11 @@ pub struct Spans {
 }
 
 impl Spans {
-    /// A map that is not kept, for a pool of one device: nothing is written, and nothing may be
-    /// read (`owner` says nobody holds anything).
-    pub fn unused() -> Spans {
+    /// A map that records no segment of `owner` (a pool of one device's first shard): a
+    /// pointer in no recorded segment is that owner's to judge.
+    pub fn except(owner: i32) -> Spans {
         Spans {
-            kept: false,
+            unrecorded: Some(owner),
             ..Spans::default()
         }
     }
@@ -77,7 +78,7 @@ impl Spans {
 impl Default for Spans {
     fn default() -> Self {
         Spans {
-            kept: true,
+            unrecorded: None,
             top: level(),
             occupied: AtomicUsize::new(0),
             total: AtomicU64::new(0),
@@ -111,12 +112,12 @@ fn spans(base: DevicePtr, size: u64) -> impl Iterator<Item = u64> {
 }
 
 impl Spans {
-    /// Note `device`'s new segment `[base, base + size)`.
-    pub fn add(&self, base: DevicePtr, size: u64, device: i32) {
-        if !self.kept {
+    /// Note `owner`'s new segment `[base, base + size)`.
+    pub fn add(&self, base: DevicePtr, size: u64, owner: i32) {
+        if self.unrecorded == Some(owner) {
             return;
         }
-        let code = u64::from(device as u32) + 1;
+        let code = u64::from(owner as u32) + 1;
         for span in spans(base, size) {
             let [a, b, c] = parts(span);
             let leaf = self.top[a].get_or_init(level)[b]
@@ -136,9 +137,9 @@ impl Spans {
         }
     }
 
-    /// Forget the segment `[base, base + size)`, added before.
-    pub fn remove(&self, base: DevicePtr, size: u64) {
-        if !self.kept {
+    /// Forget `owner`'s segment `[base, base + size)`, added before.
+    pub fn remove(&self, base: DevicePtr, size: u64, owner: i32) {
+        if self.unrecorded == Some(owner) {
             return;
         }
         for span in spans(base, size) {
@@ -182,25 +183,25 @@ impl Spans {
         match entry >> 32 {
             0 => Owner::Nobody,
             SEVERAL => Owner::Unknown,
-            code => Owner::Device((code - 1) as i32),
+            code => Owner::Shard((code - 1) as i32),
         }
     }
 }
 
 impl Spans {
-    /// Check the map against `segments`, as (base, size, device), in O(segments): the entries
+    /// Check the map against `segments`, as (base, size, owner), in O(segments): the entries
     /// of the spans at each segment's ends (the only spans two segments can share) count the
-    /// segments touching them and name their device (or, where several devices' segments touch
-    /// them now or did since they were last empty, say so); and the number of spans with an
-    /// entry and the sum of the entries' counts are those of the segments' spans, so that no
-    /// span is counted twice or left out and no other span has an entry.
+    /// recorded segments touching them and name their owner (or, where several owners' segments
+    /// touch them now or did since they were last empty, say so); and the number of spans with
+    /// an entry and the sum of the entries' counts are those of the recorded segments' spans, so
+    /// that no span is counted twice or left out and no other span has an entry.
     pub fn check(&self, segments: &[(DevicePtr, u64, i32)]) -> Result<(), String> {
-        if !self.kept {
-            return Ok(());
-        }
         let mut ends: BTreeMap<u64, (BTreeSet<i32>, u64)> = BTreeMap::new();
         let mut spans_touched = 0u64;
-        for &(base, size, device) in segments {
+        let recorded = segments
+            .iter()
+            .filter(|&&(_, _, owner)| self.unrecorded != Some(owner));
+        for &(base, size, device) in recorded {
             let Some((first, last)) = bounds(base, size) else {
                 continue;
             };
@@ -256,21 +257,21 @@ mod tests {
     const MIB: u64 = 1 << 20;
 
     #[test]
-    fn each_span_of_a_segment_names_its_device_until_it_is_removed() {
+    fn each_span_of_a_segment_names_its_owner_until_it_is_removed() {
         let spans = Spans::default();
         let base = 0x7000_0000_0000;
         assert_eq!(spans.owner(base), Owner::Nobody);
         spans.add(base, 20 * MIB, 1);
-        assert_eq!(spans.owner(base), Owner::Device(1));
-        assert_eq!(spans.owner(base + 512), Owner::Device(1));
-        assert_eq!(spans.owner(base + 20 * MIB - 1), Owner::Device(1));
+        assert_eq!(spans.owner(base), Owner::Shard(1));
+        assert_eq!(spans.owner(base + 512), Owner::Shard(1));
+        assert_eq!(spans.owner(base + 20 * MIB - 1), Owner::Shard(1));
         assert_eq!(spans.owner(base + 20 * MIB), Owner::Nobody);
         assert_eq!(spans.owner(base - 1), Owner::Nobody);
         // A segment across the end of a leaf (1 GiB) and of a middle level (512 GiB).
         let edge = (1 << 39) - 2 * MIB;
         spans.add(edge, 4 * MIB, 0);
-        assert_eq!(spans.owner(edge), Owner::Device(0));
-        assert_eq!(spans.owner(edge + 3 * MIB), Owner::Device(0));
+        assert_eq!(spans.owner(edge), Owner::Shard(0));
+        assert_eq!(spans.owner(edge + 3 * MIB), Owner::Shard(0));
         assert_eq!(spans.owner(edge + 4 * MIB), Owner::Nobody);
         spans
             .check(&[(base, 20 * MIB, 1), (edge, 4 * MIB, 0)])
@@ -279,48 +280,48 @@ mod tests {
         assert!(spans
             .check(&[(base, 20 * MIB, 0), (edge, 4 * MIB, 0)])
             .is_err());
-        spans.remove(base, 20 * MIB);
+        spans.remove(base, 20 * MIB, 1);
         assert_eq!(spans.owner(base), Owner::Nobody);
         assert_eq!(spans.owner(base + 19 * MIB), Owner::Nobody);
-        spans.remove(edge, 4 * MIB);
+        spans.remove(edge, 4 * MIB, 0);
         assert_eq!(spans.owner(edge + 3 * MIB), Owner::Nobody);
     }
 
     #[test]
-    fn a_span_two_segments_share_is_counted_and_one_of_two_devices_is_unknown() {
+    fn a_span_two_segments_share_is_counted_and_one_of_two_owners_is_unknown() {
         let spans = Spans::default();
         let base = 0x10_0000_0000;
-        // Two segments of device 0 meeting inside a span.
+        // Two segments of owner 0 meeting inside a span.
         spans.add(base, 3 * MIB, 0);
         spans.add(base + 3 * MIB, 3 * MIB, 0);
-        assert_eq!(spans.owner(base + 2 * MIB), Owner::Device(0));
-        spans.remove(base, 3 * MIB);
+        assert_eq!(spans.owner(base + 2 * MIB), Owner::Shard(0));
+        spans.remove(base, 3 * MIB, 0);
         assert_eq!(spans.owner(base), Owner::Nobody);
         assert_eq!(
             spans.owner(base + 2 * MIB),
-            Owner::Device(0),
+            Owner::Shard(0),
             "still one segment"
         );
-        // A segment of device 1 in the same span: segments of both touch it.
+        // A segment of owner 1 in the same span: segments of both touch it.
         spans.add(base + MIB, 2 * MIB, 1);
         assert_eq!(
             spans.owner(base + MIB),
-            Owner::Device(1),
+            Owner::Shard(1),
             "alone in the first span"
         );
         assert_eq!(spans.owner(base + 2 * MIB), Owner::Unknown);
-        assert_eq!(spans.owner(base + 5 * MIB), Owner::Device(0));
+        assert_eq!(spans.owner(base + 5 * MIB), Owner::Shard(0));
         spans
             .check(&[(base + 3 * MIB, 3 * MIB, 0), (base + MIB, 2 * MIB, 1)])
             .unwrap();
-        spans.remove(base + MIB, 2 * MIB);
+        spans.remove(base + MIB, 2 * MIB, 1);
         assert_eq!(
             spans.owner(base + 2 * MIB),
             Owner::Unknown,
             "unknown until the span's last segment goes"
         );
         spans.check(&[(base + 3 * MIB, 3 * MIB, 0)]).unwrap();
-        spans.remove(base + 3 * MIB, 3 * MIB);
+        spans.remove(base + 3 * MIB, 3 * MIB, 0);
         assert_eq!(spans.owner(base + 2 * MIB), Owner::Nobody);
         assert_eq!(spans.owner(base + 5 * MIB), Owner::Nobody);
     }
@@ -332,24 +333,33 @@ mod tests {
         assert_eq!(spans.owner(u64::MAX), Owner::Unknown);
         // A segment across the limit is kept below it.
         spans.add(LIMIT - 2 * MIB, 4 * MIB, 3);
-        assert_eq!(spans.owner(LIMIT - MIB), Owner::Device(3));
+        assert_eq!(spans.owner(LIMIT - MIB), Owner::Shard(3));
         assert_eq!(spans.owner(LIMIT + MIB), Owner::Unknown);
-        spans.remove(LIMIT - 2 * MIB, 4 * MIB);
+        spans.remove(LIMIT - 2 * MIB, 4 * MIB, 3);
         assert_eq!(spans.owner(LIMIT - MIB), Owner::Nobody);
         spans.add(LIMIT + 8 * MIB, 2 * MIB, 0);
-        spans.remove(LIMIT + 8 * MIB, 2 * MIB);
+        spans.remove(LIMIT + 8 * MIB, 2 * MIB, 0);
     }
 
     #[test]
-    fn a_map_not_kept_writes_nothing() {
-        let spans = Spans::unused();
+    fn an_unrecorded_owners_segments_are_not_written() {
+        let spans = Spans::except(0);
         let base = 0x7f00_0000_0000;
         spans.add(base, 1 << 30, 0);
         assert_eq!(spans.owner(base), Owner::Nobody);
         assert_eq!(spans.occupied.load(Ordering::Relaxed), 0);
-        // Its check has nothing to compare: the pool's books are checked without it.
-        assert_eq!(spans.check(&[(base, 1 << 30, 0)]), Ok(()));
-        spans.remove(base, 1 << 30);
+        // Another owner's segment beside it is recorded, and checked without the first.
+        spans.add(base + (1 << 30), 4 * MIB, 1);
+        assert_eq!(spans.owner(base + (1 << 30)), Owner::Shard(1));
+        let segments = [(base, 1 << 30, 0), (base + (1 << 30), 4 * MIB, 1)];
+        assert_eq!(spans.check(&segments), Ok(()));
+        assert!(
+            spans.check(&segments[..1]).is_err(),
+            "the recorded one missing"
+        );
+        spans.remove(base, 1 << 30, 0);
+        spans.remove(base + (1 << 30), 4 * MIB, 1);
         assert_eq!(spans.total.load(Ordering::Relaxed), 0);
+        assert_eq!(spans.check(&[]), Ok(()));
     }
 }

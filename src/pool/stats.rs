@@ -71,6 +71,28 @@ impl Stats {
         self.reserved_bytes - self.allocated_bytes
     }
 
+    /// Add another shard's figures of the same device: every count summed, the largest
+    /// reusable block the larger. A peak summed is at least the peak of the sum.
+    pub fn add(&mut self, other: &Stats) {
+        self.allocated_bytes += other.allocated_bytes;
+        self.requested_bytes += other.requested_bytes;
+        self.reserved_bytes += other.reserved_bytes;
+        self.reusable_bytes += other.reusable_bytes;
+        self.largest_reusable_block = self
+            .largest_reusable_block
+            .max(other.largest_reusable_block);
+        self.peak_allocated_bytes += other.peak_allocated_bytes;
+        self.peak_reserved_bytes += other.peak_reserved_bytes;
+        self.live_blocks += other.live_blocks;
+        self.segments += other.segments;
+        self.reserve_calls += other.reserve_calls;
+        self.cache_hits += other.cache_hits;
+        self.driver_allocs += other.driver_allocs;
+        self.driver_frees += other.driver_frees;
+        self.oom_retries += other.oom_retries;
+        self.ooms += other.ooms;
+    }
+
     /// Set the peaks to the current values.
     pub fn reset_peaks(&mut self) {
         self.peak_allocated_bytes = self.allocated_bytes;
@@ -99,5 +121,29 @@ mod tests {
         assert_eq!((s.driver_allocs, s.driver_frees), (1, 1));
         s.reset_peaks();
         assert_eq!((s.peak_allocated_bytes, s.peak_reserved_bytes), (0, 0));
+    }
+
+    #[test]
+    fn shards_add_up() {
+        let mut a = Stats::default();
+        a.add_reserved(20 << 20, 1);
+        a.add_live(4 << 20, 4_000_000);
+        a.largest_reusable_block = 16 << 20;
+        let mut b = Stats::default();
+        b.add_reserved(2 << 20, 1);
+        b.add_live(512, 100);
+        b.largest_reusable_block = 2 << 20;
+        b.ooms = 1;
+        let mut sum = a;
+        sum.add(&b);
+        assert_eq!(sum.allocated_bytes, (4 << 20) + 512);
+        assert_eq!(sum.requested_bytes, 4_000_100);
+        assert_eq!(sum.reserved_bytes, 22 << 20);
+        assert_eq!(
+            (sum.peak_allocated_bytes, sum.peak_reserved_bytes),
+            ((4 << 20) + 512, 22 << 20)
+        );
+        assert_eq!((sum.live_blocks, sum.driver_allocs, sum.ooms), (2, 2, 1));
+        assert_eq!(sum.largest_reusable_block, 16 << 20);
     }
 }

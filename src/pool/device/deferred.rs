@@ -139,7 +139,7 @@ impl DevicePool {
             stream: self.slots[s.slot].handle,
         };
         // Out of the span map before the driver can hand the addresses to another device.
-        cx.spans.remove(r.base, r.size);
+        cx.spans.remove(r.base, r.size, self.owner);
         self.forget_segment(seg);
         self.returning.push(r);
         deferred.calls.push(Call::Free(r.base));

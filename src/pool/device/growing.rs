@@ -394,7 +394,7 @@ impl DevicePool {
         bytes: u64,
         driver_free: u64,
     ) -> Result<bool> {
-        let room = self.room_under_cap();
+        let room = self.room_under_cap(cx);
         if !self.may_defer() || bytes > room || bytes > driver_free {
             return Ok(false);
         }
@@ -566,7 +566,7 @@ impl DevicePool {
             }
         }
         if let Some(limit) = self.limit {
-            let over = (self.stats.reserved_bytes + self.growing).saturating_sub(limit);
+            let over = (self.committed() + cx.reserved_elsewhere()).saturating_sub(limit);
             if over > 0 {
                 match self.release_idle(cx, over) {
                     Ok(back) => self.log(format_args!(

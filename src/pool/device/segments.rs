@@ -67,7 +67,7 @@ impl DevicePool {
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);
-        cx.spans.add(ptr, segment, self.device);
+        cx.spans.add(ptr, segment, self.owner);
         self.stats.segments += 1;
         id
     }
@@ -121,9 +121,9 @@ impl DevicePool {
         let (base, size) = (self.segments[seg].base, self.segments[seg].size);
         if !self.segments[seg].stitched {
             // Out of the span map before the driver can hand the addresses to another device.
-            cx.spans.remove(base, size);
+            cx.spans.remove(base, size, self.owner);
             if let Err(e) = cx.driver.mem_free(self.device, base) {
-                cx.spans.add(base, size, self.device);
+                cx.spans.add(base, size, self.owner);
                 return Err(Error::driver(
                     &format!("returning segment {base:#x} to the driver"),
                     &e,

@@ -189,7 +189,7 @@ impl DevicePool {
         s.runs = runs;
         s.borrowers = borrowers;
         self.forget_segment(seg);
-        cx.spans.remove(base, size);
+        cx.spans.remove(base, size, self.owner);
     }
 
     /// Lent pages `[ptr, ptr + size)` of `seg`, inside one hole, came back: free memory again,

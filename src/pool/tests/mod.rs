@@ -9,7 +9,8 @@
 //! - `pages`: page-granular reuse with the virtual-memory API (the `vmm_*` tests);
 //! - `returning`: returning memory (`free_reusable`, `trim`, the sweep's batches);
 //! - `pointers`: bad pointers and devices, and finding a pointer's device;
-//! - `scale`: many blocks and many threads.
+//! - `scale`: many blocks and many threads;
+//! - `shards`: a device's shards by stream, which threads on different streams take apart.
 
 use std::sync::Arc;
 
@@ -28,6 +29,7 @@ mod placement;
 mod pointers;
 mod returning;
 mod scale;
+mod shards;
 mod streams;
 
 /// A pool over fresh simulated devices of these capacities, and the devices.

@@ -90,7 +90,8 @@ fn a_span_the_map_cannot_tell_is_resolved_by_asking_each_device() {
     let c = pool.reserve(1, 4096, 0).unwrap();
     // As if a segment of device 1 shared the 2 MiB span of device 0's segment.
     let span = a & !(2 * MIB - 1);
-    pool.spans.add(span, 2 * MIB, 1);
+    let device_1 = super::SHARDS as i32; // device 1's first shard
+    pool.spans.add(span, 2 * MIB, device_1);
     assert_eq!(pool.spans.owner(a), Owner::Unknown);
     assert!(pool.check().unwrap_err().contains("span map"));
     let err = pool.release(b + 512).unwrap_err();
@@ -111,7 +112,7 @@ fn a_span_the_map_cannot_tell_is_resolved_by_asking_each_device() {
         err.message
     );
     assert_eq!(pool.stats(0).unwrap().allocated_bytes, 4096);
-    pool.spans.remove(span, 2 * MIB);
+    pool.spans.remove(span, 2 * MIB, device_1);
     pool.release(b).unwrap();
     pool.release(c).unwrap();
     assert_books(&pool, sim);

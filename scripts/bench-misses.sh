@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Misses: pairs of 128 MiB blocks (beyond the front cache, so every rm_reserve and rm_release
+# goes to the pool) through the shipped libresmem.so from C, from one thread, then two threads on
+# one device each on its own stream (`pairs streams`: the device's shards), then two threads on
+# two devices (`pairs devices`). RUNS (default 10) runs, each followed by the same with the
+# library in BEFORE_LIB (a folder holding another build's libresmem.so.0, e.g. of an earlier
+# commit) where given, so that both meet the machine's other work alike. Prints a Markdown table:
+# CPU ns per pair per thread, minimum / median over the runs, and the 2-thread / 1-thread ratio
+# of the minima.
+#
+#   scripts/bench-misses.sh
+#   BEFORE_LIB=/tmp/before RUNS=10 scripts/bench-misses.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+runs=${RUNS:-10}
+cargo build --release -q -p resmem -p libcuda-sim
+out=target/bench-c
+mkdir -p "$out"
+ln -sf "$PWD/target/release/libresmem.so" "$out/libresmem.so.0"
+gcc -O2 -std=c11 -Wall -Wextra -Iinclude benches/c/pairs.c -o "$out/pairs" \
+  -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -lpthread -ldl
+export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
+: > "$out/misses"
+for i in $(seq 1 "$runs"); do
+  for lib in now before; do
+    if [ "$lib" = before ]; then
+      [ -n "${BEFORE_LIB:-}" ] || continue
+      export LD_LIBRARY_PATH="$BEFORE_LIB"
+    fi
+    CUDA_SIM_DEVICES=80GiB "$out/pairs" streams | sed "s/^/$lib /" >> "$out/misses"
+    CUDA_SIM_DEVICES=80GiB,80GiB "$out/pairs" devices | sed "s/^/$lib /" >> "$out/misses"
+    unset LD_LIBRARY_PATH
+  done
+done
+python3 - "$out/misses" "$runs" <<'PY'
+import statistics, sys, datetime, platform
+path, runs = sys.argv[1], int(sys.argv[2])
+cpu = {}
+for line in open(path):
+    lib, kind, threads, _, c = line.split()
+    cpu.setdefault((lib, kind, int(threads)), []).append(float(c))
+print(f"`scripts/bench-misses.sh`, {runs} runs; date {datetime.date.today()}; {platform.machine()}, "
+      "simulated devices through `libcuda_sim.so` (80 GiB each). CPU ns per pair per thread, "
+      "minimum / median over the runs.\n")
+print("| library | case | 1 thread | 2 threads | 2 / 1 (minima) |")
+print("| --- | --- | ---: | ---: | ---: |")
+names = {"stream_pair": "one device, a stream per thread", "device_pair": "a device per thread"}
+for lib in ("now", "before"):
+    for kind in ("stream_pair", "device_pair"):
+        if (lib, kind, 1) not in cpu:
+            continue
+        one, two = cpu[(lib, kind, 1)], cpu[(lib, kind, 2)]
+        print(f"| {lib} | {names[kind]} | {min(one):.0f} / {statistics.median(one):.0f} | "
+              f"{min(two):.0f} / {statistics.median(two):.0f} | {min(two) / min(one):.2f} |")
+PY

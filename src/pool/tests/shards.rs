@@ -1,0 +1,191 @@
+//! Shards by stream (`shards.rs`): a stream whose shard is locked by another thread moves to a
+//! shard of its own, and the device's figures, cap and memory stay one device's.
+
+use std::sync::mpsc;
+
+use super::*;
+
+const S1: StreamHandle = 0x7f00_0000_1000;
+const S2: StreamHandle = 0x7f00_0000_2000;
+
+/// Reserve `size` bytes on `stream` from another thread while this one holds device 0's first
+/// shard, let go once the reserve waits for it. Returns the pointer.
+fn reserve_against_held_shard(pool: &Pool, size: u64, stream: StreamHandle) -> DevicePtr {
+    let held = pool.lock(0).unwrap();
+    std::thread::scope(|s| {
+        let other = s.spawn(|| pool.reserve(0, size, stream));
+        while pool.shards[0].waiting.load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now();
+        }
+        drop(held);
+        other.join().unwrap().unwrap()
+    })
+}
+
+/// The same where the reserve must not wait for the held shard (it would never end).
+fn reserve_beside_held_shard(pool: &Pool, size: u64, stream: StreamHandle) -> DevicePtr {
+    let held = pool.lock(0).unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| tx.send(pool.reserve(0, size, stream)).unwrap());
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .expect("a reserve on a stream of another shard waited for the held one");
+        drop(held);
+        got.unwrap()
+    })
+}
+
+/// `stream`, owning nothing yet, moved to shard 1 by a reserve that met shard 0 held.
+fn move_to_own_shard(pool: &Pool, stream: StreamHandle) -> DevicePtr {
+    let p = reserve_against_held_shard(pool, 2 * MIB, stream);
+    assert_eq!(pool.bindings[0].shard(stream), 1);
+    p
+}
+
+#[test]
+fn a_stream_that_owns_memory_stays_with_it() {
+    let (pool, sim) = pool(GIB);
+    let a = pool.reserve(0, 100 * MIB, S1).unwrap();
+    let b = reserve_against_held_shard(&pool, 100 * MIB, S1);
+    assert_eq!(
+        (pool.bindings[0].shard(S1), pool.bindings[0].opened()),
+        (0, 1)
+    );
+    pool.release(a).unwrap();
+    pool.release(b).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_stream_whose_shard_is_held_moves_to_its_own_and_the_books_stay_one_devices() {
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[4 * GIB], config);
+        let a = pool.reserve(0, 100 * MIB, S1).unwrap();
+        assert_eq!(pool.bindings[0].opened(), 1, "no contention, one shard");
+        let b = reserve_against_held_shard(&pool, 30 * MIB, S2);
+        assert_eq!(pool.bindings[0].opened(), 2);
+        assert_eq!(pool.bindings[0].shard(S2), 1);
+        assert_eq!(pool.bindings[0].shard(S1), 0, "the other stream stays");
+        // Each shard holds its own stream's block; the device's figures are their sums.
+        let s = pool.stats(0).unwrap();
+        assert_eq!(s.allocated_bytes, 130 * MIB);
+        assert_eq!(s.live_blocks, 2);
+        assert_eq!(s.segments, 2);
+        assert_eq!(s.reserved_bytes, sim.used_bytes(0));
+        assert_books(&pool, sim);
+        // S2's next request is served by its shard from its cache, with shard 0 held.
+        pool.release(b).unwrap();
+        let b2 = reserve_beside_held_shard(&pool, 30 * MIB, S2);
+        assert_eq!(b2, b);
+        assert_eq!(pool.stats(0).unwrap().cache_hits, 1);
+        // Released from this thread, each block finds its shard.
+        pool.release(a).unwrap();
+        pool.release(b2).unwrap();
+        let err = pool.release(b2).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+        assert!(err.message.contains("already released"), "{}", err.message);
+        let err = pool.release(a + 512).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_POINTER);
+        assert_books(&pool, sim);
+        let (free, total) = pool.mem_get_info(0).unwrap();
+        assert_eq!(
+            (free, total),
+            (4 * GIB, 4 * GIB),
+            "both shards' cache is free"
+        );
+        assert_eq!(pool.layout(0).unwrap().cached(), sim.used_bytes(0));
+        // Everything goes back, from both shards.
+        assert_eq!(pool.free_reusable(Some(0)).unwrap(), s.reserved_bytes);
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn out_of_memory_in_a_shard_takes_the_other_shards_idle_cache() {
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[GIB], config);
+        // Shard 0 caches 700 MiB of S1's.
+        let a = pool.reserve(0, 700 * MIB, S1).unwrap();
+        pool.release(a).unwrap();
+        // S2 moves to shard 1, which has no cache; 700 MiB more do not fit beside shard 0's.
+        let b = move_to_own_shard(&pool, S2);
+        let c = pool.reserve(0, 700 * MIB, S2).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!(s.ooms, 0, "the request did not fail");
+        assert!(s.oom_retries >= 1);
+        assert_eq!(s.allocated_bytes, 702 * MIB);
+        assert!(s.reserved_bytes <= GIB);
+        assert_books(&pool, sim);
+        // Where no shard has idle cache left, it fails, counted once.
+        let err = pool.reserve(0, 700 * MIB, S1).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+        assert_eq!(pool.stats(0).unwrap().ooms, 1);
+        pool.release(b).unwrap();
+        pool.release(c).unwrap();
+        pool.free_reusable(None).unwrap();
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
+fn a_cap_counts_every_shard_of_the_device() {
+    let (pool, sim) = pool_with(&[4 * GIB], classic());
+    let a = pool.reserve(0, 600 * MIB, S1).unwrap();
+    let b = move_to_own_shard(&pool, S2);
+    assert_eq!(pool.set_memory_limit(Some(0), Some(GIB)).unwrap(), 0);
+    // Shard 1 may grow by what shard 0 leaves under the cap, no more.
+    let err = pool.reserve(0, 500 * MIB, S2).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(err.message.contains("memory limit"), "{}", err.message);
+    let c = pool.reserve(0, 300 * MIB, S2).unwrap();
+    // Shard 0's block cached, it goes back for shard 1's next request.
+    pool.release(a).unwrap();
+    let d = pool.reserve(0, 500 * MIB, S2).unwrap();
+    assert!(pool.stats(0).unwrap().reserved_bytes <= GIB);
+    assert_eq!(pool.stats(0).unwrap().ooms, 1, "only the first refusal");
+    let (free, _) = pool.mem_get_info(0).unwrap();
+    assert!(free <= GIB - 802 * MIB, "{free}");
+    // A lower cap returns idle cache of every shard.
+    pool.release(d).unwrap();
+    pool.set_memory_limit(None, Some(400 * MIB)).unwrap();
+    assert!(pool.stats(0).unwrap().reserved_bytes <= 400 * MIB);
+    for p in [b, c] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn a_pool_of_several_devices_finds_each_shards_blocks() {
+    let (pool, sim) = pool_with(&[GIB, GIB], PoolConfig::default());
+    let a = pool.reserve(1, 8 * MIB, S1).unwrap();
+    // Device 1's first shard held: device 0 is not waited for, device 1's S2 moves.
+    let held = pool.lock(1).unwrap();
+    let x = pool.reserve(0, 8 * MIB, S2).unwrap();
+    drop(held);
+    assert_eq!(pool.bindings[0].opened(), 1);
+    let held = pool.lock(1).unwrap();
+    let b = std::thread::scope(|s| {
+        let other = s.spawn(|| pool.reserve(1, 8 * MIB, S2));
+        while pool.shards[SHARDS].waiting.load(Ordering::Relaxed) == 0 {
+            std::thread::yield_now();
+        }
+        drop(held);
+        other.join().unwrap().unwrap()
+    });
+    assert_eq!(pool.bindings[1].opened(), 2);
+    assert_books(&pool, sim);
+    for p in [a, b, x] {
+        pool.record_stream(p, S1).unwrap();
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.stats(1).unwrap().allocated_bytes, 0);
+    pool.free_reusable(None).unwrap();
+    assert_books(&pool, sim);
+    assert_eq!(sim.used_bytes(1), 0);
+}
