@@ -54,6 +54,12 @@ enum Op {
     MemGetInfo(i32),
     ResetPeaks(i32),
     SetLimit(Option<i32>, Option<u64>),
+    /// The stream moves to a shard of its own where it owns no memory in its shard, as when a
+    /// reserve meets another thread there.
+    OwnShard {
+        device: i32,
+        stream: usize,
+    },
 }
 
 fn size() -> impl Strategy<Value = u64> {
@@ -79,7 +85,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::DoubleRelease),
         3 => (any::<Index>(), stream.clone()).prop_map(|(i, s)| Op::RecordStream(i, s)),
         2 => (device(), stream.clone()).prop_map(|(device, stream)| Op::Enqueue { device, stream }),
-        2 => (device(), stream).prop_map(|(device, stream)| Op::Complete { device, stream }),
+        2 => (device(), stream.clone()).prop_map(|(device, stream)| Op::Complete { device, stream }),
+        2 => (device(), stream).prop_map(|(device, stream)| Op::OwnShard { device, stream }),
         1 => prop::option::of(device()).prop_map(Op::FreeReusable),
         1 => (device(), 1u64..=3 * GIB).prop_map(|(device, bytes)| Op::Warmup { device, bytes }),
         1 => device().prop_map(Op::MemGetInfo),
@@ -381,6 +388,12 @@ impl Model {
                     (free, total),
                     (expected, driver_total)
                 );
+            }
+            Op::OwnShard { device, stream } => {
+                let handle = self.streams[device as usize][stream];
+                self.pool
+                    .own_shard(device, handle)
+                    .map_err(|e| fail(e.to_string()))?;
             }
             Op::ResetPeaks(device) => {
                 self.pool.reset_peak_stats(device).unwrap();

@@ -1,5 +1,5 @@
-//! Concurrency: 8 threads share one pool over two simulated devices with three streams each,
-//! doing mixed operations and handing blocks to each other, so that most blocks are released by
+//! Concurrency: 8 threads share one pool over two simulated devices with three streams each
+//! (two on a device's first shard, one on a shard of its own), doing mixed operations and handing blocks to each other, so that most blocks are released by
 //! another thread than the one that reserved them, with classic segments and with stitched ones
 //! (`vmm:true`), and behind the per-thread front caches (the C API's path). Every block handed
 //! out is checked against all other live blocks (no two overlap), and at the end the books are
@@ -115,6 +115,11 @@ fn eight_threads_over<P: Under + 'static>(stitched: bool, wrap: impl FnOnce(Pool
             })
             .collect(),
     );
+    // Each device's third stream on a shard of its own (as contention moves a stream), the
+    // other two sharing the first: releases cross shards, and figures sum them.
+    for d in 0..DEVICES {
+        assert!(pool.own_shard(d, streams[d as usize][2]).unwrap());
+    }
     let ledger = Arc::new(Ledger::default());
     // Blocks in flight between threads: (ptr, device).
     let exchange: Arc<Mutex<Vec<(u64, i32)>>> = Arc::default();

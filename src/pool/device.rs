@@ -421,12 +421,13 @@ impl DevicePool {
         Ok(())
     }
 
-    /// Make at least `bytes` reusable, counting what already is: allocate only the shortfall,
-    /// as one segment. Returns the bytes allocated.
+    /// Make at least `bytes` reusable on the device, counting what already is (the device's
+    /// other shards' too): allocate only the shortfall, as one segment. Returns the bytes
+    /// allocated.
     pub fn warmup(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
         // A load follows: merged free space places it best.
         self.flush_parked();
-        let reusable = self.stats.reusable();
+        let reusable = self.stats.reusable() + cx.reusable_elsewhere();
         if bytes <= reusable {
             return Ok(0);
         }
@@ -482,6 +483,12 @@ impl DevicePool {
     /// shards count against a cap.
     pub(crate) fn committed(&self) -> u64 {
         self.stats.reserved_bytes + self.growing
+    }
+
+    /// What the device's other shards read of this one: [`DevicePool::committed`], and the
+    /// bytes reserved that no live block holds.
+    pub(crate) fn published(&self) -> (u64, u64) {
+        (self.committed(), self.stats.reusable())
     }
 
     /// A request counted as failed for want of memory was served after all (once the device's

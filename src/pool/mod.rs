@@ -55,7 +55,7 @@ pub(crate) mod size;
 pub(crate) mod spans;
 pub(crate) mod stats;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -126,11 +126,21 @@ impl Context<'_> {
     /// What the device's other shards reserve and are creating, as of the end of their last
     /// holds: counted against a cap on the device.
     pub(crate) fn reserved_elsewhere(&self) -> u64 {
+        self.elsewhere(|shard| &shard.committed)
+    }
+
+    /// What the device's other shards reserve and no live block holds, as of the end of their
+    /// last holds: counted by a warm-up as reusable already.
+    pub(crate) fn reusable_elsewhere(&self) -> u64 {
+        self.elsewhere(|shard| &shard.reusable)
+    }
+
+    fn elsewhere(&self, figure: impl Fn(&Shard) -> &AtomicU64) -> u64 {
         self.shards
             .iter()
             .enumerate()
             .filter(|&(k, _)| k != self.own)
-            .map(|(_, shard)| shard.committed.load(Ordering::Relaxed))
+            .map(|(_, shard)| figure(shard).load(Ordering::Relaxed))
             .sum()
     }
 }
@@ -303,12 +313,34 @@ impl Pool {
     ) -> (usize, MutexGuard<'_, DevicePool>) {
         let index = d * SHARDS + k;
         let guard = self.wait_for(&self.shards[index]);
-        if k != 0 || guard.holds_stream(stream) {
-            return (index, guard);
+        match self.leave(d, k, stream, &guard) {
+            None => (index, guard),
+            Some(to) => {
+                drop(guard);
+                let index = d * SHARDS + to;
+                (index, self.take(&self.shards[index]))
+            }
         }
-        drop(guard);
-        let index = d * SHARDS + self.bindings[d].move_contended(stream, k).unwrap_or(k);
-        (index, self.take(&self.shards[index]))
+    }
+
+    /// `stream`, served by shard `k` of device `d` whose books `pool` are (locked), moves to
+    /// a shard of its own where it may and owns no segment in `k`: its new shard.
+    fn leave(&self, d: usize, k: usize, stream: StreamHandle, pool: &DevicePool) -> Option<usize> {
+        if k != 0 || pool.holds_stream(stream) {
+            return None;
+        }
+        self.bindings[d].move_contended(stream, k)
+    }
+
+    /// Move `stream` on `device` to a shard of its own, as a reserve that finds another thread
+    /// in its shard does (where it owns no memory there): for tests that exercise a device's
+    /// shards without racing threads. Whether it moved.
+    #[doc(hidden)]
+    pub fn own_shard(&self, device: i32, stream: StreamHandle) -> Result<bool> {
+        let d = self.device_index(device)?;
+        let k = self.bindings[d].shard(stream);
+        let (pool, _) = self.lock_shard(d * SHARDS + k);
+        Ok(self.leave(d, k, stream, &pool).is_some())
     }
 
     #[cold]
@@ -337,10 +369,10 @@ impl Pool {
         self.growing(index, books, |pool, cx| pool.reserve(cx, size, stream))
     }
 
-    /// Run `f`, which may grow shard `index` (locked in `books`), as `unlocked_growth` does.
-    /// Where the shard runs out of memory while the device's other shards hold idle cache, that
-    /// cache goes back to the driver and `f` runs once more, as PyTorch's policy returns every
-    /// stream's cache before it fails.
+    /// Run the reserve `f`, which may grow shard `index` (locked in `books`), as
+    /// `unlocked_growth` does. Where the shard runs out of memory while the device's other
+    /// shards hold idle cache, that cache goes back to the driver and `f` runs once more, as
+    /// PyTorch's policy returns every stream's cache before it fails.
     fn growing<T>(
         &self,
         index: usize,
@@ -635,13 +667,16 @@ impl Pool {
         Ok(total)
     }
 
-    /// Ensure at least `bytes` are reusable on `device` for its default stream (whose shard a
-    /// load's blocks come from). Returns the bytes newly allocated.
+    /// Ensure at least `bytes` are reusable on `device`, counting what every shard holds: the
+    /// shortfall is allocated in the default stream's shard (a load's blocks come from it; the
+    /// other shards' idle cache goes back to the driver when a reserve runs short). Returns the
+    /// bytes newly allocated.
     pub fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
         let d = self.device_index(device)?;
         let index = d * SHARDS + self.bindings[d].shard(0);
-        let (books, _) = self.lock_shard(index);
-        self.growing(index, books, |pool, cx| pool.warmup(cx, bytes))
+        // No cache goes back for a warm-up, the other shards' neither.
+        let (books, cx) = self.lock_shard(index);
+        self.unlocked_growth(index, books, cx, |pool, cx| pool.warmup(cx, bytes))
     }
 
     /// The figures of `device`, read without changing anything: the sums of its shards'

@@ -16,9 +16,11 @@
 //! A shard's memory serves only its own streams; across shards memory goes back through the
 //! driver: a reserve that runs out of memory in its shard returns the other shards' idle cache
 //! and tries once more (`Pool::reserve`), as PyTorch's policy returns every stream's cache
-//! before it fails. A cap counts the whole device: each shard publishes what it reserves (and is
-//! creating without its lock) at the end of every hold, and the others count that against the
-//! cap ([`Context::reserved_elsewhere`](super::Context::reserved_elsewhere)).
+//! before it fails. A cap and a warm-up count the whole device: each shard publishes what it
+//! reserves (and is creating without its lock) and what of that is reusable at the end of every
+//! hold, and the others count that against the cap
+//! ([`Context::reserved_elsewhere`](super::Context::reserved_elsewhere)) or as reusable already
+//! ([`Context::reusable_elsewhere`](super::Context::reusable_elsewhere)).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -42,6 +44,8 @@ pub(crate) struct Shard {
     pub(crate) waiting: AtomicU32,
     /// What this shard reserves, and creates without its lock, as of the end of its last hold.
     pub(crate) committed: AtomicU64,
+    /// What it reserves and no live block holds, as of the end of its last hold.
+    pub(crate) reusable: AtomicU64,
 }
 
 impl Shard {
@@ -50,6 +54,7 @@ impl Shard {
             books: Mutex::new(pool),
             waiting: AtomicU32::new(0),
             committed: AtomicU64::new(0),
+            reusable: AtomicU64::new(0),
         }
     }
 }
@@ -81,10 +86,14 @@ impl DerefMut for Books<'_> {
 
 impl Drop for Books<'_> {
     fn drop(&mut self) {
-        // Read by the device's other shards, under their own locks, for a cap.
-        let committed = self.guard.committed();
+        // Read by the device's other shards, under their own locks: for a cap, and for a
+        // warm-up (which counts the device's reusable memory).
+        let (committed, reusable) = self.guard.published();
         if self.shard.committed.load(Ordering::Relaxed) != committed {
             self.shard.committed.store(committed, Ordering::Relaxed);
+        }
+        if self.shard.reusable.load(Ordering::Relaxed) != reusable {
+            self.shard.reusable.store(reusable, Ordering::Relaxed);
         }
     }
 }

@@ -17,6 +17,8 @@ pub trait Under: Send + Sync {
     fn memory_limit(&self, device: i32) -> RmResult<Option<u64>>;
     fn record_stream(&self, ptr: u64, stream: u64) -> RmResult<()>;
     fn check(&self) -> Result<(), String>;
+    /// [`Pool::own_shard`].
+    fn own_shard(&self, device: i32, stream: u64) -> RmResult<bool>;
     /// Whether the figures are consistent with each other while other threads' calls are in
     /// flight: the pool's are read under the device's lock; the front caches' running counters
     /// are summed across threads and are exact only once no call is in flight (as documented).
@@ -62,8 +64,28 @@ macro_rules! under {
             fn check(&self) -> Result<(), String> {
                 <$t>::check(self)
             }
+            fn own_shard(&self, device: i32, stream: u64) -> RmResult<bool> {
+                self.shards().own_shard(device, stream)
+            }
         }
     };
 }
 under!(Pool, true);
 under!(Front, false);
+
+/// How each reaches the pool's shards.
+trait Shards {
+    fn shards(&self) -> &Pool;
+}
+
+impl Shards for Pool {
+    fn shards(&self) -> &Pool {
+        self
+    }
+}
+
+impl Shards for Front {
+    fn shards(&self) -> &Pool {
+        self.pool()
+    }
+}
