@@ -684,12 +684,8 @@ impl Pool {
     /// device's own where one shard did all the work since the last reset (always, unless
     /// threads contended for the pool), else at least it.
     pub fn stats(&self, device: i32) -> Result<Stats> {
-        let d = self.device_index(device)?;
         let mut sum = Stats::default();
-        for index in self.opened_shards(d) {
-            let (pool, _) = self.lock_shard(index);
-            sum.add(&pool.stats());
-        }
+        self.each_opened_shard(device, |pool| sum.add(&pool.stats()))?;
         Ok(sum)
     }
 
@@ -697,13 +693,19 @@ impl Pool {
     /// cache holds by how it can be used again (see [`Layout`]). A walk of every block, under
     /// the shards' locks in turn: for a replay or a diagnosis, not for a hot path.
     pub fn layout(&self, device: i32) -> Result<Layout> {
-        let d = self.device_index(device)?;
         let mut sum = Layout::default();
-        for index in self.opened_shards(d) {
-            let (pool, _) = self.lock_shard(index);
-            sum.add(&pool.layout());
-        }
+        self.each_opened_shard(device, |pool| sum.add(&pool.layout()))?;
         Ok(sum)
+    }
+
+    /// Run `f` on each of `device`'s shards that may hold memory, under its lock, one after
+    /// the other.
+    fn each_opened_shard(&self, device: i32, mut f: impl FnMut(&mut DevicePool)) -> Result<()> {
+        let d = self.device_index(device)?;
+        for index in self.opened_shards(d) {
+            f(&mut self.lock_shard(index).0);
+        }
+        Ok(())
     }
 
     /// Whether `device`'s cache is reused page by page (segments stitched with the
@@ -716,11 +718,7 @@ impl Pool {
 
     /// Set the peaks of `device` to the current values.
     pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
-        let d = self.device_index(device)?;
-        for index in self.opened_shards(d) {
-            self.lock_shard(index).0.reset_peak_stats();
-        }
-        Ok(())
+        self.each_opened_shard(device, |pool| pool.reset_peak_stats())
     }
 
     /// Cap what the pool reserves on `device` (`None`: every device) at `limit` bytes (`None`:
