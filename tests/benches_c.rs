@@ -77,7 +77,7 @@ fn the_pair_benchmark_runs_its_counting_mode() {
 #[test]
 fn the_pair_benchmark_runs_its_two_stream_and_fixed_work_modes() {
     let exe = compile("pairs");
-    // Two threads on one device, each on its own stream: a line for 1 thread, then for 2.
+    // 1, 2, 4 and 8 threads on one device, each on its own stream: a line for each.
     let out = run(&exe, &["streams"], Driver::SimLibrary, &[]);
     let threads: Vec<&str> = out
         .lines()
@@ -87,7 +87,7 @@ fn the_pair_benchmark_runs_its_two_stream_and_fixed_work_modes() {
             f[1]
         })
         .collect();
-    assert_eq!(threads, ["1", "2"], "{out}");
+    assert_eq!(threads, ["1", "2", "4", "8"], "{out}");
     // The machine's reference for the lock holds of rm_free_reusable: one line, 50 spans.
     let out = run(&exe, &["work", "50", "25"], Driver::SimLibrary, &[]);
     let f: Vec<&str> = out.trim_end().split(' ').collect();

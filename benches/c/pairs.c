@@ -14,7 +14,7 @@
  * segments unless given; `lent`: segments made of lent pages, see free_reusable_pauses). `pairs devices` (two simulated devices) times pairs of 128 MiB blocks, which
  * the front cache passes to the pool, from one thread on device 0, then two threads on devices
  * 0 and 1: `device_pair <threads> <wall ns> <CPU ns>` per pair per thread; `pairs streams` the
- * same from one thread, then two threads on device 0, each on its own stream: `stream_pair`.
+ * same from 1, 2, 4 and 8 threads on device 0, each on its own stream: `stream_pair`.
  * `pairs work [HOLDS] [SPAN_US]` times spans of fixed work as long as rm_free_reusable's lock
  * holds, with no pool: the machine's own tail for such spans. `pairs handoff [HOLD_US] [BATCHES]`
  * measures the same waits behind a plain pthread mutex held HOLD_US (20) at a time, BATCHES
@@ -506,11 +506,12 @@ static void device_pairs(void) {
   device_each = 0;
 }
 
-/* The same pairs of 128 MiB blocks from one thread, then two threads on device 0, each on its
- * own stream: every reserve and release takes the device's lock, the two threads' blocks in
- * different segments. Prints `stream_pair <threads> <wall ns> <CPU ns>` per pair per thread. */
+/* The same pairs of 128 MiB blocks from 1, 2, 4 and 8 threads on device 0, each on its own
+ * stream: every reserve and release takes the lock of its stream's shard of the device, the
+ * threads' blocks in different segments. Prints `stream_pair <threads> <wall ns> <CPU ns>` per
+ * pair per thread. */
 static void stream_pairs(void) {
-  for (int threads = 1; threads <= 2; threads++) {
+  for (int threads = 1; threads <= 8; threads *= 2) {
     double cpu, wall = run_pairs(threads, (size_t)128 << 20, 0, &cpu);
     printf("stream_pair %d %.1f %.1f\n", threads, wall, cpu);
     fflush(stdout);
