@@ -77,6 +77,12 @@ impl Target {
     fn warmup(&self, device: i32, bytes: u64) -> Result<u64> {
         either!(self, t => t.warmup(device, bytes))
     }
+    fn own_shard(&self, device: i32, stream: u64) -> Result<bool> {
+        match self {
+            Target::Pool(p) => p.own_shard(device, stream),
+            Target::Front(f) => f.pool().own_shard(device, stream),
+        }
+    }
     fn set_memory_limit(&self, device: Option<i32>, limit: Option<u64>) -> Result<u64> {
         either!(self, t => t.set_memory_limit(device, limit))
     }
@@ -229,6 +235,9 @@ fuzz_target!(|data: &[u8]| {
             30 if arg & 0x80 != 0 => {
                 let result = if arg & 0x40 != 0 {
                     pool.reset_peak_stats(device)
+                } else if arg & 0x20 != 0 {
+                    // The stream on a shard of its own, as contention moves it.
+                    pool.own_shard(device, stream).map(drop)
                 } else {
                     // What another process sharing the device asks back.
                     pool.trim(device, size(arg & 31)).map(drop)
