@@ -710,8 +710,8 @@ impl DevicePool {
             human(requested),
             human(bytes),
             human(limit),
-            human(self.stats.reserved_bytes),
-            human(self.stats.reusable())
+            human(self.stats.reserved_bytes + cx.reserved_elsewhere()),
+            human(self.stats.reusable() + cx.reusable_elsewhere())
         )))
     }
 
@@ -753,8 +753,8 @@ impl DevicePool {
             self.device,
             human(requested),
             human(segment),
-            human(self.stats.reserved_bytes),
-            human(self.stats.reusable()),
+            human(self.stats.reserved_bytes + cx.reserved_elsewhere()),
+            human(self.stats.reusable() + cx.reusable_elsewhere()),
             driver_free
         ))
     }

@@ -139,7 +139,14 @@ fn a_cap_counts_every_shard_of_the_device() {
     // Shard 1 may grow by what shard 0 leaves under the cap, no more.
     let err = pool.reserve(0, 500 * MIB, S2).unwrap_err();
     assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
-    assert!(err.message.contains("memory limit"), "{}", err.message);
+    // The message gives the device's figures, both shards' (`b`'s 20 MiB segment holds 2).
+    assert!(
+        err.message.contains("memory limit of 1.00 GiB")
+            && err.message.contains("it reserves 620.00 MiB")
+            && err.message.contains("of which 18.00 MiB"),
+        "{}",
+        err.message
+    );
     let c = pool.reserve(0, 300 * MIB, S2).unwrap();
     // Shard 0's block cached, it goes back for shard 1's next request.
     pool.release(a).unwrap();
