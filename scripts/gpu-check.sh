@@ -14,8 +14,9 @@
 #      with classic segments and with RESMEM_CONF=vmm:true;
 #   3. resmem info, and resmem demo on the GPU under both policies;
 #   4. the cost of each driver call the pool makes, by size (benches/c/driver_costs.c: the figures
-#      behind `resmem replay`'s estimated driver time), and cache-hit pairs through libresmem.so
-#      from 1 and 2 threads beside glibc (benches/c/pairs.c, `pairs quick`);
+#      behind `resmem replay`'s estimated driver time), cache-hit pairs through libresmem.so
+#      from 1 and 2 threads beside glibc (benches/c/pairs.c, `pairs quick`), and misses from 1,
+#      2, 4 and 8 threads each on its own stream (`pairs streams`);
 #   5. when python3 has torch (with the wheels of scripts/gpu-wheels.sh in .whl/ when present:
 #      transformers 4.51.3, from before the fix of the seed): python/tests/test_torch_gpu.py, the same four loads in PyTorch
 #      with transformers' device_map="auto", with and without resmem as the allocator; and
@@ -52,6 +53,8 @@ echo "== driver calls by kind and size (us: median, min, max of 20)"
 RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/driver_costs" 20 || status=1
 echo "== cache-hit pairs (ns per pair per thread: wall, CPU)"
 RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/pairs" quick || status=1
+echo "== misses: 128 MiB pairs from 1, 2, 4 and 8 threads, a stream each (the device's shards)"
+RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY=libcuda.so.1 "$bundle/pairs" streams || status=1
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   # The wheels scripts/gpu-wheels.sh fetched (transformers from before PR #37920).
   echo "== installing .whl/ into /tmp/site"
