@@ -290,7 +290,9 @@ pub unsafe extern "C" fn rm_mem_get_info(
 /// Order of attempts: a cached block on this stream (best fit); an idle cached segment of
 /// another stream, ordered after that stream's work; a new segment, returning idle cached
 /// segments to the driver first if the driver's free memory is short; on a driver
-/// out-of-memory, all reusable memory is returned and the allocation retried once; with
+/// out-of-memory, all reusable memory is returned and the allocation retried once (where
+/// threads contending for the pool moved their streams to separate shards of the device, the
+/// stream's shard first, then the other shards' idle cache and one more try); with
 /// `RESMEM_CONF=share:true`, the other sharing processes on the device are asked for the
 /// shortfall, and the allocation is retried once more if the driver's free memory rises within
 /// `share_wait_ms`; then `RM_ERROR_OUT_OF_MEMORY`, with the requested, reserved, reusable and
