@@ -23,14 +23,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
 rounds=${ROUNDS:-5}
-cargo build --release -q -p resmem -p libcuda-sim
 out=target/bench-c
-mkdir -p "$out"
-# The library's SONAME is libresmem.so.0: the program finds it beside itself.
-ln -sf "$PWD/target/release/libresmem.so" "$out/libresmem.so.0"
-gcc -O2 -std=c11 -Wall -Wextra -Iinclude benches/c/pairs.c -o "$out/pairs" \
-  -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -lpthread -ldl
-export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
+. scripts/c-bench.sh
+c_bench_build pairs "$out"
 if [ -z "${REPORT_ONLY:-}" ]; then
   rm -f "$out"/sweep-before.*
   for i in $(seq 1 "$runs"); do

@@ -15,17 +15,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${RUNS:-3}
 reps=${REPS:-20}
-cargo build --release -q -p resmem -p libcuda-sim
 out=target/bench-trace
 mkdir -p "$out/ops" "$out/before"
-# The library's SONAME is libresmem.so.0: the program finds it beside itself, or in BEFORE_LIB.
-ln -sf "$PWD/target/release/libresmem.so" "$out/libresmem.so.0"
-gcc -O2 -std=c11 -Wall -Wextra -Iinclude benches/c/trace.c -o "$out/trace" \
-  -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -ldl
+. scripts/c-bench.sh
+# The program finds the library beside itself, or in BEFORE_LIB.
+c_bench_build trace "$out"
 if [ -n "${BEFORE_LIB:-}" ]; then
   ln -sf "$BEFORE_LIB/libresmem.so" "$out/before/libresmem.so.0"
 fi
-export RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so"
 
 # Each workload as `a ID SIZE STREAM` / `f ID` lines, with its device's memory in a .mem file.
 python3 - "$out/ops" <<'EOF'
