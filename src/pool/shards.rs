@@ -142,6 +142,12 @@ impl Binding {
             return None;
         }
         let b = bucket(stream);
+        // Moved by another thread meanwhile (which held the shard's lock before this one): no
+        // shard is opened for nothing.
+        let now = self.buckets[b].load(Ordering::Acquire);
+        if now != 0 {
+            return Some(usize::from(now));
+        }
         let next = self
             .opened
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -170,8 +176,11 @@ mod tests {
         assert_eq!((b.shard(s1), b.shard(s2), b.opened()), (0, 0, 1));
         assert_eq!(b.move_contended(s1, 0), Some(1));
         assert_eq!((b.shard(s1), b.shard(s2), b.opened()), (1, 0, 2));
-        // Off shard 0, it stays.
+        // Off shard 0, it stays; asked again from shard 0 (a thread that waited there while
+        // another moved it), it finds where it went, and opens no shard.
         assert_eq!(b.move_contended(s1, 1), None);
+        assert_eq!(b.move_contended(s1, 0), Some(1));
+        assert_eq!(b.opened(), 2);
         assert_eq!(b.move_contended(s2, 0), Some(2));
         assert_eq!((b.shard(s1), b.shard(s2), b.opened()), (1, 2, 3));
     }
