@@ -427,7 +427,7 @@ impl DevicePool {
     pub fn warmup(&mut self, cx: &Context<'_>, bytes: u64) -> Result<u64> {
         // A load follows: merged free space places it best.
         self.flush_parked();
-        let reusable = self.stats.reusable() + cx.reusable_elsewhere();
+        let reusable = self.device_reusable(cx);
         if bytes <= reusable {
             return Ok(0);
         }
@@ -468,7 +468,7 @@ impl DevicePool {
     /// Returns the bytes returned.
     pub fn set_memory_limit(&mut self, cx: &Context<'_>, limit: Option<u64>) -> Result<u64> {
         self.limit = limit;
-        let reserved = self.stats.reserved_bytes + cx.reserved_elsewhere();
+        let reserved = self.device_reserved(cx);
         match limit {
             Some(limit) if reserved > limit => {
                 self.flush_parked();
@@ -483,6 +483,21 @@ impl DevicePool {
     /// shards count against a cap.
     pub(crate) fn committed(&self) -> u64 {
         self.stats.reserved_bytes + self.growing
+    }
+
+    /// [`DevicePool::committed`] with what the device's other shards last published.
+    pub(crate) fn device_committed(&self, cx: &Context<'_>) -> u64 {
+        self.committed() + cx.reserved_elsewhere()
+    }
+
+    /// What the device reserves: this pool, and what its other shards last published.
+    fn device_reserved(&self, cx: &Context<'_>) -> u64 {
+        self.stats.reserved_bytes + cx.reserved_elsewhere()
+    }
+
+    /// What the device holds reusable: this pool's, and what its other shards last published.
+    fn device_reusable(&self, cx: &Context<'_>) -> u64 {
+        self.stats.reusable() + cx.reusable_elsewhere()
     }
 
     /// What the device's other shards read of this one: [`DevicePool::committed`], and the
@@ -710,8 +725,8 @@ impl DevicePool {
             human(requested),
             human(bytes),
             human(limit),
-            human(self.stats.reserved_bytes + cx.reserved_elsewhere()),
-            human(self.stats.reusable() + cx.reusable_elsewhere())
+            human(self.device_reserved(cx)),
+            human(self.device_reusable(cx))
         )))
     }
 
@@ -719,7 +734,7 @@ impl DevicePool {
     /// creating without the lock counts as reserved, and so does the device's other shards'.
     fn room_under_cap(&self, cx: &Context<'_>) -> u64 {
         self.limit.map_or(u64::MAX, |limit| {
-            limit.saturating_sub(self.committed() + cx.reserved_elsewhere())
+            limit.saturating_sub(self.device_committed(cx))
         })
     }
 
@@ -753,8 +768,8 @@ impl DevicePool {
             self.device,
             human(requested),
             human(segment),
-            human(self.stats.reserved_bytes + cx.reserved_elsewhere()),
-            human(self.stats.reusable() + cx.reusable_elsewhere()),
+            human(self.device_reserved(cx)),
+            human(self.device_reusable(cx)),
             driver_free
         ))
     }

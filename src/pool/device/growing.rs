@@ -566,7 +566,7 @@ impl DevicePool {
             }
         }
         if let Some(limit) = self.limit {
-            let over = (self.committed() + cx.reserved_elsewhere()).saturating_sub(limit);
+            let over = self.device_committed(cx).saturating_sub(limit);
             if over > 0 {
                 match self.release_idle(cx, over) {
                     Ok(back) => self.log(format_args!(

@@ -367,20 +367,17 @@ impl DevicePool {
             // real snapshot's peak 6% higher). And none for a warm-up, which asks for exactly
             // its shortfall.
             let large = block.is_ok_and(|block| class_of(block) == Class::Large);
-            let headroom =
-                if mode == Grow::MayRelease && large {
-                    self.headroom.bytes(
-                        self.stats.reserved_bytes,
-                        self.limit.map_or(driver_free, |limit| {
-                            driver_free.min(limit.saturating_sub(
-                                self.stats.reserved_bytes + cx.reserved_elsewhere(),
-                            ))
-                        }),
-                        lacking,
-                    )
-                } else {
-                    0
-                };
+            let headroom = if mode == Grow::MayRelease && large {
+                self.headroom.bytes(
+                    self.stats.reserved_bytes,
+                    self.limit.map_or(driver_free, |limit| {
+                        driver_free.min(limit.saturating_sub(self.device_reserved(cx)))
+                    }),
+                    lacking,
+                )
+            } else {
+                0
+            };
             let sized = segment_size(lacking.max(SMALL_MAX + 1))
                 .min(segment)
                 .max(need)
