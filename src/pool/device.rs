@@ -500,10 +500,21 @@ impl DevicePool {
         self.stats.reusable() + cx.reusable_elsewhere()
     }
 
+    /// Bytes in live blocks (the figure of [`DevicePool::stats`], without its walk).
+    pub(crate) fn allocated_bytes(&self) -> u64 {
+        self.stats.allocated_bytes
+    }
+
+    /// Bytes reserved that no live block holds (the figure of [`DevicePool::stats`], without its
+    /// walk).
+    pub(crate) fn reusable_bytes(&self) -> u64 {
+        self.stats.reusable()
+    }
+
     /// What the device's other shards read of this one: [`DevicePool::committed`], and the
     /// bytes reserved that no live block holds.
     pub(crate) fn published(&self) -> (u64, u64) {
-        (self.committed(), self.stats.reusable())
+        (self.committed(), self.reusable_bytes())
     }
 
     /// A request counted as failed for want of memory was served after all (once the device's

@@ -225,6 +225,14 @@ impl Pool {
         }
     }
 
+    /// The indexes of `device` (checked), or (`None`) of every device.
+    fn devices(&self, device: Option<i32>) -> Result<std::ops::Range<usize>> {
+        match device {
+            Some(d) => self.device_index(d).map(|d| d..d + 1),
+            None => Ok(0..self.bindings.len()),
+        }
+    }
+
     /// The indexes of `device`'s shards that may hold memory.
     fn opened_shards(&self, d: usize) -> std::ops::Range<usize> {
         d * SHARDS..d * SHARDS + self.bindings[d].opened()
@@ -535,17 +543,16 @@ impl Pool {
     pub fn mem_get_info_capped(&self, device: i32) -> Result<MemInfo> {
         let d = self.device_index(device)?;
         let (mut reusable, mut allocated) = (0u64, 0u64);
+        let mut add = |pool: &DevicePool| {
+            reusable += pool.reusable_bytes();
+            allocated += pool.allocated_bytes();
+        };
         for index in self.opened_shards(d).skip(1) {
-            let (pool, _) = self.lock_shard(index);
-            let stats = pool.stats();
-            reusable += stats.reusable_bytes;
-            allocated += stats.allocated_bytes;
+            add(&self.lock_shard(index).0);
         }
         let (pool, cx) = self.lock_shard(d * SHARDS);
         let (free, total) = pool.driver_info(&cx)?;
-        let stats = pool.stats();
-        reusable += stats.reusable_bytes;
-        allocated += stats.allocated_bytes;
+        add(&pool);
         let mut free = free.saturating_add(reusable).min(total);
         let cap = pool.memory_limit().map(|limit| (limit, allocated));
         if let Some((limit, allocated)) = cap {
@@ -562,12 +569,8 @@ impl Pool {
     /// releases on the device wait for one batch's bookkeeping at most. Blocks released
     /// meanwhile may stay cached.
     pub fn free_reusable(&self, device: Option<i32>) -> Result<u64> {
-        let devices = match device {
-            Some(d) => vec![self.device_index(d)?],
-            None => (0..self.bindings.len()).collect(),
-        };
         let mut total = 0;
-        for d in devices {
+        for d in self.devices(device)? {
             for index in self.opened_shards(d) {
                 total += self.free_shard(index)?;
             }
@@ -726,12 +729,8 @@ impl Pool {
     /// a reserve that would grow past it returns idle cache first, then fails with
     /// out-of-memory naming the cap. Returns the bytes returned to the driver.
     pub fn set_memory_limit(&self, device: Option<i32>, limit: Option<u64>) -> Result<u64> {
-        let devices = match device {
-            Some(d) => vec![self.device_index(d)?],
-            None => (0..self.bindings.len()).collect(),
-        };
         let mut total = 0;
-        for d in devices {
+        for d in self.devices(device)? {
             // Every shard, those not opened yet too: the cap is the device's.
             for index in d * SHARDS..(d + 1) * SHARDS {
                 let (mut pool, cx) = self.lock_shard(index);

@@ -8,13 +8,22 @@ use super::*;
 const S1: StreamHandle = 0x7f00_0000_1000;
 const S2: StreamHandle = 0x7f00_0000_2000;
 
-/// Reserve `size` bytes on `stream` from another thread while this one holds device 0's first
-/// shard, let go once the reserve waits for it. Returns the pointer.
-fn reserve_against_held_shard(pool: &Pool, size: u64, stream: StreamHandle) -> DevicePtr {
-    let held = pool.lock(0).unwrap();
+/// Reserve `size` bytes on `stream` of `device` from another thread while this one holds the
+/// device's first shard, let go once the reserve waits for it. Returns the pointer.
+fn reserve_against_held_shard(
+    pool: &Pool,
+    device: i32,
+    size: u64,
+    stream: StreamHandle,
+) -> DevicePtr {
+    let held = pool.lock(device).unwrap();
     std::thread::scope(|s| {
-        let other = s.spawn(|| pool.reserve(0, size, stream));
-        while pool.shards[0].waiting.load(Ordering::Relaxed) == 0 {
+        let other = s.spawn(|| pool.reserve(device, size, stream));
+        while pool.shards[device as usize * SHARDS]
+            .waiting
+            .load(Ordering::Relaxed)
+            == 0
+        {
             std::thread::yield_now();
         }
         drop(held);
@@ -38,7 +47,7 @@ fn reserve_beside_held_shard(pool: &Pool, size: u64, stream: StreamHandle) -> De
 
 /// `stream`, owning nothing yet, moved to shard 1 by a reserve that met shard 0 held.
 fn move_to_own_shard(pool: &Pool, stream: StreamHandle) -> DevicePtr {
-    let p = reserve_against_held_shard(pool, 2 * MIB, stream);
+    let p = reserve_against_held_shard(pool, 0, 2 * MIB, stream);
     assert_eq!(pool.bindings[0].shard(stream), 1);
     p
 }
@@ -47,7 +56,7 @@ fn move_to_own_shard(pool: &Pool, stream: StreamHandle) -> DevicePtr {
 fn a_stream_that_owns_memory_stays_with_it() {
     let (pool, sim) = pool(GIB);
     let a = pool.reserve(0, 100 * MIB, S1).unwrap();
-    let b = reserve_against_held_shard(&pool, 100 * MIB, S1);
+    let b = reserve_against_held_shard(&pool, 0, 100 * MIB, S1);
     assert_eq!(
         (pool.bindings[0].shard(S1), pool.bindings[0].opened()),
         (0, 1)
@@ -63,7 +72,7 @@ fn a_stream_whose_shard_is_held_moves_to_its_own_and_the_books_stay_one_devices(
         let (pool, sim) = pool_with(&[4 * GIB], config);
         let a = pool.reserve(0, 100 * MIB, S1).unwrap();
         assert_eq!(pool.bindings[0].opened(), 1, "no contention, one shard");
-        let b = reserve_against_held_shard(&pool, 30 * MIB, S2);
+        let b = reserve_against_held_shard(&pool, 0, 30 * MIB, S2);
         assert_eq!(pool.bindings[0].opened(), 2);
         assert_eq!(pool.bindings[0].shard(S2), 1);
         assert_eq!(pool.bindings[0].shard(S1), 0, "the other stream stays");
@@ -184,15 +193,7 @@ fn a_pool_of_several_devices_finds_each_shards_blocks() {
     let x = pool.reserve(0, 8 * MIB, S2).unwrap();
     drop(held);
     assert_eq!(pool.bindings[0].opened(), 1);
-    let held = pool.lock(1).unwrap();
-    let b = std::thread::scope(|s| {
-        let other = s.spawn(|| pool.reserve(1, 8 * MIB, S2));
-        while pool.shards[SHARDS].waiting.load(Ordering::Relaxed) == 0 {
-            std::thread::yield_now();
-        }
-        drop(held);
-        other.join().unwrap().unwrap()
-    });
+    let b = reserve_against_held_shard(&pool, 1, 8 * MIB, S2);
     assert_eq!(pool.bindings[1].opened(), 2);
     assert_books(&pool, sim);
     for p in [a, b, x] {
