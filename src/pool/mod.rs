@@ -368,26 +368,17 @@ impl Pool {
     }
 
     /// A block of at least `size` bytes on `device` for use on `stream`; `0` for size 0.
+    /// Where the stream's shard runs out of memory while the device's other shards hold idle
+    /// cache, that cache goes back to the driver and the request runs once more, as PyTorch's
+    /// policy returns every stream's cache before it fails.
     pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
         if size == 0 {
             return self.device_index(device).map(|_| 0);
         }
+        let f = |pool: &mut DevicePool, cx: &Context<'_>| pool.reserve(cx, size, stream);
         let (index, guard) = self.lock_stream(device, stream)?;
         let books = Books::new(guard, &self.shards[index]);
-        self.growing(index, books, |pool, cx| pool.reserve(cx, size, stream))
-    }
-
-    /// Run the reserve `f`, which may grow shard `index` (locked in `books`), as
-    /// `unlocked_growth` does. Where the shard runs out of memory while the device's other
-    /// shards hold idle cache, that cache goes back to the driver and `f` runs once more, as
-    /// PyTorch's policy returns every stream's cache before it fails.
-    fn growing<T>(
-        &self,
-        index: usize,
-        books: Books<'_>,
-        f: impl Fn(&mut DevicePool, &Context<'_>) -> Result<T>,
-    ) -> Result<T> {
-        let err = match self.unlocked_growth(index, books, self.context(index), &f) {
+        let err = match self.unlocked_growth(index, books, self.context(index), f) {
             Err(err) if err.is_out_of_memory() => err,
             done => return done,
         };
