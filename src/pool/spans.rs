@@ -201,7 +201,7 @@ impl Spans {
         let recorded = segments
             .iter()
             .filter(|&&(_, _, owner)| self.unrecorded != Some(owner));
-        for &(base, size, device) in recorded {
+        for &(base, size, owner) in recorded {
             let Some((first, last)) = bounds(base, size) else {
                 continue;
             };
@@ -213,25 +213,25 @@ impl Spans {
             };
             for span in ends_of {
                 let e = ends.entry(span).or_default();
-                e.0.insert(device);
+                e.0.insert(owner);
                 e.1 += 1;
             }
         }
         let mut occupied = spans_touched;
-        for (&span, (devices, n)) in &ends {
+        for (&span, (owners, n)) in &ends {
             occupied -= n - 1;
             let entry = self
                 .entry(span)
                 .map_or(0, |entry| entry.load(Ordering::Acquire));
-            let (owner, count) = (entry >> 32, entry & u64::from(u32::MAX));
-            let one = match devices.iter().collect::<Vec<_>>()[..] {
-                [&device] => Some(u64::from(device as u32) + 1),
+            let (code, count) = (entry >> 32, entry & u64::from(u32::MAX));
+            let one = match owners.iter().collect::<Vec<_>>()[..] {
+                [&owner] => Some(u64::from(owner as u32) + 1),
                 _ => None,
             };
-            if count != *n || (owner != SEVERAL && Some(owner) != one) {
+            if count != *n || (code != SEVERAL && Some(code) != one) {
                 return Err(format!(
-                    "the span map's entry for {:#x} reads device code {owner} and {count} \
-                     segments, but segments of devices {devices:?} touch it ({n})",
+                    "the span map's entry for {:#x} reads owner code {code} and {count} \
+                     segments, but segments of owners {owners:?} touch it ({n})",
                     span << SPAN_BITS
                 ));
             }
