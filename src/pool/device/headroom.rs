@@ -88,6 +88,12 @@ impl Headroom {
         self.credit = self.credit.saturating_sub(made.saturating_sub(lacking));
     }
 
+    /// Whether the pool is growing: it created memory since a range was last made wholly from
+    /// the cache.
+    pub(super) fn growing(&self) -> bool {
+        self.growth > 0
+    }
+
     /// Memory went back to the driver (`free_reusable`).
     pub(super) fn reset(&mut self) {
         *self = Headroom::default();

@@ -21,7 +21,8 @@
 //! the request would otherwise fail for want of memory, up to [`LAST_RESORT_PIECES`]). A range
 //! made from the cache is only as large as the request's pages. Where the cache covers the
 //! request only in part, it is used only when that pays ([`partial_pays`]): half of it or more is
-//! cached, the driver lacks a segment of the request's size, or all but a sliver is cached;
+//! cached (half of the pool's reservation, for a request larger than that, where the cache is
+//! what an earlier phase left), or the driver lacks a segment of the request's size;
 //! otherwise a segment is created whole, as PyTorch would, and the cache stays for the requests
 //! that reuse it. The shortfall is created as one handle sized like PyTorch's segment for it,
 //! with headroom for the requests after it (`headroom.rs`), so that a pool growing step by step
@@ -169,13 +170,19 @@ fn take(piece: &Piece, left: &mut u64, chosen: &mut Vec<Piece>) {
 /// partial cover was taken). So partly only where it pays: when at least half of the range is
 /// cached (creating it whole would leave that much idle: a model's next warm-up beside the
 /// block that outlived generation; the snapshot whose 477 MiB request met 340 MiB of free
-/// blocks, and reserved 15% more than it needed under PyTorch's policy), or when the driver
-/// lacks a segment of the request's size (PyTorch would run out of memory or return its cache).
-/// Never where the driver cannot supply the rest, so that a request that cannot be met fails
-/// holding no cache back from the release that precedes the failure.
-pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64) -> bool {
+/// blocks, and reserved 15% more than it needed under PyTorch's policy); when the request is
+/// larger than all the pool reserves, half of the pool is cached, and that cache is `leftover`
+/// (`Some` of the pool's reserved bytes: what an earlier phase left, not the rest of what the
+/// pool just created, see [`DevicePool::leftover`]): creating the request whole would leave
+/// half the pool idle beside it (a 37.65 GiB warm-up after a 12.88 GiB load was freed reserved
+/// 50.54 GiB where 37.66 serve); or when the driver lacks a segment of the request's size
+/// (PyTorch would run out of memory or return its cache). Never where the driver cannot supply
+/// the rest, so that a request that cannot be met fails holding no cache back from the release
+/// that precedes the failure.
+pub(super) fn partial_pays(size: u64, have: u64, driver_free: u64, leftover: Option<u64>) -> bool {
+    let half_of = leftover.map_or(size, |reserved| size.min(reserved));
     have.saturating_add(driver_free) >= size
-        && (have.saturating_mul(2) >= size || driver_free < segment_size(size))
+        && (have.saturating_mul(2) >= half_of || driver_free < segment_size(size))
 }
 
 impl DevicePool {
@@ -465,7 +472,9 @@ impl DevicePool {
         let lendable = self.lendable(granularity, left, most - chosen.len(), most);
         choose_lent(&mut chosen, &lendable, size, most);
         let have: u64 = chosen.iter().map(|p| p.pages.size).sum();
-        if chosen.is_empty() || (have < size && !partial_pays(size, have, driver_free)) {
+        if chosen.is_empty()
+            || (have < size && !partial_pays(size, have, driver_free, self.leftover(&chosen)))
+        {
             return Ok(Vec::new());
         }
         // A range of cached pages alone is mapped without the lock (`growing.rs`): in the first
@@ -488,6 +497,25 @@ impl DevicePool {
             }
         }
         Ok(chosen)
+    }
+
+    /// The pool's reserved bytes if `pieces` are cache an earlier phase left rather than the
+    /// rest of what the pool just created, for [`partial_pays`]: the pool has stopped growing (a
+    /// range came wholly from the cache since it last created memory), or half of it is in
+    /// `pieces` from ranges with no live block (or spare). A growing pool's cache beside its live
+    /// blocks is what the requests after it use: a 256 MiB request taking the 12 MiB beside the
+    /// first 8 MiB block left the next small request to create again.
+    fn leftover(&self, pieces: &[Piece]) -> Option<u64> {
+        let reserved = self.stats.reserved_bytes;
+        let idle: u64 = pieces
+            .iter()
+            .filter(|p| {
+                p.lender
+                    .is_none_or(|(seg, _)| self.segments[seg].idle_at.is_some())
+            })
+            .map(|p| p.pages.size)
+            .sum();
+        (!self.headroom.growing() || idle.saturating_mul(2) >= reserved).then_some(reserved)
     }
 
     /// The pieces of free blocks [`choose_lent`] may take for the `left` bytes the spare pieces
@@ -825,26 +853,48 @@ mod tests {
     #[test]
     fn a_partly_covered_range_is_made_from_the_cache_only_where_it_matters() {
         let gib = 1 << 30;
+        // A pool far larger than the requests below: only the request's own half counts.
+        let pool = Some(64 * gib);
         // The seed's next warm-up: 8.22 GiB, all but 10 MiB cached; the driver has plenty.
         assert!(partial_pays(
             8_824_815_616,
             8_824_815_616 - 10 * MIB,
-            15 * gib
+            15 * gib,
+            pool
         ));
         // A 16 MiB request with 4 MiB cached and the driver roomy: create it whole instead.
-        assert!(!partial_pays(16 * MIB, 4 * MIB, 15 * gib));
+        assert!(!partial_pays(16 * MIB, 4 * MIB, 15 * gib, pool));
         // The same with the driver short of 16 MiB: the cache helps.
-        assert!(partial_pays(16 * MIB, 4 * MIB, 14 * MIB));
+        assert!(partial_pays(16 * MIB, 4 * MIB, 14 * MIB, pool));
         // Under 10 MiB a segment is 20 MiB: short of that, the cache helps.
-        assert!(partial_pays(6 * MIB, 2 * MIB, 18 * MIB));
-        assert!(!partial_pays(6 * MIB, 2 * MIB, 20 * MIB));
+        assert!(partial_pays(6 * MIB, 2 * MIB, 18 * MIB, pool));
+        assert!(!partial_pays(6 * MIB, 2 * MIB, 20 * MIB, pool));
         // Nor where the driver cannot supply the rest.
-        assert!(!partial_pays(5 * gib, 2 * MIB, 4 * gib));
+        assert!(!partial_pays(5 * gib, 2 * MIB, 4 * gib, pool));
         // Half cached pays; less does not.
-        assert!(partial_pays(32 * MIB, 16 * MIB, gib));
-        assert!(!partial_pays(32 * MIB, 14 * MIB, gib));
+        assert!(partial_pays(32 * MIB, 16 * MIB, gib, pool));
+        assert!(!partial_pays(32 * MIB, 14 * MIB, gib, pool));
         // The snapshot's 477 MiB request beside 340 MiB of free blocks.
-        assert!(partial_pays(478 * MIB, 340 * MIB, 70 * gib));
+        assert!(partial_pays(478 * MIB, 340 * MIB, 70 * gib, pool));
+        // A request larger than the pool, its cache left over: half the pool cached pays, though it is a third
+        // of the request (a 12 GiB load freed, then a 36 GiB warm-up); less than half does not.
+        assert!(partial_pays(36 * gib, 12 * gib, 400 * gib, Some(13 * gib)));
+        assert!(partial_pays(36 * gib, 6 * gib, 400 * gib, Some(12 * gib)));
+        assert!(!partial_pays(
+            36 * gib,
+            6 * gib - MIB,
+            400 * gib,
+            Some(12 * gib)
+        ));
+        // A request no larger than the pool still needs half of itself cached.
+        assert!(!partial_pays(
+            12 * gib,
+            6 * gib - MIB,
+            400 * gib,
+            Some(12 * gib)
+        ));
+        // Not where the cache is the rest of what a growing pool just created.
+        assert!(!partial_pays(256 * MIB, 12 * MIB, 400 * gib, None));
     }
 
     #[test]

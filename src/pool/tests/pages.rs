@@ -238,6 +238,86 @@ fn vmm_covers_a_large_request_from_two_idle_segments() {
 }
 
 #[test]
+fn vmm_a_request_larger_than_the_pool_takes_its_idle_ranges_though_they_cover_a_third() {
+    // A model load freed, then a larger model's warm-up: the idle range covers a third of it.
+    let (pool, sim) = pool_with(&[8 * GIB], vmm());
+    let load = pool.reserve(0, GIB, 0).unwrap();
+    pool.release(load).unwrap();
+    let warmup = pool.reserve(0, 3 * GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    // The cached 1 GiB and 2 GiB created: not 3 GiB created beside 1 GiB left idle.
+    assert_eq!(
+        (s.reserved_bytes, s.reusable_bytes, s.driver_allocs),
+        (3 * GIB, 0, 2)
+    );
+    assert_eq!(sim.used_bytes(0), 3 * GIB);
+    pool.release(warmup).unwrap();
+    // A request no larger than the pool still needs half of itself cached: with 2.5 GiB of the
+    // 3 GiB live, a 2 GiB request is created whole beside the 0.5 GiB cached.
+    let live = pool.reserve(0, 5 * GIB / 2, 0).unwrap();
+    let whole = pool.reserve(0, 2 * GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.reusable_bytes), (5 * GIB, GIB / 2));
+    for p in [whole, live] {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(None).unwrap(), 5 * GIB);
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_a_request_larger_than_a_pool_that_stopped_growing_takes_its_cache_beside_live_blocks() {
+    // A load in one 1 GiB handle: two tensors freed, two small blocks outlive it.
+    let (pool, sim) = pool_with(&[8 * GIB], vmm());
+    pool.warmup(0, GIB).unwrap();
+    let x = pool.reserve(0, 504 * MIB, 0).unwrap();
+    let s1 = pool.reserve(0, 8 * MIB, 0).unwrap();
+    let y = pool.reserve(0, 504 * MIB, 0).unwrap();
+    let s2 = pool.reserve(0, 8 * MIB, 0).unwrap();
+    pool.release(x).unwrap();
+    pool.release(y).unwrap();
+    // A request no free block holds, made wholly from the cache: the pool has stopped growing.
+    let z = pool.reserve(0, 1000 * MIB, 0).unwrap();
+    assert_eq!(
+        pool.stats(0).unwrap().reserved_bytes,
+        GIB,
+        "made from the cache"
+    );
+    pool.release(z).unwrap();
+    // A larger model's warm-up: the 1,008 MiB beside the live blocks cover a third of it, and
+    // are half the pool. Taken, with the rest created: not 3 GiB beside 1,008 MiB left idle.
+    let warmup = pool.reserve(0, 3 * GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.reusable_bytes, s.driver_allocs),
+        (3 * GIB + 16 * MIB, 0, 2)
+    );
+    for p in [warmup, s1, s2] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn vmm_a_growing_pool_keeps_its_cache_for_the_requests_after_a_larger_one() {
+    // The first 8 MiB block's 20 MiB segment, then a 256 MiB request: the 12 MiB beside the
+    // block stays for the small requests after it, and the request is created whole.
+    let (pool, sim) = pool_with(&[8 * GIB], vmm());
+    let first = pool.reserve(0, 8 * MIB, 0).unwrap();
+    let large = pool.reserve(0, 256 * MIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.reusable_bytes), (276 * MIB, 12 * MIB));
+    let small = pool.reserve(0, 3 * MIB, 0).unwrap();
+    assert_eq!(small, first + 8 * MIB, "beside the first block");
+    assert_eq!(pool.stats(0).unwrap().driver_allocs, 2);
+    for p in [first, large, small] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
     let (pool, sim) = pool_with(&[GIB], vmm());
     // An idle 20 MiB segment.
