@@ -11,9 +11,10 @@ const BF16: u64 = 2;
 const F32: u64 = 4;
 
 /// The kinds of trace, by file name (without `.jsonl`).
-pub const KINDS: [&str; 7] = [
+pub const KINDS: [&str; 8] = [
     "qwen3-4b-seed",
     "qwen3-4b-loads",
+    "model-swap",
     "llama-3-8b-decode",
     "qwen3-0.6b-training",
     "transformers-37436",
@@ -26,6 +27,10 @@ pub fn by_name(kind: &str) -> Result<Trace, String> {
     match kind {
         "qwen3-4b-seed" => Ok(seed_calls(&QWEN3_4B, 4, 24 * GIB)),
         "qwen3-4b-loads" => Ok(model_loads(&QWEN3_4B, 4, 24 * GIB)),
+        "model-swap" => Ok(model_swap(
+            &[QWEN3_0_6B, LLAMA_3_8B, QWEN3_4B, LLAMA_3_8B],
+            48 * GIB,
+        )),
         "llama-3-8b-decode" => Ok(decode()),
         "qwen3-0.6b-training" => Ok(training()),
         "transformers-37436" => Ok(transformers_37436()),
@@ -122,6 +127,31 @@ pub fn seed_calls(shape: &Shape, loads: u32, device_memory: u64) -> Trace {
              counted twice, freed; the parameters; generate(), after which one 8.125 MiB block \
              stays live; del model)",
             shape.name
+        ),
+        device_memory: Some(device_memory),
+        events: calls.events,
+        ..Trace::default()
+    }
+}
+
+/// One process loading `models` one after the other, each larger than the last, through the
+/// seed's calls ([`crate::seed`]: a warm-up `torch.empty` of the parameters, freed; the
+/// parameters; `generate()`, after which one block stays live; `del model`), as an evaluation
+/// harness or a server swapping models does. Each warm-up is larger than all the cache the models
+/// before it left.
+pub fn model_swap(models: &[Shape], device_memory: u64) -> Trace {
+    let mut calls = crate::seed::Calls::default();
+    for (load, shape) in (1..).zip(models) {
+        calls.load(shape, load, shape.parameters().len());
+    }
+    let names: Vec<&str> = models.iter().map(|m| m.name).collect();
+    Trace {
+        name: "model-swap".to_string(),
+        description: format!(
+            "one process loading {} in turn by transformers before PR #37920 (a warm-up \
+             torch.empty of the parameters, freed; the parameters; generate(), after which one \
+             block stays live; del model): each warm-up larger than all the earlier loads left",
+            names.join(", then ")
         ),
         device_memory: Some(device_memory),
         events: calls.events,

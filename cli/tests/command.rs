@@ -245,7 +245,7 @@ fn bad_arguments_get_one_line_and_exit_code_2() {
         (
             &["gen-trace", "mystery"],
             "resmem: invalid value 'mystery' for '[KIND]' [possible values: qwen3-4b-seed, \
-             qwen3-4b-loads, llama-3-8b-decode, qwen3-0.6b-training, transformers-37436, interleaved-lifetimes, \
+             qwen3-4b-loads, model-swap, llama-3-8b-decode, qwen3-0.6b-training, transformers-37436, interleaved-lifetimes, \
              random-sizes] \
              (see resmem --help)\n",
         ),
@@ -275,6 +275,7 @@ fn gen_trace_all_creates_its_folder() {
         [
             "interleaved-lifetimes.jsonl",
             "llama-3-8b-decode.jsonl",
+            "model-swap.jsonl",
             "qwen3-0.6b-training.jsonl",
             "qwen3-4b-loads.jsonl",
             "qwen3-4b-seed.jsonl",

@@ -231,6 +231,21 @@ fn the_seed_loads_keep_reserved_at_the_model_size_under_both() {
     }
 }
 
+/// Models swapped in one process, each warm-up larger than the cache the loads before it
+/// left: PyTorch's policy creates each whole beside that cache (33.6 GB at its peak for a
+/// 16 GB model); the default takes the cache first, also where it covers under half of the
+/// warm-up (Qwen3-0.6B's, then Llama-3-8B's).
+#[test]
+fn model_swap_figures() {
+    let trace = generate::by_name("model-swap").unwrap();
+    let (classic, torch) = both(&trace);
+    assert_eq!(figures(&torch), (16_268_271_616, 33_629_929_472, 4, 0, 0));
+    assert_eq!(figures(&classic).1, 33_629_929_472);
+    let default = replay(&trace, Policy::Resmem, trace.device_memory.unwrap(), |_| {}).unwrap();
+    assert_eq!(figures(&default), (16_266_436_608, 17_077_108_736, 3, 0, 0));
+    assert!(default.fragmentation() < 0.05);
+}
+
 #[test]
 fn decoding_and_training_figures() {
     let default = |trace: &Trace| {
