@@ -394,9 +394,7 @@ pub fn reserved(device: i32, size: u64, stream: StreamHandle, outcome: &Result<D
     if let Some(r) = global() {
         match outcome {
             Ok(ptr) => r.alloc(device, size, stream, *ptr),
-            Err(e) if e.status == crate::error::rm_status::RM_ERROR_OUT_OF_MEMORY => {
-                r.out_of_memory(device, size)
-            }
+            Err(e) if e.is_out_of_memory() => r.out_of_memory(device, size),
             Err(_) => {}
         }
     }

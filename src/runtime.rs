@@ -235,7 +235,7 @@ fn sharing() -> Option<&'static Sharing> {
 pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr, Error> {
     let pool = pool()?;
     match pool.reserve(device, size, stream) {
-        Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
+        Err(e) if e.is_out_of_memory() => match sharing() {
             Some(share) => share
                 .after_out_of_memory(pool, device, size, e, || pool.reserve(device, size, stream)),
             None => Err(e),
@@ -249,7 +249,7 @@ pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr
 pub fn warmup(device: i32, bytes: u64) -> Result<u64, Error> {
     let pool = pool()?;
     match pool.warmup(device, bytes) {
-        Err(e) if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY => match sharing() {
+        Err(e) if e.is_out_of_memory() => match sharing() {
             Some(share) => {
                 let reusable = pool.stats(device)?.reusable_bytes;
                 let missing = bytes.saturating_sub(reusable);

@@ -57,7 +57,7 @@ use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::sync::Arc;
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
-use crate::error::{rm_status, Error, Result};
+use crate::error::{Error, Result};
 use crate::pool::size::SMALL_MAX;
 use crate::pool::Pool;
 use crate::tls;
@@ -653,10 +653,7 @@ impl Inner {
                 }
                 match self.pool.reserve(device, size, stream) {
                     // Blocks cached by other threads meanwhile may be what is missing.
-                    Err(e)
-                        if e.status == rm_status::RM_ERROR_OUT_OF_MEMORY
-                            && self.sum(device).cached_blocks != 0 =>
-                    {
+                    Err(e) if e.is_out_of_memory() && self.sum(device).cached_blocks != 0 => {
                         self.drain();
                         self.pool.reserve(device, size, stream)?
                     }

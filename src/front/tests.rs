@@ -7,6 +7,7 @@ use cuda_sim::Sim;
 
 use super::*;
 use crate::driver::sim::SimDriver;
+use crate::error::rm_status;
 use crate::pool::PoolConfig;
 
 const MIB: u64 = 1 << 20;

@@ -41,7 +41,6 @@ use super::addresses;
 use super::phys::Pages;
 use super::{Backing, BlockId, Context, DevicePool, Fresh, Grow, SegId, State};
 use crate::driver::DevicePtr;
-use crate::error::rm_status;
 use crate::error::{Error, Result};
 use crate::pool::size::{
     block_size, class_of, human, segment_size, Class, SEGMENT_ROUND, SMALL_MAX,
@@ -223,11 +222,7 @@ impl DevicePool {
         let ooms = self.stats.ooms;
         let first = self.stitch(cx, (size, requested), mode, driver_free, MAX_PIECES);
         let retry = match &first {
-            Err(e) => {
-                e.status == rm_status::RM_ERROR_OUT_OF_MEMORY
-                    && mode == Grow::MayRelease
-                    && self.stats.reusable() > 0
-            }
+            Err(e) => e.is_out_of_memory() && mode == Grow::MayRelease && self.stats.reusable() > 0,
             Ok(_) => false,
         };
         if !retry {
@@ -237,12 +232,7 @@ impl DevicePool {
         let defer = std::mem::replace(&mut self.defer, false);
         let again = self.stitch(cx, (size, requested), mode, free, LAST_RESORT_PIECES);
         self.defer = defer;
-        self.stats.ooms = ooms
-            + u64::from(
-                again
-                    .as_ref()
-                    .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY),
-            );
+        self.stats.ooms = ooms + u64::from(again.as_ref().is_err_and(Error::is_out_of_memory));
         if again.is_ok() {
             self.log(format_args!(
                 "out of memory with at most {MAX_PIECES} cached pieces: made from up to \
@@ -394,11 +384,7 @@ impl DevicePool {
             let backing = Backing::Range;
             let mut created = self.obtain(cx, sized, requested, mode, driver_free, backing);
             let mut made = sized;
-            if sized > need
-                && created
-                    .as_ref()
-                    .is_err_and(|e| e.status == rm_status::RM_ERROR_OUT_OF_MEMORY)
-            {
+            if sized > need && created.as_ref().is_err_and(Error::is_out_of_memory) {
                 made = need;
                 created = self.obtain(cx, need, requested, mode, driver_free, backing);
             }
