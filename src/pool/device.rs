@@ -99,6 +99,17 @@ struct Segment {
     /// its blocks; 0: none since it was booked. Its memory goes back to the driver, or to another
     /// range, without a wait when that is no later than the last wait (see `streams.rs`).
     released: u64,
+    /// For a stitched segment whose first page is another segment's (a *fragment*, see
+    /// `stitch.rs`): the bytes of that page before `base`, the other segment's. Its mapping
+    /// starts `lead` bytes before `base`; 0 for every other segment.
+    lead: u64,
+}
+
+impl Segment {
+    /// The address range its mappings cover: `lead` bytes before its blocks, and its blocks.
+    fn mapped(&self) -> (DevicePtr, u64) {
+        (self.base - self.lead, self.size + self.lead)
+    }
 }
 
 /// A stream's free blocks, small and large class. Slots are reused once no segment is theirs.
@@ -623,16 +634,16 @@ impl DevicePool {
             )));
         }
         if self.stitching(cx) {
-            let (base, runs) = self.stitch_growth(cx, (segment, requested), mode, free)?;
-            let size = runs.iter().map(|r| r.pages.size).sum();
-            return Ok(self.install_segment(cx, base, size, class, stream, runs));
+            let (base, runs, lead) = self.stitch_growth(cx, (segment, requested), mode, free)?;
+            let size = runs.iter().map(|r| r.pages.size).sum::<u64>() - lead;
+            return Ok(self.install_segment(cx, (base + lead, size, lead), class, stream, runs));
         }
         let backing = Backing::Segment(class, stream);
         let Fresh::Segment(ptr) = self.obtain(cx, segment, requested, mode, free, backing)? else {
             unreachable!("a classic segment asked for")
         };
         self.stats.add_reserved(segment, 1);
-        Ok(self.install_segment(cx, ptr, segment, class, stream, Vec::new()))
+        Ok(self.install_segment(cx, (ptr, segment, 0), class, stream, Vec::new()))
     }
 
     /// The growth policy, for every backing: `bytes` of new memory of `backing`, within the cap

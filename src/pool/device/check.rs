@@ -2,6 +2,7 @@
 //! stitched segments (runs, holes, borrowers) with them.
 
 use super::*;
+use crate::driver::PhysHandle;
 
 impl DevicePool {
     /// Live blocks marked as used on other streams.
@@ -205,6 +206,51 @@ impl DevicePool {
         Ok(())
     }
 
+    /// Check that no byte of physical memory has two owners: the bytes of every block that is
+    /// not a hole, through its segment's runs, and the spare pages, lie apart in their handles
+    /// (a fragment's page is two segments', each owning its part).
+    fn check_physical(&self) -> std::result::Result<(), String> {
+        let mut owned: Vec<(PhysHandle, u64, u64)> = self
+            .phys
+            .spare_pieces()
+            .into_iter()
+            .map(|p| (p.handle, p.offset, p.offset + p.size))
+            .collect();
+        for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
+            let (mapped, _) = s.mapped();
+            let mut id = s.first;
+            while id != BlockId::NIL {
+                let b = &self.blocks[id];
+                id = b.next;
+                if b.state == State::Hole {
+                    continue;
+                }
+                let first = s
+                    .runs
+                    .partition_point(|r| mapped + r.offset + r.pages.size <= b.ptr);
+                for r in &s.runs[first..] {
+                    let start = mapped + r.offset;
+                    if start >= b.ptr + b.size {
+                        break;
+                    }
+                    let (from, to) = (b.ptr.max(start), (b.ptr + b.size).min(start + r.pages.size));
+                    let at = r.pages.offset + (from - start);
+                    owned.push((r.pages.handle, at, at + (to - from)));
+                }
+            }
+        }
+        owned.sort_unstable();
+        for w in owned.windows(2) {
+            if w[0].0 == w[1].0 && w[0].2 > w[1].1 {
+                return Err(format!(
+                    "handle {:#x}: bytes {:#x}..{:#x} have two owners",
+                    w[0].0, w[1].1, w[0].2
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Check that each segment lists as borrowers exactly the segments with a run it lent,
     /// each once.
     fn check_borrowers(&self) -> std::result::Result<(), String> {
@@ -239,7 +285,7 @@ impl DevicePool {
         let mut used = self.carved;
         let ranges = self.segments.iter().filter(|s| s.in_use && s.stitched);
         for (base, size) in ranges
-            .map(|s| (s.base, s.size))
+            .map(|s| s.mapped())
             .chain(self.stuck.iter().map(|k| k.range()))
         {
             if !self.addresses.within_chunk(base, size) {
@@ -272,15 +318,22 @@ impl DevicePool {
                         s.base
                     ));
                 }
+                // A fragment's first bytes are its lender's, outside this segment's blocks.
+                let skip = if at == 0 { s.lead } else { 0 };
                 at += r.pages.size;
+                if skip > 0 && (r.lender.is_none() || skip >= r.pages.size) {
+                    return Err(format!(
+                        "segment {:#x}: a lead of {skip} bytes in no lent page",
+                        s.base
+                    ));
+                }
                 if let Some((l, ptr)) = r.lender {
-                    lent += r.pages.size;
+                    let (ptr, size) = (ptr + skip, r.pages.size - skip);
+                    lent += size;
                     let lender = self.segments.get(l).filter(|x| x.in_use);
                     let inside = lender.is_some_and(|x| {
                         let b = &self.blocks[self.block_at(l, ptr)];
-                        x.base <= ptr
-                            && b.state == State::Hole
-                            && ptr + r.pages.size <= b.ptr + b.size
+                        x.base <= ptr && b.state == State::Hole && ptr + size <= b.ptr + b.size
                     });
                     if !inside {
                         return Err(format!(
@@ -290,7 +343,7 @@ impl DevicePool {
                     }
                 }
             }
-            if at != s.size {
+            if at != s.lead + s.size {
                 return Err(format!("segment {:#x}: runs do not cover it", s.base));
             }
             let mut id = s.first;
@@ -319,6 +372,7 @@ impl DevicePool {
         }
         self.check_borrowers()?;
         self.check_addresses()?;
+        self.check_physical()?;
         if owned + self.phys.spare_bytes() != self.phys.held_bytes() {
             return Err(format!(
                 "segments own {owned} bytes and {} are spare, but handles hold {}",

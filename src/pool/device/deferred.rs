@@ -195,8 +195,13 @@ impl DevicePool {
                         returned += r.size;
                     } else {
                         // Still the driver's allocation, and ours: idle again, settled as before.
-                        let id =
-                            self.install_segment(cx, r.base, r.size, r.class, r.stream, Vec::new());
+                        let id = self.install_segment(
+                            cx,
+                            (r.base, r.size, 0),
+                            r.class,
+                            r.stream,
+                            Vec::new(),
+                        );
                         self.segments[self.blocks[id].segment].released = self.settled;
                     }
                 }

@@ -552,7 +552,7 @@ impl DevicePool {
         match (fresh, plan.backing) {
             (Fresh::Segment(ptr), Backing::Segment(class, stream)) => {
                 self.stats.add_reserved(plan.bytes, 1);
-                self.install_segment(cx, ptr, plan.bytes, class, stream, Vec::new());
+                self.install_segment(cx, (ptr, plan.bytes, 0), class, stream, Vec::new());
             }
             // Unmapped under the lock: a path taken only when the books moved meanwhile (the
             // cached pages are where they were, or have moved on).

@@ -66,11 +66,13 @@ pub(super) struct Headroom {
 
 impl Headroom {
     /// A range was made wholly from the cache, of `bytes` in `pieces` pieces: the pool holds
-    /// what it needs; growth is over. Made of several pieces, it is a request no free block
-    /// held, for which PyTorch's policy would have made a segment of its own, keeping the pieces
-    /// cached for the requests after it: an eighth of it is credit.
-    pub(super) fn met_from_cache(&mut self, bytes: u64, pieces: usize) {
-        self.growth = 0;
+    /// what it needs; growth is over (if `ends_growth`). Made of several pieces, it is a
+    /// request no free block held, for which PyTorch's policy would have made a segment of its
+    /// own, keeping the pieces cached for the requests after it: an eighth of it is credit.
+    pub(super) fn met_from_cache(&mut self, bytes: u64, pieces: usize, ends_growth: bool) {
+        if ends_growth {
+            self.growth = 0;
+        }
         if pieces > 1 {
             self.credit = self.credit.saturating_add(bytes / STITCHED_CREDIT);
         }
@@ -133,7 +135,7 @@ mod tests {
         assert_eq!(grown(4 * GIB).bytes(GIB, 60 * GIB, GIB), 32 * MIB);
         // A range made wholly from the cache ends the growth.
         let mut h = grown(4 * GIB);
-        h.met_from_cache(GIB, 1);
+        h.met_from_cache(GIB, 1, true);
         assert_eq!(h.bytes(GIB, 60 * GIB, GIB), 0);
     }
 
@@ -141,10 +143,10 @@ mod tests {
     fn a_range_of_several_cached_pieces_earns_an_eighth_of_itself() {
         let mut h = Headroom::default();
         // One piece: a free block held the request, as PyTorch's policy would have served it.
-        h.met_from_cache(64 * MIB, 1);
+        h.met_from_cache(64 * MIB, 1, true);
         assert_eq!(h, Headroom::default());
         // Three: PyTorch's policy would have made a 64 MiB segment and kept the pieces.
-        h.met_from_cache(64 * MIB, 3);
+        h.met_from_cache(64 * MIB, 3, true);
         assert_eq!(h.bytes(GIB, 60 * GIB, 2 * MIB), 8 * MIB);
     }
 

@@ -11,7 +11,9 @@ impl DevicePool {
         let mut layout = Layout::default();
         for (_, seg) in self.segments.enumerate().filter(|(_, s)| s.in_use) {
             let mut id = seg.first;
-            let pieces = std::iter::from_fn(|| {
+            // A fragment's lead, its lender's bytes, first: the segment starts on a page.
+            let lead = (seg.lead > 0).then_some(Piece::Elsewhere(seg.lead));
+            let pieces = lead.into_iter().chain(std::iter::from_fn(|| {
                 if id == BlockId::NIL {
                     return None;
                 }
@@ -27,7 +29,7 @@ impl DevicePool {
                         Piece::Free(b.size)
                     }
                 })
-            });
+            }));
             layout.add_segment(pieces);
         }
         layout.add_idle(self.phys.spare_bytes());

@@ -4,13 +4,13 @@
 use super::*;
 
 impl DevicePool {
-    /// Book a new segment at `ptr` of `size` bytes (its memory already counted as reserved),
-    /// as one free, idle block of `stream`; returns the block.
+    /// Book a new segment at `ptr` of `segment` bytes (its memory already counted as reserved),
+    /// mapped from `lead` bytes before `ptr` (see `Segment::lead`), as one free, idle block of
+    /// `stream`; returns the block.
     pub(super) fn install_segment(
         &mut self,
         cx: &Context<'_>,
-        ptr: DevicePtr,
-        segment: u64,
+        (ptr, segment, lead): (DevicePtr, u64, u64),
         class: Class,
         stream: StreamHandle,
         runs: Vec<Run>,
@@ -30,6 +30,7 @@ impl DevicePool {
                     borrowers: IntSet::default(),
                     stitched: false,
                     released: 0,
+                    lead: 0,
                 });
                 // Room for every segment to be forgotten (see `Blocks::insert`).
                 self.vacant_segments
@@ -64,6 +65,7 @@ impl DevicePool {
             borrowers: IntSet::default(),
             stitched,
             released: 0,
+            lead,
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);

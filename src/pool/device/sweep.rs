@@ -6,7 +6,8 @@
 //! batch at a time from their own index: no batch looks at every segment or handle.
 //!
 //! Blocks released by other threads while a sweep runs may stay cached: a segment the cursor
-//! has passed is not looked at again, and blocks parked after the first step stay parked.
+//! has passed is not looked at again (but the lender of a fragment whose borrower it takes
+//! apart), and blocks parked after the first step stay parked.
 //!
 //! `Pool::free_reusable` waits for the device's queued work before its first batch, without
 //! the device's lock ([`Sweep::settled_at`]); its batches then return only memory that wait
@@ -240,7 +241,12 @@ impl DevicePool {
             if !self.is_unused(seg) || !self.may_return(cx, seg, Unsettled::Skip)? {
                 continue;
             }
+            // The lender of its fragment, passed over while it lent it, may go now.
+            let lender = self.fragment_lender(seg);
             self.take_apart_later(cx, seg, &mut sweep.deferred);
+            if let Some(lender) = lender {
+                sweep.next = sweep.next.min(lender.index());
+            }
             taken += 1;
             if over() {
                 break;

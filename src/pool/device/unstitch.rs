@@ -17,6 +17,9 @@
 //! neighbours, without a driver call); pages it owned outright become spare; pages it had lent
 //! on to a third range now belong to that range (lent by the original lender, if any).
 //! A handle goes back to the driver only when all its pages are spare, hence mapped nowhere.
+//! A segment that lent a fragment (the tail of a page whose start it keeps, `stitch.rs`) is not
+//! taken apart while its borrower is there: the page is both's. Returning everything scans
+//! again once a borrower went, and a sweep's cursor goes back to the lender.
 //!
 //! The bound this keeps, checked after every operation of the property tests: after
 //! `free_reusable` every segment left holds a live block, and the driver holds exactly the
@@ -71,7 +74,7 @@ impl DevicePool {
     /// Its lists of runs and borrowers stay allocated with the vacant segment (see
     /// `forget_segment`): taking it apart frees no heap memory of its own.
     pub(super) fn dismantle(&mut self, cx: &Context<'_>, seg: SegId) -> Result<()> {
-        let (base, size) = (self.segments[seg].base, self.segments[seg].size);
+        let (base, size) = self.segments[seg].mapped();
         cx.driver
             .vmm_unmap(self.device, base, size)
             .map_err(|e| Error::driver(&format!("unmapping cached segment {base:#x}"), &e))?;
@@ -86,7 +89,7 @@ impl DevicePool {
     /// others), its handles not released meanwhile, until the driver's answer is booked.
     /// Returns the range.
     pub(super) fn take_apart_to_unmap(&mut self, cx: &Context<'_>, seg: SegId) -> (DevicePtr, u64) {
-        let (base, size) = (self.segments[seg].base, self.segments[seg].size);
+        let (base, size) = self.segments[seg].mapped();
         let mut handles = self.spare_handle_lists.pop().unwrap_or_default();
         for r in &self.segments[seg].runs {
             if !handles.contains(&r.pages.handle) {
@@ -127,6 +130,8 @@ impl DevicePool {
     /// forgotten and out of the span map. Its address range is the caller's.
     fn take_apart(&mut self, cx: &Context<'_>, seg: SegId) {
         let (base, size) = (self.segments[seg].base, self.segments[seg].size);
+        // Runs lie from the mapped start, `lead` bytes before the blocks.
+        let (mapped, _) = self.segments[seg].mapped();
         // Out of the segment while its lenders and borrowers change (none of which is `seg`),
         // put back before it is forgotten.
         let runs = std::mem::take(&mut self.segments[seg].runs);
@@ -135,9 +140,9 @@ impl DevicePool {
         let lender_of = |ptr: DevicePtr| {
             let r = runs
                 .iter()
-                .find(|r| base + r.offset <= ptr && ptr < base + r.offset + r.pages.size)
+                .find(|r| mapped + r.offset <= ptr && ptr < mapped + r.offset + r.pages.size)
                 .expect("a lent piece lies in a run");
-            r.lender.map(|(l, at)| (l, at + (ptr - base - r.offset)))
+            r.lender.map(|(l, at)| (l, at + (ptr - mapped - r.offset)))
         };
         for &borrower in &borrowers {
             for i in 0..self.segments[borrower].runs.len() {
@@ -169,7 +174,7 @@ impl DevicePool {
                 continue;
             }
             for r in &runs {
-                let (rs, re) = (base + r.offset, base + r.offset + r.pages.size);
+                let (rs, re) = (mapped + r.offset, mapped + r.offset + r.pages.size);
                 let (from, to) = (ptr.max(rs), (ptr + len).min(re));
                 if from >= to {
                     continue;
@@ -220,6 +225,18 @@ impl DevicePool {
         self.free_block(middle);
     }
 
+    /// The segment that lent `seg` the fragment its first page is, if any (see `stitch.rs`).
+    pub(super) fn fragment_lender(&self, seg: SegId) -> Option<SegId> {
+        let s = &self.segments[seg];
+        let lender = s.runs.first().and_then(|r| r.lender).map(|(l, _)| l);
+        lender.filter(|_| s.lead > 0)
+    }
+
+    /// Whether `lender` lent `borrower` the fragment its first page is.
+    fn lends_fragment(&self, lender: SegId, borrower: SegId) -> bool {
+        self.fragment_lender(borrower) == Some(lender)
+    }
+
     /// Note that `borrower` has a run lent by `lender`.
     pub(super) fn add_borrower(&mut self, lender: SegId, borrower: SegId) {
         self.segments[lender].borrowers.insert(borrower);
@@ -235,24 +252,31 @@ impl DevicePool {
             return Ok(released);
         }
         // Taking a segment apart fills holes in its lenders and changes no other segment's
-        // blocks from free to used or back, so one scan finds every candidate; each is checked
-        // again before it goes.
-        let mut found: Vec<(u64, SegId)> = self
-            .segments
-            .ids()
-            .filter(|&seg| self.is_unused(seg))
-            .map(|seg| (self.segments[seg].size, seg))
-            .collect();
-        found.sort_unstable_by(|a, b| b.cmp(a));
-        for (_, seg) in found {
-            if released >= needed {
-                break;
+        // blocks from free to used or back, so one scan finds every candidate (each checked
+        // again before it goes), but for the lenders of fragments, which may go once their
+        // borrowers went: scanned again while a scan took any apart.
+        loop {
+            let mut found: Vec<(u64, SegId)> = self
+                .segments
+                .ids()
+                .filter(|&seg| self.is_unused(seg))
+                .map(|seg| (self.segments[seg].size, seg))
+                .collect();
+            found.sort_unstable_by(|a, b| b.cmp(a));
+            let mut any = false;
+            for (_, seg) in found {
+                if released >= needed {
+                    return Ok(released);
+                }
+                if self.dismantle_if_unused(cx, seg, Unsettled::Wait)? {
+                    any = true;
+                    released += self.release_unused(cx, needed - released, usize::MAX)?;
+                }
             }
-            if self.dismantle_if_unused(cx, seg, Unsettled::Wait)? {
-                released += self.release_unused(cx, needed - released, usize::MAX)?;
+            if !any {
+                return Ok(released);
             }
         }
-        Ok(released)
     }
 
     /// Take apart every idle stitched segment made in part from lent pages, so that the pages
@@ -352,10 +376,14 @@ impl DevicePool {
     }
 
     /// Whether `seg` is a stitched segment in use whose blocks are all free or holes, lending
-    /// nothing in flight.
+    /// nothing in flight, nor a fragment to a segment that is still there.
     pub(super) fn is_unused(&self, seg: SegId) -> bool {
         let s = &self.segments[seg];
         if !(s.in_use && s.stitched && !self.lending.contains(&seg)) {
+            return false;
+        }
+        // A fragment's lender stays while its borrower lives: the page's start is its own.
+        if s.borrowers.iter().any(|&b| self.lends_fragment(seg, b)) {
             return false;
         }
         let mut id = s.first;
