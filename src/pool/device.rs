@@ -11,8 +11,8 @@
 //! - `growing.rs`: growth's driver calls (creating memory, mapping a new range, waiting for the
 //!   device's work before cached memory is used again), made without the device's lock;
 //! - `stitch.rs`: page-granular reuse with the virtual-memory API, building a segment from
-//!   cached pages and new memory; `headroom.rs`: how much more than a request lacks such a
-//!   creation takes;
+//!   cached pages and new memory; `pieces.rs`: which cached pages it takes; `headroom.rs`: how
+//!   much more than a request lacks such a creation takes;
 //! - `unstitch.rs`: taking such segments apart and returning their memory;
 //! - `phys.rs`: their physical-memory books;
 //! - `check.rs`: the invariant check; `layout.rs`: where the reserved memory lies, page by page.
@@ -61,6 +61,7 @@ mod headroom;
 mod layout;
 mod parking;
 mod phys;
+mod pieces;
 mod segments;
 mod stitch;
 mod streams;
