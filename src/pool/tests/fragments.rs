@@ -59,7 +59,8 @@ fn vmm_a_request_starts_in_the_free_tail_of_a_live_blocks_page() {
 fn vmm_without_a_tail_that_holds_its_last_page_a_request_takes_whole_pages() {
     let (pool, sim, a, b) = a_tail_and_two_pages(GIB);
     // 5.75 MiB: its last page would hold 1.75 MiB, more than the 1.5 MiB tail. The two free
-    // pages and created memory make its range, which starts on a page of its own.
+    // pages and a 20 MiB handle (PyTorch's segment for the 1.75 MiB they lack) make its range,
+    // which starts on a page of its own.
     let p = pool.reserve(0, 5 * MIB + 768 * KIB, 0).unwrap();
     assert_eq!(p % (2 * MIB), 0);
     let s = pool.stats(0).unwrap();
