@@ -227,13 +227,19 @@ impl DevicePool {
     /// request that would use its last page only in part (`part` bytes of it) uses the tail
     /// instead, and needs a page less: a range made for a long-lived block otherwise leaves the
     /// rest of its last page unused for as long as the block lives, however many such blocks
-    /// follow. Found through the streams' bins of large blocks, from `part` up, [`COVER_WALK`]
-    /// blocks each at most. A segment's first page is no fragment where it is another's.
+    /// follow. Found through the streams' bins of large blocks, from `part` up to a page,
+    /// [`COVER_WALK`] blocks each at most. A segment's first page is no fragment where it is
+    /// another's.
     pub(super) fn fragment(&self, granularity: u64, part: u64) -> Option<Piece> {
         let mut best: Option<Piece> = None;
         for slot in &self.slots {
             let bins = &slot.bins[Class::Large as usize];
-            for id in bins.from(part).take(COVER_WALK) {
+            // A fragment is smaller than a page: the walk stops at the first block that is not.
+            let small = bins
+                .from(part)
+                .take(COVER_WALK)
+                .take_while(|&id| self.blocks[id].size < granularity);
+            for id in small {
                 let b = &self.blocks[id];
                 let s = &self.segments[b.segment];
                 let page = b.ptr / granularity * granularity;
