@@ -7,14 +7,14 @@
 //! kept beside a segment of its own. Two sources of headroom answer those, each bounded so that
 //! the pool does not come to reserve more than PyTorch's policy would:
 //!
-//! - *growth*: while the pool keeps growing (bytes created since a range was last made wholly
-//!   from the cache), an eighth of that growth, at most a thirty-second of what the pool
-//!   reserves: the most it may leave idle at its peak beyond what it needed (a pool that only
-//!   grows, by requests PyTorch's policy fits exactly, may reserve that much more, in fewer
-//!   calls); and at most sixteen times what the request lacks, so that a request much smaller
-//!   than the growth before it (the first 2 MiB of a cache after 7.6 GiB of weights) does not
-//!   create a thirty-second of the pool for requests that may never come (that trace's peak was
-//!   1.8% above PyTorch's policy; now level with it);
+//! - *growth*: while the pool keeps growing (bytes created since a range was last made wholly from
+//!   the cache without a fragment's help, see `pieces.rs`), an eighth of that growth, at most a
+//!   thirty-second of what the pool reserves: the most it may leave idle at its peak beyond what it
+//!   needed (a pool that only grows, by requests PyTorch's policy fits exactly, may reserve that
+//!   much more, in fewer calls); and at most sixteen times what the request lacks, so that a
+//!   request much smaller than the growth before it (the first 2 MiB of a cache after 7.6 GiB of
+//!   weights) does not create a thirty-second of the pool for requests that may never come (that
+//!   trace's peak was 1.8% above PyTorch's policy; now level with it);
 //! - *credit*: the cache that ranges made partly from it took, which PyTorch's policy would
 //!   still hold beside the segments it created instead: memory the pool did not reserve, spent
 //!   as headroom (at most a sixteenth of what the pool reserves at once) and paid back by it. A
@@ -57,7 +57,7 @@ const STITCHED_CREDIT: u64 = 8;
 /// The state that sizes headroom; see the module's documentation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(super) struct Headroom {
-    /// Bytes created since a range was last made wholly from the cache.
+    /// Bytes created since a range was last made wholly from the cache (without a fragment).
     growth: u64,
     /// Cache taken by ranges made partly from it, and an eighth of the ranges made wholly from
     /// several cached pieces, less the headroom spent since.
