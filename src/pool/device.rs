@@ -49,7 +49,7 @@ use super::stats::Stats;
 use super::{Context, PoolConfig};
 use addresses::Addresses;
 use headroom::Headroom;
-use phys::Phys;
+use phys::{Pages, Phys};
 use stitch::{Run, VmmMode};
 use unstitch::Stuck;
 
@@ -110,6 +110,31 @@ impl Segment {
     /// The address range its mappings cover: `lead` bytes before its blocks, and its blocks.
     fn mapped(&self) -> (DevicePtr, u64) {
         (self.base - self.lead, self.size + self.lead)
+    }
+
+    /// The physical pages mapped at `[from, to)` (inside its mapping), split along its runs,
+    /// each with the address it is mapped at.
+    fn pages(
+        &self,
+        from: DevicePtr,
+        to: DevicePtr,
+    ) -> impl Iterator<Item = (DevicePtr, Pages)> + '_ {
+        let (mapped, _) = self.mapped();
+        let first = self
+            .runs
+            .partition_point(|r| mapped + r.offset + r.pages.size <= from);
+        self.runs[first..].iter().map_while(move |r| {
+            let start = mapped + r.offset;
+            (start < to).then(|| {
+                let (at, end) = (from.max(start), to.min(start + r.pages.size));
+                let pages = Pages {
+                    handle: r.pages.handle,
+                    offset: r.pages.offset + (at - start),
+                    size: end - at,
+                };
+                (at, pages)
+            })
+        })
     }
 }
 

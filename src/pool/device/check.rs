@@ -217,25 +217,13 @@ impl DevicePool {
             .map(|p| (p.handle, p.offset, p.offset + p.size))
             .collect();
         for s in self.segments.iter().filter(|s| s.in_use && s.stitched) {
-            let (mapped, _) = s.mapped();
             let mut id = s.first;
             while id != BlockId::NIL {
                 let b = &self.blocks[id];
                 id = b.next;
-                if b.state == State::Hole {
-                    continue;
-                }
-                let first = s
-                    .runs
-                    .partition_point(|r| mapped + r.offset + r.pages.size <= b.ptr);
-                for r in &s.runs[first..] {
-                    let start = mapped + r.offset;
-                    if start >= b.ptr + b.size {
-                        break;
-                    }
-                    let (from, to) = (b.ptr.max(start), (b.ptr + b.size).min(start + r.pages.size));
-                    let at = r.pages.offset + (from - start);
-                    owned.push((r.pages.handle, at, at + (to - from)));
+                if b.state != State::Hole {
+                    let pages = s.pages(b.ptr, b.ptr + b.size);
+                    owned.extend(pages.map(|(_, p)| (p.handle, p.offset, p.offset + p.size)));
                 }
             }
         }

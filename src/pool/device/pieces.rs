@@ -249,17 +249,12 @@ impl DevicePool {
                 if !s.stitched || b.ptr == page || page < s.base || !fits || !smaller {
                     continue;
                 }
-                let (mapped, _) = s.mapped();
-                let at = s
-                    .runs
-                    .partition_point(|r| mapped + r.offset + r.pages.size <= page);
-                let r = &s.runs[at];
+                // Runs are whole pages: the page lies in one.
+                let Some((_, pages)) = s.pages(page, page + granularity).next() else {
+                    continue;
+                };
                 best = Some(Piece {
-                    pages: Pages {
-                        handle: r.pages.handle,
-                        offset: r.pages.offset + (page - mapped - r.offset),
-                        size: granularity,
-                    },
+                    pages,
                     lender: Some((b.segment, page)),
                     block: id,
                     skip: b.ptr - page,
@@ -286,27 +281,12 @@ impl DevicePool {
         if end <= start {
             return;
         }
-        let (mapped, _) = s.mapped();
-        let first = s
-            .runs
-            .partition_point(|r| mapped + r.offset + r.pages.size <= start);
-        for r in &s.runs[first..] {
-            let (run_start, run_end) = (mapped + r.offset, mapped + r.offset + r.pages.size);
-            if run_start >= end {
-                break;
-            }
-            let (from, to) = (start.max(run_start), end.min(run_end));
-            out.push(Piece {
-                pages: Pages {
-                    handle: r.pages.handle,
-                    offset: r.pages.offset + (from - run_start),
-                    size: to - from,
-                },
-                lender: Some((seg, from)),
-                block: id,
-                skip: 0,
-            });
-        }
+        out.extend(s.pages(start, end).map(|(at, pages)| Piece {
+            pages,
+            lender: Some((seg, at)),
+            block: id,
+            skip: 0,
+        }));
     }
 }
 
