@@ -77,7 +77,7 @@ fn replay_log_names_each_operation_that_changes_what_a_policy_reserves() {
     // resmem's default: the pool says why, then the operation.
     let stitched = err
         .lines()
-        .position(|l| l.contains("stitched a 838.00 MiB"))
+        .position(|l| l.contains("stitched a 840.00 MiB"))
         .expect("the pool's log");
     assert!(
         err.lines().nth(stitched + 1).unwrap().starts_with(
