@@ -50,10 +50,10 @@
 //! traces making more memory-creating calls than PyTorch's policy fell from 62 to 6, those
 //! needing more memory (peak or device) from 12 to 9, and those missing a criterion from 122
 //! to 87; fragmentation misses rose from 69 to 76 (headroom left at a peak). On the shipped
-//! traces and snapshots it changed only calls and peaks for the better (`model-swap` 15.90 to
-//! 15.47 GiB, `maphsge4` 70 to 67 calls) but for interleaved-lifetimes, whose first 256 MiB
-//! buffer leaves 124 MiB of headroom no later buffer takes (its peak 0.05% over PyTorch's
-//! policy, in 37 calls against 50). An eighth without the bound on the request made that 8 MiB
+//! traces and snapshots it lowered calls and peaks or left them (`model-swap` 15.90 to 15.47
+//! GiB, `maphsge4` 70 to 67 calls), but for `transformers-37436` (2 MiB more) and
+//! interleaved-lifetimes, whose first 256 MiB buffer leaves 124 MiB of headroom no later
+//! buffer takes (its peak 0.05% over PyTorch's policy, in 37 calls against 50). An eighth without the bound on the request made that 8 MiB
 //! request 1.51 GiB; a sixteenth of the pool with the bound missed as many as before (123).
 //!
 //! The cost: a pool that only grows, by requests PyTorch's policy fits exactly and never frees,
