@@ -1,0 +1,201 @@
+//! Growth: a new segment for a request the cache does not hold (`grow`: a classic segment, or a
+//! stitched range, `stitch.rs`), and the one growth policy every backing's new memory comes
+//! through (`obtain`: a classic segment's `cuMemAlloc`, a stitched range's `cuMemCreate`):
+//! within the cap, returning idle cache to stay under it; idle cache back first where the
+//! driver's free memory is short; on out-of-memory, everything reusable back and one more try;
+//! and the error the caller sees when that fails too. The driver calls themselves may be made
+//! without the device's lock (`growing.rs`).
+
+use super::*;
+
+impl DevicePool {
+    /// Steps 3 to 5: a new segment of `segment` bytes, as one free block of `stream`.
+    pub(super) fn grow(
+        &mut self,
+        cx: &Context<'_>,
+        segment: u64,
+        class: Class,
+        stream: StreamHandle,
+        requested: u64,
+        mode: Grow,
+    ) -> Result<BlockId> {
+        // Memory made for this growth without the lock was asked for with the driver's figures
+        // of the pass that deferred it: decided on them again, the pass decides the same.
+        let (free, total) = match &self.prepared {
+            Some(p) => p.driver_info(),
+            None => self.driver_info(cx)?,
+        };
+        self.driver_total = total;
+        if segment > total {
+            self.stats.ooms += 1;
+            return Err(Error::out_of_memory(format!(
+                "device {}: requested {} is more than the device's total memory of {}; \
+                 no amount of cache returned can serve it: split the allocation or use a larger device",
+                self.device,
+                human(requested),
+                human(total)
+            )));
+        }
+        if self.stitching(cx) {
+            let (base, runs, lead) = self.stitch_growth(cx, (segment, requested), mode, free)?;
+            let size = runs.iter().map(|r| r.pages.size).sum::<u64>() - lead;
+            return Ok(self.install_segment(cx, (base + lead, size, lead), class, stream, runs));
+        }
+        let backing = Backing::Segment(class, stream);
+        let Fresh::Segment(ptr) = self.obtain(cx, segment, requested, mode, free, backing)? else {
+            unreachable!("a classic segment asked for")
+        };
+        self.stats.add_reserved(segment, 1);
+        Ok(self.install_segment(cx, (ptr, segment, 0), class, stream, Vec::new()))
+    }
+
+    /// The growth policy, for every backing: `bytes` of new memory of `backing`, within the cap
+    /// (returning idle cache to stay under it, if `mode` allows); if the driver's free memory
+    /// (`driver_free`) is short, idle cache goes back first; on out-of-memory, everything
+    /// reusable goes back and the driver is asked once more. In a deferring pass that needs
+    /// none of this, the call is deferred, to be made without the lock (`growing.rs`); in the
+    /// next pass, the memory it made is taken.
+    pub(super) fn obtain(
+        &mut self,
+        cx: &Context<'_>,
+        bytes: u64,
+        requested: u64,
+        mode: Grow,
+        driver_free: u64,
+        backing: Backing,
+    ) -> Result<Fresh> {
+        let prepared = self.take_prepared(cx, backing, bytes);
+        if prepared.is_none() && self.defer_growth(cx, backing, bytes, driver_free)? {
+            // Unwinds the pass through its failure path; the caller sees the plan, not this.
+            return Err(Error::internal(
+                "growth deferred until the device's lock is free",
+            ));
+        }
+        if let Err(err) = self.make_room_under_limit(cx, bytes, requested, mode) {
+            self.prepared = prepared;
+            return Err(err);
+        }
+        let device = self.device;
+        let alloc = |driver: &dyn crate::driver::Driver| backing.create(driver, device, bytes);
+        // The first try: made without the lock (its answer prepared), or now.
+        let first = match prepared {
+            Some(p) => p.made,
+            None => {
+                if mode == Grow::MayRelease
+                    && driver_free < bytes
+                    && self.config.release_before_grow
+                {
+                    // Classic segments: all idle ones, as PyTorch returns every cached segment
+                    // when the driver refuses. Stitched: only the shortfall, since the cache's
+                    // pages can be mapped into the new range instead.
+                    let needed = match self.vmm {
+                        VmmMode::On(_) => bytes - driver_free,
+                        _ => u64::MAX,
+                    };
+                    let released = self.release_idle(cx, needed)?;
+                    self.log(format_args!(
+                        "driver has {} free, {} needed: returned {} of idle cache first",
+                        human(driver_free),
+                        human(bytes),
+                        human(released)
+                    ));
+                }
+                alloc(cx.driver)
+            }
+        };
+        match first {
+            Ok(got) => Ok(got),
+            Err(err) if err.is_out_of_memory() && mode == Grow::MayRelease => {
+                self.stats.oom_retries += 1;
+                self.collect_pending(cx, true)?;
+                let released = self.release_idle(cx, u64::MAX)?;
+                self.log(format_args!(
+                    "driver out of memory for {}: returned all {} reusable, retrying once",
+                    human(bytes),
+                    human(released)
+                ));
+                alloc(cx.driver).map_err(|err| self.alloc_failure(cx, err, requested, bytes))
+            }
+            Err(err) => Err(self.alloc_failure(cx, err, requested, bytes)),
+        }
+    }
+
+    /// Under a memory limit, make room for `bytes` more by returning idle cache (if `mode`
+    /// allows), or fail with an out-of-memory error naming the limit.
+    fn make_room_under_limit(
+        &mut self,
+        cx: &Context<'_>,
+        bytes: u64,
+        requested: u64,
+        mode: Grow,
+    ) -> Result<()> {
+        let Some(limit) = self.limit else {
+            return Ok(());
+        };
+        let allowed = self.room_under_cap(cx);
+        if bytes > allowed && mode == Grow::MayRelease {
+            // Under a cap, returning idle cache is the only way to grow.
+            self.release_idle(cx, bytes - allowed)?;
+        }
+        if bytes <= self.room_under_cap(cx) {
+            return Ok(());
+        }
+        self.stats.ooms += 1;
+        Err(Error::out_of_memory(format!(
+            "device {}: requested {} (needing {} more from the driver) would take this pool past \
+             its memory limit of {}: it reserves {}, of which {} is reusable. Raise the limit \
+             (rm_set_memory_limit, or torch.cuda.set_per_process_memory_fraction), or release \
+             blocks you no longer need",
+            self.device,
+            human(requested),
+            human(bytes),
+            human(limit),
+            human(self.device_reserved(cx)),
+            human(self.device_reusable(cx))
+        )))
+    }
+
+    /// What the cap leaves to grow by (all there is without one): memory other threads are
+    /// creating without the lock counts as reserved, and so does the device's other shards'.
+    pub(super) fn room_under_cap(&self, cx: &Context<'_>) -> u64 {
+        self.limit.map_or(u64::MAX, |limit| {
+            limit.saturating_sub(self.device_committed(cx))
+        })
+    }
+
+    /// Turn a failed driver allocation into the error the caller sees.
+    fn alloc_failure(
+        &mut self,
+        cx: &Context<'_>,
+        err: crate::driver::DriverError,
+        requested: u64,
+        segment: u64,
+    ) -> Error {
+        if !err.is_out_of_memory() {
+            return Error::driver(
+                &format!(
+                    "device {}: allocating a {} segment",
+                    self.device,
+                    human(segment)
+                ),
+                &err,
+            );
+        }
+        self.stats.ooms += 1;
+        let driver_free = match cx.driver.mem_get_info(self.device) {
+            Ok((free, _)) => human(free),
+            Err(_) => "an unknown amount".to_string(),
+        };
+        Error::out_of_memory(format!(
+            "device {}: out of memory: requested {} (a new segment of {}); this pool reserves {} \
+             of which {} is reusable, and the driver reports {} free. Release blocks you no longer \
+             need, or lower the batch or model size",
+            self.device,
+            human(requested),
+            human(segment),
+            human(self.device_reserved(cx)),
+            human(self.device_reusable(cx)),
+            driver_free
+        ))
+    }
+}
