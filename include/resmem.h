@@ -94,8 +94,8 @@ typedef struct rm_stats {
    */
   uint64_t peak_allocated_bytes;
   /**
-   * Highest `reserved_bytes` since start or the last `rm_reset_peak_stats` (summed over
-   * shards as `peak_allocated_bytes` is).
+   * Highest `reserved_bytes` since start or the last `rm_reset_peak_stats`: the device's own,
+   * whatever its shards.
    */
   uint64_t peak_reserved_bytes;
   /**

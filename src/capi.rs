@@ -33,8 +33,8 @@ pub struct rm_stats {
     /// contended for the pool and their streams took separate shards of the device (README,
     /// "shards"), the sum of the shards' highs: at least the device's.
     pub peak_allocated_bytes: u64,
-    /// Highest `reserved_bytes` since start or the last `rm_reset_peak_stats` (summed over
-    /// shards as `peak_allocated_bytes` is).
+    /// Highest `reserved_bytes` since start or the last `rm_reset_peak_stats`: the device's own,
+    /// whatever its shards.
     pub peak_reserved_bytes: u64,
     /// Blocks reserved and not yet released.
     pub live_blocks: u64,

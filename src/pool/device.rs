@@ -42,13 +42,14 @@
 //! memory.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::bins::Bins;
 use super::blocks::{Block, Blocks, State};
 use super::hash::{IntMap, IntSet};
 use super::ids::{BlockId, Id, IdleAt, SegId, SlotId, Table};
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
-use super::stats::Stats;
+use super::stats::{DeviceReserved, Stats};
 use super::{Context, PoolConfig};
 use addresses::Addresses;
 use headroom::Headroom;
@@ -247,12 +248,21 @@ pub struct DevicePool {
     carved: u64,
     /// The device's total memory, as the driver last gave it.
     driver_total: u64,
+    /// What the device reserves, all its shards together, and its peak (`stats.rs`).
+    device_reserved: Arc<DeviceReserved>,
 }
 
 impl DevicePool {
-    /// An empty pool for `device`, the shard `owner` of every device's shards.
-    pub fn new(device: i32, owner: i32, config: PoolConfig) -> DevicePool {
+    /// An empty pool for `device`, the shard `owner` of every device's shards, booking what it
+    /// reserves in `reserved` too (shared by the device's shards).
+    pub fn new(
+        device: i32,
+        owner: i32,
+        config: PoolConfig,
+        reserved: Arc<DeviceReserved>,
+    ) -> DevicePool {
         DevicePool {
+            device_reserved: reserved,
             device,
             owner,
             config,
@@ -600,6 +610,20 @@ impl DevicePool {
     /// Set the peaks to the current values.
     pub fn reset_peak_stats(&mut self) {
         self.stats.reset_peaks();
+    }
+
+    /// Count `bytes` newly held from the driver in `calls` allocations, in this shard's figures
+    /// and the device's.
+    fn add_reserved(&mut self, bytes: u64, calls: u64) {
+        self.stats.add_reserved(bytes, calls);
+        self.device_reserved.add(bytes);
+    }
+
+    /// Count `bytes` given back to the driver in `calls` frees, in this shard's figures and the
+    /// device's.
+    fn remove_reserved(&mut self, bytes: u64, calls: u64) {
+        self.stats.remove_reserved(bytes, calls);
+        self.device_reserved.remove(bytes);
     }
 
     // ----- the steps of the policy -----

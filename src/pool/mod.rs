@@ -66,6 +66,7 @@ pub use layout::Layout;
 pub use shards::SHARDS;
 use shards::{Binding, Books, Shard};
 use spans::{Owner, Spans};
+use stats::DeviceReserved;
 pub use stats::Stats;
 
 /// The most idle segments (and handles) [`Pool::free_reusable`] takes out of the books per hold
@@ -152,6 +153,8 @@ pub struct Pool {
     shards: Box<[Shard]>,
     /// Per device, which shard serves each stream.
     bindings: Box<[Binding]>,
+    /// Per device, what its shards reserve together, and the peak of that.
+    reserved: Box<[Arc<DeviceReserved>]>,
     spans: Spans,
 }
 
@@ -184,16 +187,19 @@ impl Pool {
     /// A pool over every device `driver` sees.
     pub fn new(driver: Arc<dyn Driver>, config: PoolConfig) -> Pool {
         let devices = driver.device_count().max(0);
+        let reserved: Box<[Arc<DeviceReserved>]> = (0..devices).map(|_| Arc::default()).collect();
         let shards: Box<[Shard]> = (0..devices)
             .flat_map(|device| (0..SHARDS).map(move |k| (device, k)))
             .map(|(device, k)| {
                 let owner = device * SHARDS as i32 + k as i32;
-                Shard::new(DevicePool::new(device, owner, config))
+                let reserved = Arc::clone(&reserved[device as usize]);
+                Shard::new(DevicePool::new(device, owner, config, reserved))
             })
             .collect();
         Pool {
             driver,
             shards,
+            reserved,
             bindings: (0..devices).map(|_| Binding::default()).collect(),
             // With one device, pointers in no recorded segment are shard 0's: its segments
             // (all a pool whose calls never contended has) cost no entries.
@@ -674,12 +680,15 @@ impl Pool {
     }
 
     /// The figures of `device`, read without changing anything: the sums of its shards'
-    /// (`largest_reusable_block` their largest). A peak is the sum of the shards' peaks: the
-    /// device's own where one shard did all the work since the last reset (always, unless
-    /// threads contended for the pool), else at least it.
+    /// (`largest_reusable_block` their largest). The reserved peak is the device's own, kept
+    /// across its shards as they book their driver calls; the allocated peak is the sum of the
+    /// shards' peaks: the device's own where one shard did all the work since the last reset
+    /// (always, unless threads contended for the pool), else at least it (a device-wide figure
+    /// for it would be a write to memory every thread shares at every reserve and release).
     pub fn stats(&self, device: i32) -> Result<Stats> {
         let mut sum = Stats::default();
         self.each_opened_shard(device, |pool| sum.add(&pool.stats()))?;
+        sum.peak_reserved_bytes = self.reserved[self.device_index(device)?].peak();
         Ok(sum)
     }
 
@@ -712,7 +721,9 @@ impl Pool {
 
     /// Set the peaks of `device` to the current values.
     pub fn reset_peak_stats(&self, device: i32) -> Result<()> {
-        self.each_opened_shard(device, |pool| pool.reset_peak_stats())
+        self.each_opened_shard(device, |pool| pool.reset_peak_stats())?;
+        self.reserved[self.device_index(device)?].reset_peak();
+        Ok(())
     }
 
     /// Cap what the pool reserves on `device` (`None`: every device) at `limit` bytes (`None`:
@@ -741,9 +752,11 @@ impl Pool {
     /// invariant. Exact only while no other thread calls the pool.
     pub fn check(&self) -> std::result::Result<(), String> {
         let mut segments = Vec::new();
+        let mut reserved = vec![0u64; self.reserved.len()];
         for index in 0..self.shards.len() {
             let (pool, _) = self.lock_shard(index);
             let (device, k) = (index / SHARDS, index % SHARDS);
+            reserved[device] += pool.stats().reserved_bytes;
             if k >= self.bindings[device].opened() && pool.stats().segments > 0 {
                 return Err(format!(
                     "device {device}: shard {k} holds segments but was never opened"
@@ -755,6 +768,16 @@ impl Pool {
                 pool.segment_ranges()
                     .map(|(base, size)| (base, size, index as i32)),
             );
+        }
+        for (device, (&sum, figure)) in reserved.iter().zip(self.reserved.iter()).enumerate() {
+            if figure.now() != sum || figure.peak() < sum {
+                return Err(format!(
+                    "device {device}: the device-wide reserved figure is {} (peak {}) where its \
+                     shards reserve {sum}",
+                    figure.now(),
+                    figure.peak()
+                ));
+            }
         }
         self.spans.check(&segments)
     }

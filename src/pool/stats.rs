@@ -1,6 +1,8 @@
 //! The pool's figures for one device, kept exact at every moment: byte counts and peaks are
 //! updated with every change, event counters with every event.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 /// A device's figures; the Rust twin of `rm_stats`, field for field.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -72,7 +74,8 @@ impl Stats {
     }
 
     /// Add another shard's figures of the same device: every count summed, the largest
-    /// reusable block the larger. A peak summed is at least the peak of the sum.
+    /// reusable block the larger. A peak summed is at least the peak of the sum (the device's
+    /// reserved peak is kept whole by [`DeviceReserved`]).
     pub fn add(&mut self, other: &Stats) {
         self.allocated_bytes += other.allocated_bytes;
         self.requested_bytes += other.requested_bytes;
@@ -97,6 +100,47 @@ impl Stats {
     pub fn reset_peaks(&mut self) {
         self.peak_allocated_bytes = self.allocated_bytes;
         self.peak_reserved_bytes = self.reserved_bytes;
+    }
+}
+
+/// What a device reserves, all its shards together, and the most it has reserved since the last
+/// peak reset. Each shard adds and subtracts its own changes where it books them (under its own
+/// lock, at each driver allocation and free: never on a cache hit), so that the peak is the
+/// device's, where the sum of the shards' peaks counts shards that peaked at different times
+/// together (a stream's shard grown while another's had given its memory back).
+#[derive(Debug, Default)]
+pub(crate) struct DeviceReserved {
+    now: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl DeviceReserved {
+    /// A shard now reserves `bytes` more.
+    pub(crate) fn add(&self, bytes: u64) {
+        let now = self.now.fetch_add(bytes, Ordering::AcqRel) + bytes;
+        self.peak.fetch_max(now, Ordering::AcqRel);
+    }
+
+    /// A shard now reserves `bytes` less.
+    pub(crate) fn remove(&self, bytes: u64) {
+        self.now.fetch_sub(bytes, Ordering::AcqRel);
+    }
+
+    /// What the device reserves now.
+    pub(crate) fn now(&self) -> u64 {
+        self.now.load(Ordering::Acquire)
+    }
+
+    /// The most the device has reserved since the last reset.
+    pub(crate) fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
+
+    /// Set the peak to what the device reserves now (and never below it: a shard that grew
+    /// meanwhile is counted).
+    pub(crate) fn reset_peak(&self) {
+        self.peak.store(self.now(), Ordering::Release);
+        self.peak.fetch_max(self.now(), Ordering::AcqRel);
     }
 }
 

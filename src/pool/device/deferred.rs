@@ -191,7 +191,7 @@ impl DevicePool {
                         .returning
                         .swap_remove(at.expect("a segment being freed"));
                     if ok {
-                        self.stats.remove_reserved(r.size, 1);
+                        self.remove_reserved(r.size, 1);
                         returned += r.size;
                     } else {
                         // Still the driver's allocation, and ours: idle again, settled as before.
@@ -212,7 +212,7 @@ impl DevicePool {
                         .releasing
                         .swap_remove(at.expect("a handle being released"));
                     if ok {
-                        self.stats.remove_reserved(size, 1);
+                        self.remove_reserved(size, 1);
                         returned += size;
                     } else {
                         // Still held, mapped nowhere.

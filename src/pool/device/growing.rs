@@ -509,7 +509,7 @@ impl DevicePool {
     /// counted as reserved.
     fn keep_handle(&mut self, handle: PhysHandle, bytes: u64) {
         self.phys.add(handle, bytes);
-        self.stats.add_reserved(bytes, 1);
+        self.add_reserved(bytes, 1);
     }
 
     /// In a later pass, the prepared memory if it is `bytes` of `backing` (for a range, with
@@ -551,7 +551,7 @@ impl DevicePool {
         let span = plan.span();
         match (fresh, plan.backing) {
             (Fresh::Segment(ptr), Backing::Segment(class, stream)) => {
-                self.stats.add_reserved(plan.bytes, 1);
+                self.add_reserved(plan.bytes, 1);
                 self.install_segment(cx, (ptr, plan.bytes, 0), class, stream, Vec::new());
             }
             // Unmapped under the lock: a path taken only when the books moved meanwhile (the

@@ -45,7 +45,7 @@ impl DevicePool {
         let Fresh::Segment(ptr) = self.obtain(cx, segment, requested, mode, free, backing)? else {
             unreachable!("a classic segment asked for")
         };
-        self.stats.add_reserved(segment, 1);
+        self.add_reserved(segment, 1);
         Ok(self.install_segment(cx, (ptr, segment, 0), class, stream, Vec::new()))
     }
 

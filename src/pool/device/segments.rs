@@ -132,7 +132,7 @@ impl DevicePool {
                 ));
             }
             self.forget_segment(seg);
-            self.stats.remove_reserved(size, 1);
+            self.remove_reserved(size, 1);
             return Ok(());
         }
         self.dismantle(cx, seg)

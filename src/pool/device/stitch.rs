@@ -342,7 +342,7 @@ impl DevicePool {
             };
             self.headroom.created(made, need);
             self.phys.add(handle, made);
-            self.stats.add_reserved(made, 1);
+            self.add_reserved(made, 1);
             all.push(Piece {
                 pages: Pages {
                     handle,

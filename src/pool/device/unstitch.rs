@@ -435,7 +435,7 @@ impl DevicePool {
                 .vmm_release(self.device, handle)
                 .map_err(|e| Error::driver("returning cached memory to the driver", &e))?;
             self.phys.remove(handle);
-            self.stats.remove_reserved(size, 1);
+            self.remove_reserved(size, 1);
             released = released.saturating_add(size);
         }
         Ok(released)

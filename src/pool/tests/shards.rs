@@ -205,3 +205,39 @@ fn a_pool_of_several_devices_finds_each_shards_blocks() {
     assert_books(&pool, sim);
     assert_eq!(sim.used_bytes(1), 0);
 }
+
+#[test]
+fn the_reserved_peak_is_the_devices_not_the_sum_of_its_shards_peaks() {
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[4 * GIB], config);
+        // Shard 0 reserves 100 MiB and gives it back to the driver...
+        let a = pool.reserve(0, 100 * MIB, S1).unwrap();
+        pool.release(a).unwrap();
+        pool.free_reusable(Some(0)).unwrap();
+        // ... before another stream, on a shard of its own, reserves 60 MiB.
+        let b = reserve_against_held_shard(&pool, 0, 60 * MIB, S2);
+        assert_eq!(pool.bindings[0].shard(S2), 1);
+        let s = pool.stats(0).unwrap();
+        // The shards peaked at 100 and 60 MiB, never together: the device at 100.
+        assert_eq!(
+            (
+                s.reserved_bytes,
+                s.peak_reserved_bytes,
+                s.peak_allocated_bytes
+            ),
+            (60 * MIB, 100 * MIB, 160 * MIB)
+        );
+        // Both at once: 160 MiB.
+        let a = pool.reserve(0, 100 * MIB, S1).unwrap();
+        assert_eq!(pool.stats(0).unwrap().peak_reserved_bytes, 160 * MIB);
+        assert_books(&pool, sim);
+        pool.release(a).unwrap();
+        pool.release(b).unwrap();
+        pool.free_reusable(Some(0)).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!((s.reserved_bytes, s.peak_reserved_bytes), (0, 160 * MIB));
+        pool.reset_peak_stats(0).unwrap();
+        assert_eq!(pool.stats(0).unwrap().peak_reserved_bytes, 0);
+        assert_books(&pool, sim);
+    }
+}
