@@ -75,7 +75,7 @@ impl Stats {
 
     /// Add another shard's figures of the same device: every count summed, the largest
     /// reusable block the larger. A peak summed is at least the peak of the sum (the device's
-    /// reserved peak is kept whole by [`DeviceReserved`]).
+    /// reserved peak is kept whole by `DeviceReserved`).
     pub fn add(&mut self, other: &Stats) {
         self.allocated_bytes += other.allocated_bytes;
         self.requested_bytes += other.requested_bytes;
