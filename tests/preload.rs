@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::artifacts;
+use common::{artifacts, link_resmem};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -60,6 +60,33 @@ fn program() -> &'static PathBuf {
             s(&exe),
         ]);
         gcc(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        exe
+    })
+}
+
+/// `tests/preload/linked.c`, linked against `libresmem.so.0` and the stand-in `libcudart.so.12`.
+fn linked_program() -> &'static PathBuf {
+    static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        let dir = program().parent().unwrap().to_path_buf();
+        let exe = dir.join("linked");
+        let mut cmd = Command::new("gcc");
+        cmd.args(["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-I"])
+            .arg(root().join("include"))
+            .arg(root().join("tests/preload/linked.c"))
+            .arg(dir.join("libcudart.so.12"))
+            .arg(format!("-Wl,-rpath,{}", dir.display()));
+        link_resmem(&mut cmd, false);
+        let output = cmd
+            .args(["-ldl", "-o"])
+            .arg(&exe)
+            .output()
+            .expect("gcc is installed");
+        assert!(
+            output.status.success(),
+            "compiling linked.c failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         exe
     })
 }
@@ -179,6 +206,27 @@ fn preload_allocations_routes_malloc_and_free_through_the_pool() {
         (DEVICE_MIB, DEVICE_MIB, 128)
     );
     assert!(out.contains("passed: 0 failure(s)"), "{out}");
+}
+
+/// A program linked against `libresmem.so.0` and run with the preload object: the preload
+/// exports the `rm_*` API under that SONAME, so the loader binds the program's calls to the
+/// preload's pool instead of loading a second library with a second pool (which would count the
+/// first one's cache as used, and the first the second's): the block it reserves and the one the
+/// preload routes are one pool's. Without the preload, its own library serves it alone.
+#[test]
+fn a_program_linked_against_the_library_shares_the_preloads_pool() {
+    let exe = linked_program();
+    let out = run(exe, &[], true, "preload_allocations:true");
+    assert!(out.contains("live blocks 2\n"), "{out}");
+    assert!(
+        out.contains("rm_reserve in libresmem_preload.so\n"),
+        "{out}"
+    );
+    assert!(out.contains("linked: 0 failure(s)"), "{out}");
+    let out = run(exe, &[], false, "");
+    assert!(out.contains("live blocks 1\n"), "{out}");
+    assert!(out.contains("rm_reserve in libresmem.so.0\n"), "{out}");
+    assert!(out.contains("linked: 0 failure(s)"), "{out}");
 }
 
 #[test]
