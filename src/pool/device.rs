@@ -249,7 +249,7 @@ pub struct DevicePool {
     /// The device's total memory, as the driver last gave it.
     driver_total: u64,
     /// What the device reserves, all its shards together, and its peak (`stats.rs`).
-    device_reserved: Arc<DeviceReserved>,
+    whole_device: Arc<DeviceReserved>,
 }
 
 impl DevicePool {
@@ -262,7 +262,7 @@ impl DevicePool {
         reserved: Arc<DeviceReserved>,
     ) -> DevicePool {
         DevicePool {
-            device_reserved: reserved,
+            whole_device: reserved,
             device,
             owner,
             config,
@@ -616,14 +616,14 @@ impl DevicePool {
     /// and the device's.
     fn add_reserved(&mut self, bytes: u64, calls: u64) {
         self.stats.add_reserved(bytes, calls);
-        self.device_reserved.add(bytes);
+        self.whole_device.add(bytes);
     }
 
     /// Count `bytes` given back to the driver in `calls` frees, in this shard's figures and the
     /// device's.
     fn remove_reserved(&mut self, bytes: u64, calls: u64) {
         self.stats.remove_reserved(bytes, calls);
-        self.device_reserved.remove(bytes);
+        self.whole_device.remove(bytes);
     }
 
     // ----- the steps of the policy -----
