@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use common::{artifacts, link_resmem};
+use common::{artifacts, compile, link_resmem};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -69,25 +69,16 @@ fn linked_program() -> &'static PathBuf {
     static PROGRAM: OnceLock<PathBuf> = OnceLock::new();
     PROGRAM.get_or_init(|| {
         let dir = program().parent().unwrap().to_path_buf();
-        let exe = dir.join("linked");
+        let source = root().join("tests/preload/linked.c");
         let mut cmd = Command::new("gcc");
         cmd.args(["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-I"])
             .arg(root().join("include"))
-            .arg(root().join("tests/preload/linked.c"))
+            .arg(&source)
             .arg(dir.join("libcudart.so.12"))
             .arg(format!("-Wl,-rpath,{}", dir.display()));
         link_resmem(&mut cmd, false);
-        let output = cmd
-            .args(["-ldl", "-o"])
-            .arg(&exe)
-            .output()
-            .expect("gcc is installed");
-        assert!(
-            output.status.success(),
-            "compiling linked.c failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        exe
+        cmd.arg("-ldl");
+        compile(cmd, &source, &dir.join("linked"))
     })
 }
 
