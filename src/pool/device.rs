@@ -242,7 +242,8 @@ pub struct DevicePool {
     plan: Option<Plan>,
     /// Memory made without the lock, for this pass to take.
     prepared: Option<Prepared>,
-    /// Bytes being created without the lock: counted against the cap.
+    /// Bytes claimed for memory being created, without the lock or under it, until it is booked
+    /// or the attempt ends (`DevicePool::claim`): counted against the cap.
     growing: u64,
     /// Bytes of addresses taken for ranges being mapped without the lock.
     carved: u64,

@@ -136,6 +136,14 @@ impl Context<'_> {
         self.elsewhere(|shard| &shard.reusable)
     }
 
+    /// Publish what this shard now reserves and is creating (`DevicePool::committed`) at once,
+    /// rather than when its lock is let go: a claim of room under a cap (`DevicePool::claim`).
+    pub(crate) fn publish_committed(&self, committed: u64) {
+        self.shards[self.own]
+            .committed
+            .store(committed, Ordering::Relaxed);
+    }
+
     fn elsewhere(&self, figure: impl Fn(&Shard) -> &AtomicU64) -> u64 {
         self.shards
             .iter()

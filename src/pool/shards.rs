@@ -20,7 +20,11 @@
 //! reserves (and is creating without its lock) and what of that is reusable at the end of every
 //! hold, and the others count that against the cap
 //! ([`Context::reserved_elsewhere`](super::Context::reserved_elsewhere)) or as reusable already
-//! ([`Context::reusable_elsewhere`](super::Context::reusable_elsewhere)).
+//! ([`Context::reusable_elsewhere`](super::Context::reusable_elsewhere)). Room under a cap is
+//! claimed under the device's claim lock, and the claim published at once
+//! ([`Context::publish_committed`](super::Context::publish_committed)): read as of the end of
+//! the other's hold alone, two shards growing at once could both take the same room (one
+//! making a segment under its lock while the other, not yet counting it, made its own).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};

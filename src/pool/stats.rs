@@ -2,6 +2,7 @@
 //! updated with every change, event counters with every event.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// A device's figures; the Rust twin of `rm_stats`, field for field.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -108,10 +109,15 @@ impl Stats {
 /// lock, at each driver allocation and free: never on a cache hit), so that the peak is the
 /// device's, where the sum of the shards' peaks counts shards that peaked at different times
 /// together (a stream's shard grown while another's had given its memory back).
+///
+/// It also holds the device's *claim lock*: a shard checks a cap and claims room for new memory
+/// under it (`DevicePool::claim`), publishing what it then commits before letting go, so that
+/// two shards never claim the same room.
 #[derive(Debug, Default)]
 pub(crate) struct DeviceReserved {
     now: AtomicU64,
     peak: AtomicU64,
+    claims: Mutex<()>,
 }
 
 impl DeviceReserved {
@@ -134,6 +140,11 @@ impl DeviceReserved {
     /// The most the device has reserved since the last reset.
     pub(crate) fn peak(&self) -> u64 {
         self.peak.load(Ordering::Acquire)
+    }
+
+    /// The claim lock, held while a shard checks the cap and claims room (see the type).
+    pub(crate) fn claiming(&self) -> MutexGuard<'_, ()> {
+        self.claims.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Set the peak to what the device reserves now (and never below it: a shard that grew

@@ -322,10 +322,10 @@ impl DevicePool {
         }
     }
 
-    /// `plan` is no longer in flight: its bytes leave the cap's count, its addresses the
+    /// `plan` is no longer in flight: its bytes' claim is given up, its addresses leave the
     /// carved count, and its cached pages' handles are no longer pinned.
     fn unplan(&mut self, plan: &Plan) {
-        self.growing -= plan.bytes;
+        self.unclaim(plan.bytes);
         self.carved -= plan.span();
         for pages in &plan.pages {
             if let Some(at) = self.pinned.iter().position(|&h| h == pages.handle) {
@@ -394,11 +394,14 @@ impl DevicePool {
         bytes: u64,
         driver_free: u64,
     ) -> Result<bool> {
-        let room = self.room_under_cap(cx);
-        if !self.may_defer() || bytes > room || bytes > driver_free {
+        if !self.may_defer() || bytes > driver_free || !self.claim(cx, bytes) {
             return Ok(false);
         }
-        self.plan(cx, backing, bytes, driver_free)?;
+        // The claim is the plan's until `unplan`.
+        if let Err(err) = self.plan(cx, backing, bytes, driver_free) {
+            self.unclaim(bytes);
+            return Err(err);
+        }
         Ok(true)
     }
 
@@ -472,7 +475,8 @@ impl DevicePool {
     }
 
     /// Note the plan of `bytes` of `backing` (a range's addresses taken, its cached pages'
-    /// handles pinned), counted in flight until [`DevicePool::unplan`].
+    /// handles pinned), in flight until [`DevicePool::unplan`]; its bytes claimed by the caller
+    /// ([`DevicePool::claim`]), given up there.
     fn plan(
         &mut self,
         cx: &Context<'_>,
@@ -498,7 +502,6 @@ impl DevicePool {
         // The lenders of the range's cached pages (`DevicePool::lending`): waited for with it.
         let unsettled = self.lending.iter().any(|&seg| !self.is_settled(seg));
         plan.wait = unsettled.then_some(self.releases);
-        self.growing += bytes;
         self.carved += plan.span();
         self.pinned.extend(plan.pages.iter().map(|p| p.handle));
         self.plan = Some(plan);

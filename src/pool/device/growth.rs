@@ -71,10 +71,31 @@ impl DevicePool {
                 "growth deferred until the device's lock is free",
             ));
         }
-        if let Err(err) = self.make_room_under_limit(cx, bytes, requested, mode) {
+        if let Err(err) = self.make_room(cx, bytes, requested, mode) {
             self.prepared = prepared;
             return Err(err);
         }
+        // `bytes` are claimed, counted against a cap by every shard, until the caller books
+        // what is made (under this same lock) or the attempt fails.
+        let made = self.create_claimed(cx, bytes, requested, mode, driver_free, backing, prepared);
+        self.unclaim(bytes);
+        made
+    }
+
+    /// [`DevicePool::obtain`]'s memory, its room claimed: made without the lock (`prepared`),
+    /// or now, after idle cache went back where the driver's free memory is short; on
+    /// out-of-memory, everything reusable back and one more try.
+    #[allow(clippy::too_many_arguments)]
+    fn create_claimed(
+        &mut self,
+        cx: &Context<'_>,
+        bytes: u64,
+        requested: u64,
+        mode: Grow,
+        driver_free: u64,
+        backing: Backing,
+        prepared: Option<Prepared>,
+    ) -> Result<Fresh> {
         let device = self.device;
         let alloc = |driver: &dyn crate::driver::Driver| backing.create(driver, device, bytes);
         // The first try: made without the lock (its answer prepared), or now.
@@ -120,24 +141,22 @@ impl DevicePool {
         }
     }
 
-    /// Under a memory limit, make room for `bytes` more by returning idle cache (if `mode`
-    /// allows), or fail with an out-of-memory error naming the limit.
-    fn make_room_under_limit(
+    /// Room for `bytes` more, claimed ([`DevicePool::claim`]): under a memory limit, idle
+    /// cache goes back first where the cap leaves too little (if `mode` allows), or the request
+    /// fails with an out-of-memory error naming the limit.
+    fn make_room(
         &mut self,
         cx: &Context<'_>,
         bytes: u64,
         requested: u64,
         mode: Grow,
     ) -> Result<()> {
-        let Some(limit) = self.limit else {
-            return Ok(());
-        };
         let allowed = self.room_under_cap(cx);
         if bytes > allowed && mode == Grow::MayRelease {
             // Under a cap, returning idle cache is the only way to grow.
             self.release_idle(cx, bytes - allowed)?;
         }
-        if bytes <= self.room_under_cap(cx) {
+        if self.claim(cx, bytes) {
             return Ok(());
         }
         self.stats.ooms += 1;
@@ -149,10 +168,38 @@ impl DevicePool {
             self.device,
             human(requested),
             human(bytes),
-            human(limit),
+            human(self.limit.unwrap_or_default()),
             human(self.device_reserved(cx)),
             human(self.device_reusable(cx))
         )))
+    }
+
+    /// Claim room for `bytes` of new memory: counted as committed (see
+    /// [`DevicePool::committed`]) until it is booked as reserved or the attempt ends
+    /// ([`DevicePool::unclaim`]). Under a cap, false where the cap leaves too little. The check
+    /// and the claim are made under the device's claim lock, and the claim published to the
+    /// device's other shards before it is let go, so that two shards growing at once cannot
+    /// both take the same room (each read the other's figure as of its last hold, and a shard
+    /// making a segment under its lock grew past the cap beside another).
+    pub(super) fn claim(&mut self, cx: &Context<'_>, bytes: u64) -> bool {
+        if self.limit.is_none() {
+            self.growing += bytes;
+            return true;
+        }
+        let device = Arc::clone(&self.whole_device);
+        let _claiming = device.claiming();
+        if bytes > self.room_under_cap(cx) {
+            return false;
+        }
+        self.growing += bytes;
+        cx.publish_committed(self.committed());
+        true
+    }
+
+    /// Give up a claim of `bytes` ([`DevicePool::claim`]): the memory is booked as reserved, or
+    /// was not made.
+    pub(super) fn unclaim(&mut self, bytes: u64) {
+        self.growing -= bytes;
     }
 
     /// What the cap leaves to grow by (all there is without one): memory other threads are

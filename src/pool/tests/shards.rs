@@ -2,6 +2,7 @@
 //! shard of its own, and the device's figures, cap and memory stay one device's.
 
 use std::sync::mpsc;
+use std::time::Duration;
 
 use super::*;
 
@@ -240,4 +241,63 @@ fn the_reserved_peak_is_the_devices_not_the_sum_of_its_shards_peaks() {
         assert_eq!(pool.stats(0).unwrap().peak_reserved_bytes, 0);
         assert_books(&pool, sim);
     }
+}
+
+#[test]
+fn a_shard_growing_under_its_lock_counts_against_the_cap_at_once() {
+    let (pool, sim) = pool_with(&[4 * GIB], classic());
+    // Shard 0: 40 MiB idle. Shard 1: stream 2's 20 MiB segment in use, and 20 MiB idle.
+    let b = move_to_own_shard(&pool, S2);
+    let idle = pool.reserve(0, 40 * MIB, S1).unwrap();
+    pool.release(idle).unwrap();
+    let idle = pool.reserve(0, 20 * MIB, S2).unwrap();
+    pool.release(idle).unwrap();
+    pool.set_memory_limit(Some(0), Some(100 * MIB)).unwrap();
+    // 50 MiB on stream 1 needs its shard's idle 40 MiB back first, so its segment is made
+    // under the shard's lock (slowly). Meanwhile stream 2 asks for 35 MiB: with its own idle
+    // 20 MiB back, that fits beside the 40 MiB shard 0 held, not beside the 50 it is making.
+    sim.set_delay(cuda_sim::Call::MemAlloc, Duration::from_millis(500));
+    let frees = sim.call_count(cuda_sim::Call::MemFree);
+    let (a, c) = std::thread::scope(|s| {
+        let a = s.spawn(|| pool.reserve(0, 50 * MIB, S1));
+        while sim.call_count(cuda_sim::Call::MemFree) == frees {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let c = pool.reserve(0, 35 * MIB, S2);
+        (a.join().unwrap(), c)
+    });
+    sim.set_delay(cuda_sim::Call::MemAlloc, Duration::ZERO);
+    let s = pool.stats(0).unwrap();
+    assert!(
+        s.reserved_bytes <= 100 * MIB,
+        "{} MiB reserved under a 100 MiB cap",
+        s.reserved_bytes / MIB
+    );
+    // One of them fails, naming the cap: stream 2's, as the threads were timed (stream 1's,
+    // should stream 2 have claimed its room first, shard 0's idle 40 MiB then back too).
+    assert!(a.is_ok() != c.is_ok(), "{a:?} {c:?}");
+    let (won, err) = match (a, c) {
+        (Ok(p), Err(e)) => {
+            assert_eq!(s.reserved_bytes, 70 * MIB);
+            (p, e)
+        }
+        (Err(e), Ok(p)) => {
+            assert_eq!(s.reserved_bytes, 56 * MIB);
+            (p, e)
+        }
+        _ => unreachable!(),
+    };
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("memory limit of 100.00 MiB"),
+        "{}",
+        err.message
+    );
+    for p in [won, b] {
+        pool.release(p).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
 }
