@@ -77,20 +77,19 @@ impl DevicePool {
         }
         // `bytes` are claimed, counted against a cap by every shard, until the caller books
         // what is made (under this same lock) or the attempt fails.
-        let made = self.create_claimed(cx, bytes, requested, mode, driver_free, backing, prepared);
+        let made =
+            self.create_claimed(cx, (bytes, requested), mode, driver_free, backing, prepared);
         self.unclaim(bytes);
         made
     }
 
-    /// [`DevicePool::obtain`]'s memory, its room claimed: made without the lock (`prepared`),
-    /// or now, after idle cache went back where the driver's free memory is short; on
-    /// out-of-memory, everything reusable back and one more try.
-    #[allow(clippy::too_many_arguments)]
+    /// [`DevicePool::obtain`]'s `bytes` (for a request of `requested`), their room claimed: made
+    /// without the lock (`prepared`), or now, after idle cache went back where the driver's
+    /// free memory is short; on out-of-memory, everything reusable back and one more try.
     fn create_claimed(
         &mut self,
         cx: &Context<'_>,
-        bytes: u64,
-        requested: u64,
+        (bytes, requested): (u64, u64),
         mode: Grow,
         driver_free: u64,
         backing: Backing,
