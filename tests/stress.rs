@@ -12,6 +12,9 @@
 //! `record_stream`, release and `free_reusable`, and the same interleaving forced exactly (a
 //! device grows inside the very driver call in which another frees its segment).
 //!
+//! And one holds a cap: threads on streams of four shards grow and return memory at once
+//! under it, and the driver never holds more than the cap at any moment.
+//!
 //! `RESMEM_STRESS_OPS` sets the operations per thread (default 100000: 800000 in all; a quarter
 //! of that with stitching, whose driver calls cost more).
 
@@ -715,6 +718,68 @@ fn memory_created_meanwhile_goes_back_under_a_cap_lowered_meanwhile() {
         pool.release(p).unwrap();
         pool.free_reusable(None).unwrap();
         assert_returned(&*pool, sim);
+    }
+}
+
+/// Threads on streams of four shards grow and return memory at once under a cap: the driver
+/// never holds more than the cap at any moment, as each growth claims its room under the
+/// device's claim lock (`DevicePool::claim`) before it makes memory. Read as of the end of each
+/// other's last hold, two shards could take the same room (a shard making a segment under its
+/// lock, after returning idle cache to fit, while another grew beside it).
+#[test]
+fn threads_growing_on_several_shards_never_pass_the_cap() {
+    const CAP: u64 = 256 * MIB;
+    for stitched in [false, true] {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[4 * GIB, 4 * GIB])));
+        let config = PoolConfig {
+            vmm: stitched,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config);
+        pool.set_memory_limit(Some(0), Some(CAP)).unwrap();
+        let streams: Vec<u64> = (0..4).map(|_| sim.stream_create(0).unwrap()).collect();
+        for &stream in &streams[1..] {
+            assert!(pool.own_shard(0, stream).unwrap());
+        }
+        let per_thread = ops_per_thread() / 4;
+        let refused = AtomicU64::new(0);
+        std::thread::scope(|scope| {
+            for t in 0..THREADS {
+                let (pool, refused, stream) = (&pool, &refused, streams[t % streams.len()]);
+                scope.spawn(move || {
+                    let mut rng = Rng(0x2545_f491_4f6c_dd1d ^ (t as u64 + 1));
+                    let mut mine = Vec::new();
+                    for _ in 0..per_thread {
+                        if mine.len() < 3 && rng.below(3) != 0 {
+                            match pool.reserve(0, 1 + rng.below(48 * MIB), stream) {
+                                Ok(ptr) => mine.push(ptr),
+                                Err(e) => {
+                                    assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY, "{e}");
+                                    refused.fetch_add(1, Relaxed);
+                                }
+                            }
+                        } else if let Some(ptr) = pop_random(&mut mine, &mut rng) {
+                            pool.release(ptr).unwrap();
+                        }
+                        let used = sim.used_bytes(0);
+                        assert!(
+                            used <= CAP,
+                            "stitched {stitched}: the driver holds {} MiB under a {} MiB cap",
+                            used / MIB,
+                            CAP / MIB
+                        );
+                    }
+                    for ptr in mine {
+                        pool.release(ptr).unwrap();
+                    }
+                });
+            }
+        });
+        // The cap was met: requests were refused along the way.
+        assert!(refused.load(Relaxed) > 0, "stitched {stitched}");
+        assert!(pool.stats(0).unwrap().reserved_bytes <= CAP);
+        pool.free_reusable(None).unwrap();
+        assert_returned(&pool, sim);
     }
 }
 
