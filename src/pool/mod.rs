@@ -19,8 +19,8 @@
 //!
 //! # Locks
 //!
-//! Each shard's books sit behind their own `Mutex`; nothing else is locked. So no cycle (and
-//! no deadlock) is possible:
+//! Each shard's books sit behind their own `Mutex`; the only other lock is each device's claim
+//! lock (`stats.rs`), a leaf. So no cycle (and no deadlock) is possible:
 //!
 //! 1. at most one shard mutex at a time: calls over a device's shards ([`Pool::free_reusable`],
 //!    [`Pool::set_memory_limit`], the figures, a reserve returning the other shards' cache) and
@@ -28,7 +28,9 @@
 //!    `free_reusable` releases it between batches of its work too), and so does a release whose
 //!    shard the span map cannot tell;
 //! 2. the span map and each shard's published commitment are written with atomic operations
-//!    while its mutex is held and read without a lock;
+//!    while its mutex is held and read without a lock; under a cap, a shard checks the cap and
+//!    publishes its claim of room with its device's claim lock held too, taken under the shard
+//!    mutex and let go before anything else is locked or called (no driver call under it);
 //! 3. the driver is called with a shard's mutex held, save by `free_reusable` and `trim`,
 //!    which wait for the device's work before they take the mutex, by `free_reusable`'s
 //!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`),
