@@ -531,8 +531,8 @@ impl DevicePool {
         }
     }
 
-    /// What this pool reserves and is creating without the lock: what the device's other
-    /// shards count against a cap.
+    /// What this pool reserves and has claimed for memory being created (`DevicePool::claim`):
+    /// what the device's other shards count against a cap.
     pub(crate) fn committed(&self) -> u64 {
         self.stats.reserved_bytes + self.growing
     }

@@ -17,8 +17,8 @@
 //! driver: a reserve that runs out of memory in its shard returns the other shards' idle cache
 //! and tries once more (`Pool::reserve`), as PyTorch's policy returns every stream's cache
 //! before it fails. A cap and a warm-up count the whole device: each shard publishes what it
-//! reserves (and is creating without its lock) and what of that is reusable at the end of every
-//! hold, and the others count that against the cap
+//! reserves (and has claimed for memory being created) and what of that is reusable at the end
+//! of every hold, and the others count that against the cap
 //! ([`Context::reserved_elsewhere`](super::Context::reserved_elsewhere)) or as reusable already
 //! ([`Context::reusable_elsewhere`](super::Context::reusable_elsewhere)). Room under a cap is
 //! claimed under the device's claim lock, and the claim published at once
@@ -46,7 +46,8 @@ pub(crate) struct Shard {
     pub(crate) books: Mutex<DevicePool>,
     /// Threads blocked on `books` (see `Pool::let_waiters_in`).
     pub(crate) waiting: AtomicU32,
-    /// What this shard reserves, and creates without its lock, as of the end of its last hold.
+    /// What this shard reserves and has claimed for memory being created, as of the end of its
+    /// last hold or, under a cap, its last claim.
     pub(crate) committed: AtomicU64,
     /// What it reserves and no live block holds, as of the end of its last hold.
     pub(crate) reusable: AtomicU64,

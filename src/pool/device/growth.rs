@@ -185,8 +185,7 @@ impl DevicePool {
             self.growing += bytes;
             return true;
         }
-        let device = Arc::clone(&self.whole_device);
-        let _claiming = device.claiming();
+        let _claiming = self.whole_device.claiming();
         if bytes > self.room_under_cap(cx) {
             return false;
         }
@@ -201,8 +200,8 @@ impl DevicePool {
         self.growing -= bytes;
     }
 
-    /// What the cap leaves to grow by (all there is without one): memory other threads are
-    /// creating without the lock counts as reserved, and so does the device's other shards'.
+    /// What the cap leaves to grow by (all there is without one): memory claimed for creation
+    /// counts as reserved, and so does the device's other shards' (as they last published it).
     pub(super) fn room_under_cap(&self, cx: &Context<'_>) -> u64 {
         self.limit.map_or(u64::MAX, |limit| {
             limit.saturating_sub(self.device_committed(cx))
