@@ -160,11 +160,12 @@ fn classic_segments_replay_every_shipped_trace_as_pytorchs_policy() {
 /// cache, having built ranges of the free pieces between live blocks, each starting where it
 /// can in the free tail of a page beside a live block, in 37 memory-creating calls against
 /// PyTorch's 50, and reserves as much at the peak (2 MiB more). At the peak, the default's cache
-/// is 75 MiB of free bytes in pages beside live blocks (PyTorch's 63, its 20 MiB segments
-/// packing the long-lived blocks; the default's 155 MiB before ranges started in such tails),
-/// 142 MiB of whole free pages (the headroom tail of the range the first 256 MiB buffer made
-/// partly from the cache, which no later buffer took) and 15 MiB of idle ranges, where
-/// PyTorch's is mostly whole free pages its segments cannot give to a 256 MiB buffer (150 MiB).
+/// is 93 MiB of free bytes in pages beside live blocks or shared with a range that starts in
+/// one (PyTorch's 63, its 20 MiB segments packing the long-lived blocks; the default's 155 MiB
+/// before ranges started in such tails), 124 MiB of whole free pages (the headroom tail of the
+/// range the first 256 MiB buffer made partly from the cache, which no later buffer took) and
+/// 15 MiB of idle ranges (the start of a page whose tail a live range uses), where PyTorch's is
+/// mostly whole free pages its segments cannot give to a 256 MiB buffer (150 MiB).
 /// Exact figures, so that a change shows.
 #[test]
 fn interleaved_lifetimes_figures() {
@@ -201,8 +202,8 @@ fn interleaved_lifetimes_figures() {
             4_148_166_656,
             3_867_430_912,
             37_961_728,
-            78_358_016,
-            149_097_984,
+            97_432_576,
+            130_023_424,
             15_318_016
         )
     );
@@ -216,8 +217,8 @@ fn interleaved_lifetimes_figures() {
             4_135_583_744,
             3_867_430_912,
             40_104_960,
-            84_096_000,
-            124_609_024,
+            105_944_576,
+            102_760_448,
             19_342_848
         )
     );

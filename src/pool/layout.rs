@@ -5,7 +5,9 @@
 //!
 //! A free byte in a page that also holds a live block's bytes can serve only a request that
 //! fits beside that block: no mapping moves part of a page, and no memory goes back to the
-//! driver while the block lives. A whole free page of a segment in use can be mapped into a new
+//! driver while the block lives. The same holds for a page another segment maps in part (a
+//! stitched range that starts in the free tail of a page, or the page's start, kept by the
+//! segment that lent the tail): its free bytes are counted beside live ones. A whole free page of a segment in use can be mapped into a new
 //! range where the driver has the virtual-memory API (stitching); classic segments reach it only
 //! through a request that fits the free block around it. A segment with no live block, and
 //! physical pages mapped in no range, are reusable whole or go back to the driver.
@@ -33,7 +35,9 @@ pub struct Layout {
     /// Bytes live blocks hold beyond that: rounding up to 512 bytes, and rests too small to keep
     /// apart handed out with the block (1 MiB or less after a large request, as PyTorch does).
     pub rounding: u64,
-    /// Cached bytes in pages that also hold a live block's bytes.
+    /// Cached bytes in pages that also hold a live block's bytes, or bytes another segment
+    /// maps (a fragment's page: its tail lent to a range that starts there, or the lead of such
+    /// a range). No such byte can be mapped elsewhere while the page is shared.
     pub beside_live: u64,
     /// Cached whole pages of segments that hold a live block.
     pub free_pages: u64,
@@ -44,7 +48,8 @@ pub struct Layout {
 impl Layout {
     /// Add a segment starting on a page boundary, given as its pieces in address order.
     pub fn add_segment(&mut self, pieces: impl IntoIterator<Item = Piece>) {
-        // The page being summed: whether it holds live bytes, and its free bytes.
+        // The page being summed: whether it holds live bytes or another segment's, and its
+        // free bytes.
         let (mut page, mut live, mut free) = (0u64, false, 0u64);
         // The segment's free bytes beside live ones, in whole free pages, and whether any block
         // in it is live.
@@ -76,9 +81,10 @@ impl Layout {
                 }
                 let stop = end.min((page + 1) * PAGE);
                 match piece {
-                    Piece::Live { .. } => live = true,
+                    // A page shared with another segment (less than the whole page lent) is
+                    // no whole free page, whatever its free bytes: they are beside that use.
+                    Piece::Live { .. } | Piece::Elsewhere(_) => live = true,
                     Piece::Free(_) => free += stop - offset,
-                    Piece::Elsewhere(_) => {}
                 }
                 offset = stop;
             }
@@ -182,5 +188,33 @@ mod tests {
             Piece::Free(MIB),
         ]);
         assert_eq!((l.beside_live, l.free_pages, l.total()), (0, MIB, 3 * MIB));
+    }
+
+    #[test]
+    fn free_bytes_of_a_page_another_segment_maps_in_part_are_beside_that_use() {
+        // [live 2 MiB][free 1 MiB][1 MiB lent to a range that starts there][free 2 MiB]: page 1
+        // is shared with the range, so its free 1 MiB cannot be mapped elsewhere; page 2 can.
+        let mut l = Layout::default();
+        l.add_segment([
+            Piece::Live {
+                size: 2 * MIB,
+                requested: 2 * MIB,
+            },
+            Piece::Free(MIB),
+            Piece::Elsewhere(MIB),
+            Piece::Free(2 * MIB),
+        ]);
+        assert_eq!(
+            (l.beside_live, l.free_pages, l.idle, l.total()),
+            (MIB, 2 * MIB, 0, 5 * MIB)
+        );
+        // The same with no live block: the segment is idle, whatever its pages share.
+        let mut l = Layout::default();
+        l.add_segment([
+            Piece::Free(MIB),
+            Piece::Elsewhere(MIB),
+            Piece::Free(2 * MIB),
+        ]);
+        assert_eq!((l.beside_live, l.free_pages, l.idle), (0, 0, 3 * MIB));
     }
 }
