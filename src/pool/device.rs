@@ -196,8 +196,6 @@ pub struct DevicePool {
     shared: IntMap<BlockId, Vec<StreamHandle>>,
     spare_events: Vec<EventHandle>,
     stats: Stats,
-    /// The most this pool may reserve, if capped.
-    limit: Option<u64>,
     /// Whether segments are stitched from physical memory (decided at the first growth).
     vmm: VmmMode,
     /// The physical handles held in virtual-memory mode, and their spare pages.
@@ -280,7 +278,6 @@ impl DevicePool {
             shared: IntMap::default(),
             spare_events: Vec::new(),
             stats: Stats::default(),
-            limit: None,
             vmm: VmmMode::Undecided,
             phys: Phys::default(),
             addresses: Addresses::default(),
@@ -514,14 +511,13 @@ impl DevicePool {
             .map_err(|e| Error::driver("asking the driver for free memory", &e))
     }
 
-    /// Cap what the device reserves (`None`: no cap), this pool and the device's other shards
-    /// together. Idle cache of this pool above a new cap is returned to the driver now; live
+    /// Return this pool's idle cache above the device's cap (set in the device's shared figures,
+    /// [`DeviceReserved::set_limit`]), counting the device's other shards' memory too; live
     /// blocks are never touched, so reserved may stay above the cap until they are released.
     /// Returns the bytes returned.
-    pub fn set_memory_limit(&mut self, cx: &Context<'_>, limit: Option<u64>) -> Result<u64> {
-        self.limit = limit;
+    pub fn return_above_cap(&mut self, cx: &Context<'_>) -> Result<u64> {
         let reserved = self.device_reserved(cx);
-        match limit {
+        match self.limit() {
             Some(limit) if reserved > limit => {
                 self.flush_parked();
                 self.collect_pending(cx, false)?;
@@ -575,9 +571,9 @@ impl DevicePool {
         self.stats.ooms = self.stats.ooms.saturating_sub(1);
     }
 
-    /// The cap set by [`DevicePool::set_memory_limit`].
-    pub fn memory_limit(&self) -> Option<u64> {
-        self.limit
+    /// The device's cap, if any (one for all its shards: [`DeviceReserved::set_limit`]).
+    pub fn limit(&self) -> Option<u64> {
+        self.whole_device.limit()
     }
 
     /// Whether this pool stitches its segments (see [`super::Pool::reuses_pages`]).

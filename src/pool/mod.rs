@@ -31,6 +31,8 @@
 //!    while its mutex is held and read without a lock; under a cap, a shard checks the cap and
 //!    publishes its claim of room with its device's claim lock held too, taken under the shard
 //!    mutex and let go before anything else is locked or called (no driver call under it);
+//!    [`Pool::set_memory_limit`] takes it alone, to set the device's cap, before it goes over
+//!    the shards;
 //! 3. the driver is called with a shard's mutex held, save by `free_reusable` and `trim`,
 //!    which wait for the device's work before they take the mutex, by `free_reusable`'s
 //!    calls that return memory, made after each batch has let go of it (`device/deferred.rs`),
@@ -561,7 +563,7 @@ impl Pool {
         let (free, total) = pool.driver_info(&cx)?;
         add(&pool);
         let mut free = free.saturating_add(reusable).min(total);
-        let cap = pool.memory_limit().map(|limit| (limit, allocated));
+        let cap = pool.limit().map(|limit| (limit, allocated));
         if let Some((limit, allocated)) = cap {
             free = free.min(limit.saturating_sub(allocated));
         }
@@ -743,10 +745,12 @@ impl Pool {
     pub fn set_memory_limit(&self, device: Option<i32>, limit: Option<u64>) -> Result<u64> {
         let mut total = 0;
         for d in self.devices(device)? {
-            // Every shard, those not opened yet too: the cap is the device's.
-            for index in d * SHARDS..(d + 1) * SHARDS {
+            // One cap for all the device's shards, set before any returns its cache: from here
+            // on every claim counts against it.
+            self.reserved[d].set_limit(limit);
+            for index in self.opened_shards(d) {
                 let (mut pool, cx) = self.lock_shard(index);
-                total += pool.set_memory_limit(&cx, limit)?;
+                total += pool.return_above_cap(&cx)?;
             }
         }
         Ok(total)
@@ -754,8 +758,7 @@ impl Pool {
 
     /// The cap on `device`, if any.
     pub fn memory_limit(&self, device: i32) -> Result<Option<u64>> {
-        let (pool, _) = self.lock(device)?;
-        Ok(pool.memory_limit())
+        Ok(self.reserved[self.device_index(device)?].limit())
     }
 
     /// Check the books of every shard and the span map; a description of the first broken

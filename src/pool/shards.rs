@@ -18,9 +18,10 @@
 //! and tries once more (`Pool::reserve`), as PyTorch's policy returns every stream's cache
 //! before it fails. A cap and a warm-up count the whole device: each shard publishes what it
 //! reserves (and has claimed for memory being created) and what of that is reusable at the end
-//! of every hold, and the others count that against the cap
+//! of every hold, and the others count that against the cap (one per device, kept with the
+//! claim lock)
 //! ([`Context::reserved_elsewhere`](super::Context::reserved_elsewhere)) or as reusable already
-//! ([`Context::reusable_elsewhere`](super::Context::reusable_elsewhere)). Room under a cap is
+//! ([`Context::reusable_elsewhere`](super::Context::reusable_elsewhere)). Room for new memory is
 //! claimed under the device's claim lock, and the claim published at once
 //! ([`Context::publish_committed`](super::Context::publish_committed)): read as of the end of
 //! the other's hold alone, two shards growing at once could both take the same room (one

@@ -110,14 +110,33 @@ impl Stats {
 /// device's, where the sum of the shards' peaks counts shards that peaked at different times
 /// together (a stream's shard grown while another's had given its memory back).
 ///
-/// It also holds the device's *claim lock*: a shard checks a cap and claims room for new memory
-/// under it (`DevicePool::claim`), publishing what it then commits before letting go, so that
-/// two shards never claim the same room.
-#[derive(Debug, Default)]
+/// It also holds the device's cap and its *claim lock*: a shard checks the cap and claims room
+/// for new memory under the lock (`DevicePool::claim`), publishing what it then commits before
+/// letting go, so that two shards never claim the same room; the cap is set under the same lock
+/// ([`DeviceReserved::set_limit`]), so that every claim after it counts against the new value
+/// (a cap kept by each shard, set one shard at a time, let a shard not reached yet claim under
+/// the old value after another had refused a request under the new one).
+#[derive(Debug)]
 pub(crate) struct DeviceReserved {
     now: AtomicU64,
     peak: AtomicU64,
+    /// The cap in bytes; `NO_LIMIT` where there is none.
+    limit: AtomicU64,
     claims: Mutex<()>,
+}
+
+/// [`DeviceReserved`]'s `limit` where no cap is set.
+const NO_LIMIT: u64 = u64::MAX;
+
+impl Default for DeviceReserved {
+    fn default() -> DeviceReserved {
+        DeviceReserved {
+            now: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+            limit: AtomicU64::new(NO_LIMIT),
+            claims: Mutex::new(()),
+        }
+    }
 }
 
 impl DeviceReserved {
@@ -145,6 +164,20 @@ impl DeviceReserved {
     /// The claim lock, held while a shard checks the cap and claims room (see the type).
     pub(crate) fn claiming(&self) -> MutexGuard<'_, ()> {
         self.claims.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The device's cap, if any.
+    pub(crate) fn limit(&self) -> Option<u64> {
+        let limit = self.limit.load(Ordering::Acquire);
+        (limit != NO_LIMIT).then_some(limit)
+    }
+
+    /// Set the device's cap (`None`: no cap), under the claim lock: a claim made after this
+    /// returns counts against the new value. A cap of `u64::MAX` bytes is no cap.
+    pub(crate) fn set_limit(&self, limit: Option<u64>) {
+        let _claiming = self.claiming();
+        self.limit
+            .store(limit.unwrap_or(NO_LIMIT), Ordering::Release);
     }
 
     /// Set the peak to what the device reserves now (and never below it: a shard that grew

@@ -568,7 +568,7 @@ impl DevicePool {
                 unreachable!("a plan makes a segment or a range")
             }
         }
-        if let Some(limit) = self.limit {
+        if let Some(limit) = self.limit() {
             let over = self.device_committed(cx).saturating_sub(limit);
             if over > 0 {
                 match self.release_idle(cx, over) {

@@ -167,7 +167,7 @@ impl DevicePool {
             self.device,
             human(requested),
             human(bytes),
-            human(self.limit.unwrap_or_default()),
+            human(self.limit().unwrap_or_default()),
             human(self.device_reserved(cx)),
             human(self.device_reusable(cx))
         )))
@@ -179,12 +179,10 @@ impl DevicePool {
     /// and the claim are made under the device's claim lock, and the claim published to the
     /// device's other shards before it is let go, so that two shards growing at once cannot
     /// both take the same room (each read the other's figure as of its last hold, and a shard
-    /// making a segment under its lock grew past the cap beside another).
+    /// making a segment under its lock grew past the cap beside another). Without a cap too:
+    /// a cap set while this claim was unpublished would not count it. The lock is taken only
+    /// where memory is about to be created, never on a cache hit.
     pub(super) fn claim(&mut self, cx: &Context<'_>, bytes: u64) -> bool {
-        if self.limit.is_none() {
-            self.growing += bytes;
-            return true;
-        }
         let _claiming = self.whole_device.claiming();
         if bytes > self.room_under_cap(cx) {
             return false;
@@ -203,7 +201,7 @@ impl DevicePool {
     /// What the cap leaves to grow by (all there is without one): memory claimed for creation
     /// counts as reserved, and so does the device's other shards' (as they last published it).
     pub(super) fn room_under_cap(&self, cx: &Context<'_>) -> u64 {
-        self.limit.map_or(u64::MAX, |limit| {
+        self.limit().map_or(u64::MAX, |limit| {
             limit.saturating_sub(self.device_committed(cx))
         })
     }

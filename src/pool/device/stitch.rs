@@ -312,7 +312,7 @@ impl DevicePool {
             let headroom = if mode == Grow::MayRelease && large {
                 self.headroom.bytes(
                     self.stats.reserved_bytes,
-                    self.limit.map_or(driver_free, |limit| {
+                    self.limit().map_or(driver_free, |limit| {
                         driver_free.min(limit.saturating_sub(self.device_reserved(cx)))
                     }),
                     lacking,

@@ -301,3 +301,58 @@ fn a_shard_growing_under_its_lock_counts_against_the_cap_at_once() {
     assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
+
+#[test]
+fn once_a_lowered_cap_is_read_no_shard_grows_past_it() {
+    const S3: StreamHandle = 0x7f00_0000_3000;
+    let (pool, sim) = pool_with(&[4 * GIB], classic());
+    // Streams 2 and 3 on shards of their own, each holding a small block (a 2 MiB segment).
+    let b2 = reserve_against_held_shard(&pool, 0, MIB / 2, S2);
+    let b3 = reserve_against_held_shard(&pool, 0, MIB / 2, S3);
+    assert_eq!(
+        (pool.bindings[0].shard(S2), pool.bindings[0].shard(S3)),
+        (1, 2)
+    );
+    let idle = pool.reserve(0, 40 * MIB, S2).unwrap();
+    pool.release(idle).unwrap();
+    pool.set_memory_limit(Some(0), Some(200 * MIB)).unwrap();
+    // Stream 2's 160 MiB needs its idle 40 MiB back first, so its segment is made under shard
+    // 1's lock (slowly), claimed under the 200 MiB cap: 164 MiB committed. Meanwhile the cap is
+    // lowered to 170 MiB by a thread that must wait for shard 1 to return its cache.
+    sim.set_delay(cuda_sim::Call::MemAlloc, Duration::from_millis(500));
+    let frees = sim.call_count(cuda_sim::Call::MemFree);
+    let (a, lowered, c) = std::thread::scope(|s| {
+        let a = s.spawn(|| pool.reserve(0, 160 * MIB, S2));
+        while sim.call_count(cuda_sim::Call::MemFree) == frees {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        let lowered = s.spawn(|| pool.set_memory_limit(Some(0), Some(170 * MIB)));
+        while pool.memory_limit(0).unwrap() != Some(170 * MIB) {
+            std::thread::yield_now();
+        }
+        // The cap reads 170 MiB: 20 MiB more on stream 3 would take the device to 184 MiB.
+        // (Set shard by shard, shard 2 still held 200 MiB while the setter waited for shard 1.)
+        // Stream 2's allocation is under way; stream 3's is made at once.
+        sim.set_delay(cuda_sim::Call::MemAlloc, Duration::ZERO);
+        let c = pool.reserve(0, 20 * MIB, S3);
+        (a.join().unwrap(), lowered.join().unwrap(), c)
+    });
+    assert_eq!(lowered.unwrap(), 0, "no idle cache was left to return");
+    let a = a.expect("claimed under the cap it was asked under");
+    let err = c.expect_err("20 MiB past a cap the caller had read");
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("memory limit of 170.00 MiB"),
+        "{}",
+        err.message
+    );
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 164 * MIB);
+    for p in [a, b2, b3] {
+        pool.release(p).unwrap();
+    }
+    pool.set_memory_limit(Some(0), None).unwrap();
+    pool.free_reusable(None).unwrap();
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
