@@ -199,10 +199,8 @@ impl Plan {
                 failed: "",
             };
             call = "cuMemMap";
-            let cached = self
-                .pages
-                .iter()
-                .map(|&pages| (pages, "mapping cached memory into a new segment"));
+            let cached = Pages::mappings(self.pages.iter().copied())
+                .map(|pages| (pages, "mapping cached memory into a new segment"));
             let new = handle.map(|handle| {
                 let pages = Pages {
                     handle,

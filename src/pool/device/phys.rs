@@ -26,6 +26,25 @@ pub(crate) struct Pages {
     pub(crate) size: u64,
 }
 
+impl Pages {
+    /// `pieces` laid back to back as the fewest mappings: a piece that goes on in its handle
+    /// where the one before it stops is mapped with it, by one `cuMemMap` (a range may be
+    /// unmapped only as whole mappings, and ranges are unmapped whole, so nothing needs the
+    /// pieces apart in the driver; the books keep them apart).
+    pub(crate) fn mappings(pieces: impl IntoIterator<Item = Pages>) -> impl Iterator<Item = Pages> {
+        let mut pieces = pieces.into_iter().peekable();
+        std::iter::from_fn(move || {
+            let mut run = pieces.next()?;
+            while let Some(next) =
+                pieces.next_if(|p| p.handle == run.handle && p.offset == run.offset + run.size)
+            {
+                run.size += next.size;
+            }
+            Some(run)
+        })
+    }
+}
+
 /// One held handle.
 #[derive(Debug)]
 struct Held {
@@ -206,6 +225,31 @@ mod tests {
             offset,
             size,
         }
+    }
+
+    #[test]
+    fn pieces_that_go_on_in_their_handle_are_mapped_together() {
+        let runs: Vec<Pages> = Pages::mappings([
+            pages(1, 0, 2 * MIB),
+            pages(1, 2 * MIB, 4 * MIB),
+            pages(2, 6 * MIB, 2 * MIB),
+            pages(1, 6 * MIB, 2 * MIB),
+            pages(1, 10 * MIB, 2 * MIB),
+            pages(1, 12 * MIB, 2 * MIB),
+        ])
+        .collect();
+        // One handle's pieces that follow each other join; another handle's between them, or
+        // a gap in the offsets, starts a new mapping.
+        assert_eq!(
+            runs,
+            vec![
+                pages(1, 0, 6 * MIB),
+                pages(2, 6 * MIB, 2 * MIB),
+                pages(1, 6 * MIB, 2 * MIB),
+                pages(1, 10 * MIB, 4 * MIB),
+            ]
+        );
+        assert_eq!(Pages::mappings([]).count(), 0);
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! default where the driver and device have the API); taking segments apart and returning their
 //! memory is `unstitch.rs`.
 //!
-//! A segment is a reserved address range tiled by *runs*: each run is one `cuMemMap` of a piece
-//! of a physical handle, at a granularity offset into it. On a miss, a new segment is built from
+//! A segment is a reserved address range tiled by *runs*: each run is a piece of a physical
+//! handle, at a granularity offset into it, mapped by one `cuMemMap` (runs that go on in one
+//! handle, one after the other, by one call together: `Pages::mappings`). On a miss, a new segment is built from
 //! pages the cache already holds before any memory is created:
 //!
 //! 1. *spare* pages, owned by no range (see `phys.rs`);
@@ -17,7 +18,7 @@
 //!    real training snapshot).
 //!
 //! Which pieces is `pieces.rs`'s: the smallest single one that covers what is needed, else the
-//! largest pieces first, at most [`MAX_PIECES`] of them: a stitch costs one `cuMemMap` per piece
+//! largest pieces first, at most [`MAX_PIECES`] of them: a stitch costs a `cuMemMap` per piece
 //! (where the request would otherwise fail for want of memory, up to [`LAST_RESORT_PIECES`]). A
 //! range made from the cache is only as large as the request's pages. Where the cache covers the
 //! request only in part, it is used only when that pays ([`partial_pays`]): half of it or more is
@@ -466,8 +467,7 @@ impl DevicePool {
         let base = self.take_addresses(cx, size)?;
         let mut mapped = 0;
         let mut result = Ok(());
-        for p in pieces {
-            let pages = p.pages;
+        for pages in Pages::mappings(pieces.iter().map(|p| p.pages)) {
             if let Err(e) = cx.driver.vmm_map(
                 device,
                 base + mapped,
