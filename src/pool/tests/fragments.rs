@@ -136,3 +136,42 @@ fn vmm_an_idle_borrower_of_a_tail_gives_it_back_on_a_miss() {
     assert_nothing_held(sim);
     assert_books(&pool, sim);
 }
+
+#[test]
+fn vmm_a_request_that_would_fail_takes_a_tail_with_the_drivers_last_page() {
+    // 70 MiB: the driver has one page left beside the warm-up. 7.5 MiB fits no free block; its
+    // last page would hold 1.5 MiB, which the tail holds. The two free pages and the driver's
+    // page make the rest. Growth starts in the tail only where the cache covers the rest, so
+    // the first try asks the driver for two pages and fails; the last try, with the tail, needs
+    // the one page the driver has.
+    let (pool, sim, a, b) = a_tail_and_two_pages(70 * MIB);
+    let p = pool.reserve(0, 7 * MIB + 512 * KIB, 0).unwrap();
+    assert_eq!(
+        p % (2 * MIB),
+        512 * KIB,
+        "the block starts where the tail does"
+    );
+    let s = pool.stats(0).unwrap();
+    assert_eq!(
+        (s.reserved_bytes, s.reusable_bytes, s.ooms),
+        (70 * MIB, 0, 0)
+    );
+    assert_eq!(sim.used_bytes(0), 70 * MIB);
+    assert_eq!(sim.is_accessible(p + 7 * MIB + 511 * KIB), Some(true));
+    assert_books(&pool, sim);
+    // A page more than the device has still fails, naming what it asked for.
+    pool.release(p).unwrap();
+    let err = pool.reserve(0, 9 * MIB + 512 * KIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    assert!(
+        err.message.contains("requested 9.50 MiB"),
+        "{}",
+        err.message
+    );
+    for ptr in [a, b] {
+        pool.release(ptr).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_nothing_held(sim);
+    assert_books(&pool, sim);
+}
