@@ -231,14 +231,45 @@ impl DevicePool {
         };
         Error::out_of_memory(format!(
             "device {}: out of memory: requested {} (a new segment of {}); this pool reserves {} \
-             of which {} is reusable, and the driver reports {} free. Release blocks you no longer \
-             need, or lower the batch or model size",
+             of which {} is reusable, and the driver reports {} free.{} Release blocks you no \
+             longer need, or lower the batch or model size",
             self.device,
             human(requested),
             human(segment),
             human(self.device_reserved(cx)),
             human(self.device_reusable(cx)),
-            driver_free
+            driver_free,
+            self.why_reusable_did_not_serve()
         ))
+    }
+
+    /// Why this pool's reusable memory could not serve a request that failed (empty where it
+    /// holds none): the message's answer to "reusable and free add up to more than I asked".
+    fn why_reusable_did_not_serve(&self) -> String {
+        if self.stats.reusable() == 0 {
+            return String::new();
+        }
+        if let VmmMode::On(granularity) = self.vmm {
+            let layout = self.layout();
+            format!(
+                " Of the reusable memory here, {} lies in whole free pages, which a new range \
+                 maps but which are too few with the driver's free memory, and {} in the unused \
+                 parts of {} pages that live blocks also hold, which only requests that fit \
+                 beside those blocks can use.",
+                human(layout.free_pages + layout.idle),
+                human(layout.beside_live),
+                match granularity % (1 << 20) {
+                    0 => format!("{} MiB", granularity >> 20),
+                    _ => human(granularity),
+                }
+            )
+        } else {
+            format!(
+                " The largest reusable block here is {}: without the driver's virtual-memory \
+                 API free blocks cannot be joined, and a request larger than each needs a new \
+                 segment.",
+                human(self.stats().largest_reusable_block)
+            )
+        }
     }
 }

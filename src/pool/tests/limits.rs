@@ -102,6 +102,32 @@ fn out_of_memory_names_every_figure_and_changes_nothing() {
 }
 
 #[test]
+fn out_of_memory_says_why_the_reusable_memory_did_not_serve() {
+    // Classic segments: 30 MiB free beside a live 20 MiB block, 50 MiB free on the driver;
+    // 60 MiB fits neither, and the message says the largest reusable block.
+    let (pool, sim) = pool(100 * MIB);
+    let p = pool.reserve(0, 50 * MIB, 0).unwrap();
+    pool.release(p).unwrap();
+    let live = pool.reserve(0, 20 * MIB, 0).unwrap();
+    let err = pool.reserve(0, 60 * MIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    let m = &err.message;
+    assert!(
+        m.contains("of which 30.00 MiB (31457280 bytes) is reusable"),
+        "{m}"
+    );
+    assert!(
+        m.contains(
+            "The largest reusable block here is 30.00 MiB (31457280 bytes): without the \
+             driver's virtual-memory API free blocks cannot be joined"
+        ),
+        "{m}"
+    );
+    pool.release(live).unwrap();
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn a_request_beyond_the_device_fails_without_flushing_the_cache() {
     let (pool, sim) = pool(24 * GIB);
     let p = pool.reserve(0, GIB, 0).unwrap();
