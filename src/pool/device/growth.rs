@@ -246,30 +246,42 @@ impl DevicePool {
     /// Why this pool's reusable memory could not serve a request that failed (empty where it
     /// holds none): the message's answer to "reusable and free add up to more than I asked".
     fn why_reusable_did_not_serve(&self) -> String {
-        if self.stats.reusable() == 0 {
+        let reusable = self.stats.reusable();
+        if reusable == 0 {
             return String::new();
         }
-        if let VmmMode::On(granularity) = self.vmm {
-            let layout = self.layout();
-            format!(
-                " Of the reusable memory here, {} lies in whole free pages, which a new range \
-                 maps but which are too few with the driver's free memory, and {} in the unused \
-                 parts of {} pages that live blocks also hold, which only requests that fit \
-                 beside those blocks can use.",
-                human(layout.free_pages + layout.idle),
-                human(layout.beside_live),
-                match granularity % (1 << 20) {
-                    0 => format!("{} MiB", granularity >> 20),
-                    _ => human(granularity),
-                }
-            )
-        } else {
-            format!(
+        let VmmMode::On(granularity) = self.vmm else {
+            return format!(
                 " The largest reusable block here is {}: without the driver's virtual-memory \
                  API free blocks cannot be joined, and a request larger than each needs a new \
                  segment.",
                 human(self.stats().largest_reusable_block)
-            )
+            );
+        };
+        // Pages gathered for the range that failed are out of the books until they go back.
+        let layout = self.layout();
+        let gathered: u64 = self.mapping.iter().map(|p| p.size).sum();
+        let whole = layout.free_pages + layout.idle + gathered;
+        let rests = reusable.saturating_sub(whole + layout.beside_live);
+        let page = match granularity % (1 << 20) {
+            0 => format!("{} MiB", granularity >> 20),
+            _ => human(granularity),
+        };
+        let mut why = format!(
+            " Of the reusable memory here, {} lies in whole free pages, which a new range maps \
+             but which are too few with the driver's free memory, and {} in the unused parts of \
+             {page} pages that live blocks also hold, which only requests that fit beside those \
+             blocks can use",
+            human(whole),
+            human(layout.beside_live),
+        );
+        if rests > 0 {
+            why += &format!(
+                "; {} are rests of at most 1 MiB handed out with large blocks, which no large \
+                 request could use (PyTorch's split rule)",
+                human(rests)
+            );
         }
+        why + "."
     }
 }

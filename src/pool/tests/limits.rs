@@ -128,6 +128,37 @@ fn out_of_memory_says_why_the_reusable_memory_did_not_serve() {
 }
 
 #[test]
+fn vmm_out_of_memory_says_where_the_reusable_memory_lies() {
+    // Stitched: a 20 MiB range fills the device. Its 4 MiB block and a 15.5 MiB one, which
+    // takes the 16 MiB left with it (a rest of 0.5 MiB, as PyTorch's split rule hands out):
+    // the 0.5 MiB reusable can serve nothing.
+    let (pool, sim) = pool_with(&[20 * MIB], vmm());
+    let a = pool.reserve(0, 4 * MIB, 0).unwrap();
+    let b = pool.reserve(0, 15 * MIB + MIB / 2, 0).unwrap();
+    let err = pool.reserve(0, 2 * MIB, 0).unwrap_err();
+    assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+    let m = &err.message;
+    assert!(
+        m.contains("of which 512.00 KiB (524288 bytes) is reusable"),
+        "{m}"
+    );
+    assert!(
+        m.contains(
+            "Of the reusable memory here, 0 B lies in whole free pages, which a new range maps \
+             but which are too few with the driver's free memory, and 0 B in the unused parts \
+             of 2 MiB pages that live blocks also hold, which only requests that fit beside \
+             those blocks can use; 512.00 KiB (524288 bytes) are rests of at most 1 MiB handed \
+             out with large blocks"
+        ),
+        "{m}"
+    );
+    for p in [a, b] {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+}
+
+#[test]
 fn a_request_beyond_the_device_fails_without_flushing_the_cache() {
     let (pool, sim) = pool(24 * GIB);
     let p = pool.reserve(0, GIB, 0).unwrap();
