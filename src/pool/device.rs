@@ -49,7 +49,7 @@ use super::blocks::{Block, Blocks, State};
 use super::hash::{IntMap, IntSet};
 use super::ids::{BlockId, Id, IdleAt, SegId, SlotId, Table};
 use super::size::{self, human, Class, MIN_BLOCK, SEGMENT_ROUND, SMALL_MAX};
-use super::stats::{DeviceReserved, Stats};
+use super::stats::{Stats, WholeDevice};
 use super::{Context, PoolConfig};
 use addresses::Addresses;
 use headroom::Headroom;
@@ -248,7 +248,7 @@ pub struct DevicePool {
     /// The device's total memory, as the driver last gave it.
     driver_total: u64,
     /// What the device reserves, all its shards together, and its peak (`stats.rs`).
-    whole_device: Arc<DeviceReserved>,
+    whole_device: Arc<WholeDevice>,
 }
 
 impl DevicePool {
@@ -258,7 +258,7 @@ impl DevicePool {
         device: i32,
         owner: i32,
         config: PoolConfig,
-        reserved: Arc<DeviceReserved>,
+        reserved: Arc<WholeDevice>,
     ) -> DevicePool {
         DevicePool {
             whole_device: reserved,
@@ -512,7 +512,7 @@ impl DevicePool {
     }
 
     /// Return this pool's idle cache above the device's cap (set in the device's shared figures,
-    /// [`DeviceReserved::set_limit`]), counting the device's other shards' memory too; live
+    /// [`WholeDevice::set_limit`]), counting the device's other shards' memory too; live
     /// blocks are never touched, so reserved may stay above the cap until they are released.
     /// Returns the bytes returned.
     pub fn return_above_cap(&mut self, cx: &Context<'_>) -> Result<u64> {
@@ -571,7 +571,7 @@ impl DevicePool {
         self.stats.ooms = self.stats.ooms.saturating_sub(1);
     }
 
-    /// The device's cap, if any (one for all its shards: [`DeviceReserved::set_limit`]).
+    /// The device's cap, if any (one for all its shards: [`WholeDevice::set_limit`]).
     pub fn limit(&self) -> Option<u64> {
         self.whole_device.limit()
     }

@@ -70,8 +70,8 @@ pub use layout::Layout;
 pub use shards::SHARDS;
 use shards::{Binding, Books, Shard};
 use spans::{Owner, Spans};
-use stats::DeviceReserved;
 pub use stats::Stats;
+use stats::WholeDevice;
 
 /// The most idle segments (and handles) [`Pool::free_reusable`] takes out of the books per hold
 /// of a device's lock, for the driver calls made after it.
@@ -165,8 +165,9 @@ pub struct Pool {
     shards: Box<[Shard]>,
     /// Per device, which shard serves each stream.
     bindings: Box<[Binding]>,
-    /// Per device, what its shards reserve together, and the peak of that.
-    reserved: Box<[Arc<DeviceReserved>]>,
+    /// Per device, what its shards share: what they reserve together and the peak of that, the
+    /// cap, the claim lock.
+    reserved: Box<[Arc<WholeDevice>]>,
     spans: Spans,
 }
 
@@ -199,7 +200,7 @@ impl Pool {
     /// A pool over every device `driver` sees.
     pub fn new(driver: Arc<dyn Driver>, config: PoolConfig) -> Pool {
         let devices = driver.device_count().max(0);
-        let reserved: Box<[Arc<DeviceReserved>]> = (0..devices).map(|_| Arc::default()).collect();
+        let reserved: Box<[Arc<WholeDevice>]> = (0..devices).map(|_| Arc::default()).collect();
         let shards: Box<[Shard]> = (0..devices)
             .flat_map(|device| (0..SHARDS).map(move |k| (device, k)))
             .map(|(device, k)| {

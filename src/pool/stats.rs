@@ -76,7 +76,7 @@ impl Stats {
 
     /// Add another shard's figures of the same device: every count summed, the largest
     /// reusable block the larger. A peak summed is at least the peak of the sum (the device's
-    /// reserved peak is kept whole by `DeviceReserved`).
+    /// reserved peak is kept whole by `WholeDevice`).
     pub fn add(&mut self, other: &Stats) {
         self.allocated_bytes += other.allocated_bytes;
         self.requested_bytes += other.requested_bytes;
@@ -104,8 +104,8 @@ impl Stats {
     }
 }
 
-/// What a device reserves, all its shards together, and the most it has reserved since the last
-/// peak reset. Each shard adds and subtracts its own changes where it books them (under its own
+/// What a device's shards share: what it reserves, all its shards together, and the most it has
+/// reserved since the last peak reset; its cap; its claim lock. Each shard adds and subtracts its own changes where it books them (under its own
 /// lock, at each driver allocation and free: never on a cache hit), so that the peak is the
 /// device's, where the sum of the shards' peaks counts shards that peaked at different times
 /// together (a stream's shard grown while another's had given its memory back).
@@ -113,11 +113,11 @@ impl Stats {
 /// It also holds the device's cap and its *claim lock*: a shard checks the cap and claims room
 /// for new memory under the lock (`DevicePool::claim`), publishing what it then commits before
 /// letting go, so that two shards never claim the same room; the cap is set under the same lock
-/// ([`DeviceReserved::set_limit`]), so that every claim after it counts against the new value
+/// ([`WholeDevice::set_limit`]), so that every claim after it counts against the new value
 /// (a cap kept by each shard, set one shard at a time, let a shard not reached yet claim under
 /// the old value after another had refused a request under the new one).
 #[derive(Debug)]
-pub(crate) struct DeviceReserved {
+pub(crate) struct WholeDevice {
     now: AtomicU64,
     peak: AtomicU64,
     /// The cap in bytes; `NO_LIMIT` where there is none.
@@ -125,12 +125,12 @@ pub(crate) struct DeviceReserved {
     claims: Mutex<()>,
 }
 
-/// [`DeviceReserved`]'s `limit` where no cap is set.
+/// [`WholeDevice`]'s `limit` where no cap is set.
 const NO_LIMIT: u64 = u64::MAX;
 
-impl Default for DeviceReserved {
-    fn default() -> DeviceReserved {
-        DeviceReserved {
+impl Default for WholeDevice {
+    fn default() -> WholeDevice {
+        WholeDevice {
             now: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             limit: AtomicU64::new(NO_LIMIT),
@@ -139,7 +139,7 @@ impl Default for DeviceReserved {
     }
 }
 
-impl DeviceReserved {
+impl WholeDevice {
     /// A shard now reserves `bytes` more.
     pub(crate) fn add(&self, bytes: u64) {
         let now = self.now.fetch_add(bytes, Ordering::AcqRel) + bytes;
