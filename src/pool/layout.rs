@@ -7,9 +7,10 @@
 //! fits beside that block: no mapping moves part of a page, and no memory goes back to the
 //! driver while the block lives. The same holds for a page another segment maps in part (a
 //! stitched range that starts in the free tail of a page, or the page's start, kept by the
-//! segment that lent the tail): its free bytes are counted beside live ones. A whole free page of a segment in use can be mapped into a new
-//! range where the driver has the virtual-memory API (stitching); classic segments reach it only
-//! through a request that fits the free block around it. A segment with no live block, and
+//! segment that lent the tail): its free bytes are counted beside live ones. A whole free page
+//! of a segment in use can be mapped into a new range where the driver has the virtual-memory
+//! API (stitching); classic segments reach it only through a request that fits the free block
+//! around it. A segment with no live block, and
 //! physical pages mapped in no range, are reusable whole or go back to the driver.
 
 /// The page the accounting works in: CUDA's allocation granularity, and the unit of a mapping.

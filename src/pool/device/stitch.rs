@@ -4,8 +4,8 @@
 //!
 //! A segment is a reserved address range tiled by *runs*: each run is a piece of a physical
 //! handle, at a granularity offset into it, mapped by one `cuMemMap` (runs that go on in one
-//! handle, one after the other, by one call together: `Pages::mappings`). On a miss, a new segment is built from
-//! pages the cache already holds before any memory is created:
+//! handle, one after the other, by one call together: `Pages::mappings`). On a miss, a new
+//! segment is built from pages the cache already holds before any memory is created:
 //!
 //! 1. *spare* pages, owned by no range (see `phys.rs`);
 //! 2. the granularity-aligned interior of any free block of a large segment (in use or idle),
@@ -411,7 +411,8 @@ impl DevicePool {
         let mut chosen = Vec::new();
         if let Some(fragment) = fragment {
             chosen = self.choose(granularity, size - granularity, most - 1);
-            let created = if most > MAX_PIECES { driver_free } else { 0 };
+            let last_resort = most == LAST_RESORT_PIECES;
+            let created = if last_resort { driver_free } else { 0 };
             let cached = chosen.iter().map(|p| p.pages.size).sum::<u64>();
             if cached + granularity + created >= size {
                 chosen.insert(0, fragment);
