@@ -41,13 +41,14 @@
 //! fragment that holds that part where the cache covers the rest, so its range needs a page
 //! less: the page beside each long-lived block is used by the next one, as best fit in one
 //! address space would place it, where otherwise every range made for one leaves the rest of
-//! its last page unused for as long as the block lives (on a trace of long-lived blocks among
-//! short-lived activations, 155 MiB at the peak beside live blocks; 72 MiB with fragments).
-//! The lender is not taken apart while its borrower lives: the page's start is its own. Where a
-//! request would otherwise fail for want of memory, its last try takes a fragment also where
-//! the driver has the rest, as the page it saves may be the one the driver lacks (a generated
-//! load then runs on a device 32 MiB smaller: `loads-17005` failed at 18.03 GiB a 66.10 MiB
-//! request with 14 MiB of whole pages cached and 52 MiB free on the device).
+//! its last page unused for as long as the block lives (measured when fragments came, on a trace
+//! of long-lived blocks among short-lived activations: 155 MiB at the peak beside live blocks
+//! without them, 72 MiB with them). The lender is not taken apart while its borrower lives: the
+//! page's start is its own. Where a request would otherwise fail for want of memory, its last
+//! try takes a fragment also where the driver has the rest, as the page it saves may be the one
+//! the driver lacks (a generated load then runs on a device 32 MiB smaller: `loads-17005`
+//! failed at 18.03 GiB a 66.10 MiB request with 14 MiB of whole pages cached and 52 MiB free on
+//! the device).
 //!
 //! A failed driver call leaves the books exact: the cache's pieces go back, a created handle
 //! becomes spare, and a range that could not be unmapped or freed is kept (with the handles
