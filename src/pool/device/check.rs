@@ -1,5 +1,16 @@
 //! The invariant check: every book of a device pool recomputed from the blocks, the books of
 //! stitched segments (runs, holes, borrowers) with them.
+//!
+//! What holds: blocks tile their segment with exact links; free and parked neighbours are
+//! merged; the bins hold exactly the free blocks, and the address map exactly the live and
+//! parked blocks; runs tile each stitched segment (from its lead); each lent run is a hole in
+//! its lender, the holes are exactly the lent bytes and exactly the indexed holes; no byte of a
+//! handle has two owners (blocks that are not holes, through their runs, and spare pages); each
+//! segment's borrowers are exactly the segments it lent runs to; the address chunks hold exactly
+//! the segments' ranges and their free ranges; owned plus spare bytes equal the handles' bytes;
+//! the unused index holds exactly the handles with every page spare; and the figures equal
+//! what the blocks say. Across shards, `Pool::check` adds that the span map counts exactly the
+//! segments of every device and that each device's reserved figure is its shards' sum.
 
 use super::*;
 use crate::driver::PhysHandle;
