@@ -195,6 +195,9 @@ fn every_export_refuses_bad_pointers_sizes_and_devices() {
     }
 }
 
+/// Debug builds only: `RESMEM_TEST_PANIC` forces a panic in debug builds alone
+/// (`capi::test_panic`), so a release build has none to catch.
+#[cfg(debug_assertions)]
 #[test]
 fn a_forced_panic_is_internal_and_the_library_stays_usable() {
     let _one = setup();
