@@ -10,8 +10,8 @@
 //! segment that lent the tail): its free bytes are counted beside live ones. A whole free page
 //! of a segment in use can be mapped into a new range where the driver has the virtual-memory
 //! API (stitching); classic segments reach it only through a request that fits the free block
-//! around it. A segment with no live block, and
-//! physical pages mapped in no range, are reusable whole or go back to the driver.
+//! around it. A segment with no live block, and physical pages mapped in no range, are reusable
+//! whole or go back to the driver.
 
 /// The page the accounting works in: CUDA's allocation granularity, and the unit of a mapping.
 pub const PAGE: u64 = 2 << 20;
