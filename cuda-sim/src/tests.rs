@@ -1,6 +1,7 @@
 //! Unit tests of the simulated driver rules.
 
 use super::*;
+use std::fmt;
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
