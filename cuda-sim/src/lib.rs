@@ -226,16 +226,7 @@ impl Sim {
         let mut streams = HashMap::new();
         for dev in 0..devices.len() {
             let dev = i32::try_from(dev).expect("too many devices");
-            streams.insert(
-                StreamKey::Default(dev),
-                StreamState {
-                    device: dev,
-                    enqueued: 0,
-                    completed: 0,
-                    dependencies: Vec::new(),
-                    destroyed: false,
-                },
-            );
+            streams.insert(StreamKey::Default(dev), StreamState::new(dev));
         }
         Sim {
             state: Mutex::new(State {

@@ -14,11 +14,11 @@ pub(crate) enum StreamKey {
 
 /// "Stream `.0` has completed at least its first `.1` work items": the
 /// requirements an event capture consists of.
-pub(crate) type Requirement = (StreamKey, u64);
+type Requirement = (StreamKey, u64);
 
 /// Later work on a stream waits for these requirements (from `stream_wait_event`).
 #[derive(Debug)]
-pub(crate) struct Dependency {
+struct Dependency {
     /// The number of work items enqueued on the stream when the wait was
     /// issued: items with a greater sequence number depend on `requires`.
     position: u64,
@@ -27,19 +27,32 @@ pub(crate) struct Dependency {
 
 #[derive(Debug)]
 pub(crate) struct StreamState {
-    pub(crate) device: i32,
-    pub(crate) enqueued: u64,
-    pub(crate) completed: u64,
-    pub(crate) dependencies: Vec<Dependency>,
+    device: i32,
+    enqueued: u64,
+    completed: u64,
+    dependencies: Vec<Dependency>,
     /// Destroyed streams stay until their work has completed, as on the driver.
-    pub(crate) destroyed: bool,
+    destroyed: bool,
+}
+
+impl StreamState {
+    /// A stream of `device` with no work yet.
+    pub(crate) fn new(device: i32) -> StreamState {
+        StreamState {
+            device,
+            enqueued: 0,
+            completed: 0,
+            dependencies: Vec::new(),
+            destroyed: false,
+        }
+    }
 }
 
 #[derive(Debug)]
 pub(crate) struct EventState {
-    pub(crate) device: i32,
+    device: i32,
     /// What the last record captured (empty: never recorded).
-    pub(crate) captured: Vec<Requirement>,
+    captured: Vec<Requirement>,
 }
 
 /// Adds `req` to `reqs`, keeping one entry per stream with the larger count.
@@ -158,16 +171,8 @@ impl Sim {
         st.device(dev)?;
         let handle = st.next_stream;
         st.next_stream += 1;
-        st.streams.insert(
-            StreamKey::Created(handle),
-            StreamState {
-                device: dev,
-                enqueued: 0,
-                completed: 0,
-                dependencies: Vec::new(),
-                destroyed: false,
-            },
-        );
+        st.streams
+            .insert(StreamKey::Created(handle), StreamState::new(dev));
         Ok(handle)
     }
 
