@@ -164,6 +164,14 @@ struct Pending {
     released: u64,
 }
 
+/// Where a best fit lies: a free block in the bins, or the parked block at this index of its
+/// slot's list.
+#[derive(Clone, Copy)]
+enum Fit {
+    Binned(BlockId),
+    Parked(SlotId, usize),
+}
+
 /// Whether `grow` may give cached memory back to make room (steps 3 and 4 of the policy).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Grow {
@@ -325,15 +333,62 @@ impl DevicePool {
             }
         }
         // 3. and 4. A new segment, returning cache to the driver first where needed.
-        let id = self.grow(
+        let class = size::class_of(block_size);
+        let ooms = self.stats.ooms;
+        let grown = self.grow(
             cx,
             size::segment_size(block_size),
-            size::class_of(block_size),
+            class,
             stream,
             size,
             Grow::MayRelease,
-        )?;
-        Ok(self.take(id, block_size, size))
+        );
+        match grown {
+            Ok(id) => Ok(self.take(id, block_size, size)),
+            // The last resort of a small request, where no memory can be had for a small
+            // segment even after every idle one went back: the best fit among the stream's free
+            // large blocks. PyTorch's policy fails it, though the unused parts of large blocks'
+            // pages hold it (a model load near the device's capacity failed a 490 KiB request
+            // with 54 MiB reusable there, on a device where PyTorch's policy had room for a
+            // small segment). Freed, the block merges back into its large segment.
+            Err(err) if err.is_out_of_memory() && class == Class::Small => {
+                match self.best_free(stream, Class::Large, block_size) {
+                    Some(fit) => {
+                        self.stats.ooms = ooms;
+                        self.log(format_args!(
+                            "no memory for a small segment: a request of {} served from a free \
+                             large block",
+                            human(size)
+                        ));
+                        Ok(self.take_fit(fit, block_size, size))
+                    }
+                    None => Err(err),
+                }
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    /// The best fit, by (size, address), among `stream`'s free and parked blocks of `class`.
+    fn best_free(&self, stream: StreamHandle, class: Class, block_size: u64) -> Option<Fit> {
+        let slot = *self.slot_of.get(&stream)?;
+        let binned = self.slots[slot].bins[class as usize].find(block_size);
+        let key = |id: BlockId| (self.blocks[id].size, self.blocks[id].ptr);
+        match self.best_parked(slot, class, block_size) {
+            Some(at) if binned.is_none_or(|b| key(self.parked_at(slot, at)) < key(b)) => {
+                Some(Fit::Parked(slot, at))
+            }
+            _ => binned.map(Fit::Binned),
+        }
+    }
+
+    /// Hand out `fit` for a request of `requested` bytes (`block_size` rounded).
+    fn take_fit(&mut self, fit: Fit, block_size: u64, requested: u64) -> DevicePtr {
+        self.stats.cache_hits += 1;
+        match fit {
+            Fit::Parked(slot, at) => self.take_parked(slot, at, block_size, requested),
+            Fit::Binned(id) => self.take(id, block_size, requested),
+        }
     }
 
     /// Like [`DevicePool::reserve`], but only from memory already held (steps 1 and 2): `None`
@@ -365,21 +420,8 @@ impl DevicePool {
         }
         let class = size::class_of(block_size);
         // 1. Best fit among this stream's free blocks: the bins and the parked ones.
-        if let Some(&slot) = self.slot_of.get(&stream) {
-            let binned = self.slots[slot].bins[class as usize].find(block_size);
-            let key = |id: BlockId| (self.blocks[id].size, self.blocks[id].ptr);
-            match self.best_parked(slot, class, block_size) {
-                Some(at) if binned.is_none_or(|b| key(self.parked_at(slot, at)) < key(b)) => {
-                    self.stats.cache_hits += 1;
-                    return Ok(Some(self.take_parked(slot, at, block_size, size)));
-                }
-                _ => {
-                    if let Some(id) = binned {
-                        self.stats.cache_hits += 1;
-                        return Ok(Some(self.take(id, block_size, size)));
-                    }
-                }
-            }
+        if let Some(fit) = self.best_free(stream, class, block_size) {
+            return Ok(Some(self.take_fit(fit, block_size, size)));
         }
         // Filed in the bins, parked blocks that fill their segment make it idle (step 2, growth).
         self.flush_parked();

@@ -159,6 +159,45 @@ fn vmm_out_of_memory_says_where_the_reusable_memory_lies() {
 }
 
 #[test]
+fn a_small_request_with_no_room_for_a_small_segment_takes_a_free_large_block() {
+    // A 5 MiB and a 13.5 MiB block share a 20 MiB segment that fills the device, 1.5 MiB free
+    // at its end, part of a page the second block holds too: no 2 MiB small segment can be had
+    // (not even from the cache's whole pages, where the driver maps memory at an offset), and
+    // PyTorch's policy fails a small request. The pool serves it from that free block, and the
+    // block merges back when released.
+    for config in [classic(), vmm()] {
+        let (pool, sim) = pool_with(&[20 * MIB], config);
+        let a = pool.reserve(0, 5 * MIB, 0).unwrap();
+        let b = pool.reserve(0, 13 * MIB + MIB / 2, 0).unwrap();
+        assert_eq!(b, a + 5 * MIB);
+        let small = pool.reserve(0, 4096, 0).unwrap();
+        assert_eq!(
+            small,
+            a + 18 * MIB + MIB / 2,
+            "the free block after the second"
+        );
+        let s = pool.stats(0).unwrap();
+        assert_eq!(
+            (s.reserved_bytes, s.allocated_bytes, s.ooms),
+            (20 * MIB, 18 * MIB + MIB / 2 + 4096, 0)
+        );
+        assert_books(&pool, sim);
+        pool.release(small).unwrap();
+        // Merged back: a 1.5 MiB large request fits in place.
+        let c = pool.reserve(0, MIB + MIB / 2, 0).unwrap();
+        assert_eq!(c, small);
+        // With nothing free at all, the small request fails as before.
+        let err = pool.reserve(0, 4096, 0).unwrap_err();
+        assert_eq!(err.status, rm_status::RM_ERROR_OUT_OF_MEMORY);
+        assert_eq!(pool.stats(0).unwrap().ooms, 1);
+        for p in [a, b, c] {
+            pool.release(p).unwrap();
+        }
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
 fn a_request_beyond_the_device_fails_without_flushing_the_cache() {
     let (pool, sim) = pool(24 * GIB);
     let p = pool.reserve(0, GIB, 0).unwrap();
