@@ -22,8 +22,10 @@ use common::under::Under;
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 const PAGE: u64 = 2 * MIB;
-/// Two devices: one roomy, one small enough that large requests run out of memory.
-const CAPACITIES: [u64; 2] = [8 * GIB, 2 * GIB];
+/// Three devices: one roomy, one small enough that large requests run out of memory, and one
+/// so small that large blocks fill it and small requests run out too (the last resort that
+/// serves them from free large blocks).
+const CAPACITIES: [u64; 3] = [8 * GIB, 2 * GIB, 48 * MIB];
 /// Created streams per device, besides the default stream.
 const STREAMS: usize = 2;
 
