@@ -31,7 +31,8 @@
 //! Placement is PyTorch's, so that classic segments replay a trace exactly as PyTorch's policy:
 //! best fit by (size, address) among the stream's free blocks of the request's class; the found
 //! block is split when the rest is worth keeping (`size::splits`); released blocks merge with
-//! their free neighbours.
+//! their free neighbours. Only where PyTorch's policy would fail a small request for want of
+//! memory does the pool look further: among the stream's free large blocks.
 //!
 //! A block released on its own stream that would merge with nothing (no free or parked
 //! neighbour) is *parked* in a short per-stream list instead of the bins, so that the common
