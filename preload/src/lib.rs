@@ -87,6 +87,30 @@ fn with_reusable(device: c_int, free: usize, total: usize) -> usize {
     free.saturating_add(reusable).min(total)
 }
 
+/// Finish a real `*MemGetInfo` call that returned `status`: where it succeeded and wrote both
+/// figures, add resmem's reusable bytes on the current device (read with `device`; left as the
+/// driver said where that fails) to `free`, at most `total`.
+///
+/// # Safety
+/// Where `status` is success, `free` and `total` are null or valid for reading and writing a
+/// `size_t` (the real call wrote them).
+unsafe fn add_reusable(
+    status: c_int,
+    free: *mut usize,
+    total: *mut usize,
+    device: impl FnOnce(&mut c_int) -> c_int,
+) -> c_int {
+    if status != CUDA_SUCCESS || free.is_null() || total.is_null() {
+        return status;
+    }
+    let mut current = 0;
+    if device(&mut current) == CUDA_SUCCESS {
+        // SAFETY: non-null, and written by the real call (this function's contract).
+        unsafe { *free = with_reusable(current, *free, *total) };
+    }
+    CUDA_SUCCESS
+}
+
 /// `cudaMemGetInfo`: the current device's free memory, counting resmem's reusable bytes, and
 /// its total memory.
 ///
@@ -100,16 +124,10 @@ pub unsafe extern "C" fn cudaMemGetInfo(free: *mut usize, total: *mut usize) -> 
         };
         // SAFETY: the real function, with the caller's arguments.
         let status = unsafe { (rt.mem_get_info)(free, total) };
-        if status != CUDA_SUCCESS || free.is_null() || total.is_null() {
-            return status;
-        }
-        let mut device = 0;
-        // SAFETY: device is a valid int.
-        if unsafe { (rt.get_device)(&mut device) } == CUDA_SUCCESS {
-            // SAFETY: both written by the real call just now.
-            unsafe { *free = with_reusable(device, *free, *total) };
-        }
-        CUDA_SUCCESS
+        // SAFETY: the real function, with a valid int to write.
+        let device = |d: &mut c_int| unsafe { (rt.get_device)(d) };
+        // SAFETY: `free` and `total` as the real call left them.
+        unsafe { add_reusable(status, free, total, device) }
     })
 }
 
@@ -126,16 +144,10 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
         };
         // SAFETY: the real function, with the caller's arguments.
         let status = unsafe { (driver.mem_get_info)(free, total) };
-        if status != CUDA_SUCCESS || free.is_null() || total.is_null() {
-            return status;
-        }
-        let mut device = 0;
-        // SAFETY: device is a valid int.
-        if unsafe { (driver.ctx_get_device)(&mut device) } == CUDA_SUCCESS {
-            // SAFETY: both written by the real call just now.
-            unsafe { *free = with_reusable(device, *free, *total) };
-        }
-        CUDA_SUCCESS
+        // SAFETY: the real function, with a valid int to write.
+        let device = |d: &mut c_int| unsafe { (driver.ctx_get_device)(d) };
+        // SAFETY: `free` and `total` as the real call left them.
+        unsafe { add_reusable(status, free, total, device) }
     })
 }
 
