@@ -6,7 +6,7 @@
 //!   calls (one atomic add) and goes, binary, into its thread's ring (`ring.rs`): no lock, no
 //!   formatting (`BENCHMARKS.md` has what it costs). A writer thread (`writer.rs`) empties the rings when one is half full, every
 //!   quarter second, and when asked to flush; it puts the calls back in order, formats them
-//!   ([`line`]) and writes each round with one `write(2)` to the file, opened with `O_APPEND`:
+//!   (`line.rs`) and writes each round with one `write(2)` to the file, opened with `O_APPEND`:
 //!   lines of several threads or processes never interleave. `%p` in PATH becomes the process
 //!   id: one file per process.
 //! - The order is what a replay needs: a call that happens before another (through the pool,
