@@ -363,7 +363,7 @@ impl Sim {
     /// Counts a call of `call` that has no method of its own here (context
     /// functions of `libcuda_sim.so`) and fails it if a fault says so.
     pub fn fault_point(&self, call: Call) -> CuResult<()> {
-        self.call(call).fault(call)
+        self.call(call).map(drop)
     }
 
     /// Makes every call of `call` take `delay` from now on (`Duration::ZERO`:
@@ -382,10 +382,12 @@ impl Sim {
     }
 
     /// The state, locked, for a call of `call`, once the call's delay (if
-    /// any) has passed.
-    fn call(&self, call: Call) -> MutexGuard<'_, State> {
+    /// any) has passed: the call counted, and failed if a fault says so.
+    fn call(&self, call: Call) -> CuResult<MutexGuard<'_, State>> {
         self.delays.wait(call);
-        self.lock()
+        let mut st = self.lock();
+        st.fault(call)?;
+        Ok(st)
     }
 
     /// The process-wide instance, created from the environment on first use
@@ -440,8 +442,7 @@ impl Sim {
     /// Fails with `CUDA_ERROR_INVALID_VALUE` for a malformed configuration and
     /// `CUDA_ERROR_NO_DEVICE` when there are no devices.
     pub fn init(&self) -> CuResult<()> {
-        let mut st = self.call(Call::Init);
-        st.fault(Call::Init)?;
+        let mut st = self.call(Call::Init)?;
         if self.config_error.is_some() {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
         }
@@ -459,16 +460,14 @@ impl Sim {
 
     /// `cuDeviceGetCount`: the number of devices.
     pub fn device_count(&self) -> CuResult<i32> {
-        let mut st = self.call(Call::DeviceGetCount);
-        st.fault(Call::DeviceGetCount)?;
+        let st = self.call(Call::DeviceGetCount)?;
         st.check_init()?;
         Ok(i32::try_from(st.devices.len()).unwrap_or(i32::MAX))
     }
 
     /// `cuDeviceGetName`: e.g. `"cuda-sim device 0 (24 GiB)"`.
     pub fn device_name(&self, dev: i32) -> CuResult<String> {
-        let mut st = self.call(Call::DeviceGetName);
-        st.fault(Call::DeviceGetName)?;
+        let st = self.call(Call::DeviceGetName)?;
         let capacity = st.device(dev)?.capacity;
         Ok(format!("cuda-sim device {dev} ({})", human_size(capacity)))
     }
@@ -477,8 +476,7 @@ impl Sim {
     /// shares capacity under one name ([`Sim::share_capacity`]), and unique to this instance
     /// otherwise.
     pub fn device_uuid(&self, dev: i32) -> CuResult<[u8; 16]> {
-        let mut st = self.call(Call::DeviceGetUuid);
-        st.fault(Call::DeviceGetUuid)?;
+        let st = self.call(Call::DeviceGetUuid)?;
         st.device(dev)?;
         let text = format!("{} device {dev}", st.uuid_seed);
         let mut uuid = [0u8; 16];
@@ -489,16 +487,14 @@ impl Sim {
 
     /// `cuDeviceTotalMem`: the device's capacity in bytes.
     pub fn total_mem(&self, dev: i32) -> CuResult<u64> {
-        let mut st = self.call(Call::DeviceTotalMem);
-        st.fault(Call::DeviceTotalMem)?;
+        let st = self.call(Call::DeviceTotalMem)?;
         Ok(st.device(dev)?.capacity)
     }
 
     /// `cuMemGetInfo`: `(free, total)` bytes, where free is the capacity less
     /// the pages in use.
     pub fn mem_get_info(&self, dev: i32) -> CuResult<(u64, u64)> {
-        let mut st = self.call(Call::MemGetInfo);
-        st.fault(Call::MemGetInfo)?;
+        let st = self.call(Call::MemGetInfo)?;
         let capacity = st.device(dev)?.capacity;
         Ok((st.free_pages(dev)? * PAGE, capacity))
     }
@@ -511,8 +507,7 @@ impl Sim {
     /// window starting at `0x7000_0000_0000 + dev * 2^40`, and the lowest gap
     /// that fits, so addresses are reused after a free as on the driver.
     pub fn mem_alloc(&self, dev: i32, bytes: u64) -> CuResult<u64> {
-        let mut st = self.call(Call::MemAlloc);
-        st.fault(Call::MemAlloc)?;
+        let mut st = self.call(Call::MemAlloc)?;
         let d = st.device_mut(dev)?;
         if bytes == 0 {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
@@ -546,8 +541,7 @@ impl Sim {
     /// address inside an allocation, a second free) fails with
     /// `CUDA_ERROR_INVALID_VALUE`.
     pub fn mem_free(&self, ptr: u64) -> CuResult<()> {
-        let mut st = self.call(Call::MemFree);
-        st.fault(Call::MemFree)?;
+        let mut st = self.call(Call::MemFree)?;
         st.check_init()?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         let dev = window_device(ptr).ok_or(invalid)?;

@@ -166,8 +166,7 @@ impl Sim {
     /// Created streams do not synchronize implicitly with the default stream
     /// (they behave as `CU_STREAM_NON_BLOCKING` streams).
     pub fn stream_create(&self, dev: i32) -> CuResult<u64> {
-        let mut st = self.call(Call::StreamCreate);
-        st.fault(Call::StreamCreate)?;
+        let mut st = self.call(Call::StreamCreate)?;
         st.device(dev)?;
         let handle = st.next_stream;
         st.next_stream += 1;
@@ -181,8 +180,7 @@ impl Sim {
     /// stay incomplete until then). Unknown handles and the default stream
     /// (0) fail with `CUDA_ERROR_INVALID_HANDLE`.
     pub fn stream_destroy(&self, stream: u64) -> CuResult<()> {
-        let mut st = self.call(Call::StreamDestroy);
-        st.fault(Call::StreamDestroy)?;
+        let mut st = self.call(Call::StreamDestroy)?;
         st.check_init()?;
         match st.streams.get_mut(&StreamKey::Created(stream)) {
             Some(s) if !s.destroyed => s.destroyed = true,
@@ -195,8 +193,7 @@ impl Sim {
     /// `cuEventCreate`: a new event on `dev`; its handle is non-zero and
     /// unique among all devices' streams and events.
     pub fn event_create(&self, dev: i32) -> CuResult<u64> {
-        let mut st = self.call(Call::EventCreate);
-        st.fault(Call::EventCreate)?;
+        let mut st = self.call(Call::EventCreate)?;
         st.device(dev)?;
         let handle = st.next_event;
         st.next_event += 1;
@@ -213,8 +210,7 @@ impl Sim {
     /// `cuEventDestroy`: destroys an event (waits already issued on it keep
     /// their meaning).
     pub fn event_destroy(&self, event: u64) -> CuResult<()> {
-        let mut st = self.call(Call::EventDestroy);
-        st.fault(Call::EventDestroy)?;
+        let mut st = self.call(Call::EventDestroy)?;
         st.event(event)?;
         st.events.remove(&event);
         Ok(())
@@ -225,8 +221,7 @@ impl Sim {
     /// recording again replaces the capture. An event or stream of another
     /// device fails with `CUDA_ERROR_INVALID_HANDLE`.
     pub fn event_record(&self, dev: i32, event: u64, stream: u64) -> CuResult<()> {
-        let mut st = self.call(Call::EventRecord);
-        st.fault(Call::EventRecord)?;
+        let mut st = self.call(Call::EventRecord)?;
         let key = st.stream_key(dev, stream)?;
         if st.event(event)?.device != dev {
             return Err(CuError(CUDA_ERROR_INVALID_HANDLE));
@@ -239,8 +234,7 @@ impl Sim {
     /// `cuEventQuery`: whether the captured work has completed (`true`);
     /// events never recorded are complete.
     pub fn event_query(&self, event: u64) -> CuResult<bool> {
-        let mut st = self.call(Call::EventQuery);
-        st.fault(Call::EventQuery)?;
+        let st = self.call(Call::EventQuery)?;
         let e = st.event(event)?;
         Ok(e.captured.iter().all(|r| st.met(r)))
     }
@@ -248,8 +242,7 @@ impl Sim {
     /// `cuEventSynchronize`: the host waits for the captured work, which
     /// therefore completes (with whatever it waits on).
     pub fn event_synchronize(&self, event: u64) -> CuResult<()> {
-        let mut st = self.call(Call::EventSynchronize);
-        st.fault(Call::EventSynchronize)?;
+        let mut st = self.call(Call::EventSynchronize)?;
         let reqs = st.event(event)?.captured.clone();
         st.complete(&reqs);
         Ok(())
@@ -259,8 +252,7 @@ impl Sim {
     /// stream) after this call cannot complete before the work the event
     /// captured. The event may belong to another device, as on the driver.
     pub fn stream_wait_event(&self, dev: i32, stream: u64, event: u64) -> CuResult<()> {
-        let mut st = self.call(Call::StreamWaitEvent);
-        st.fault(Call::StreamWaitEvent)?;
+        let mut st = self.call(Call::StreamWaitEvent)?;
         let key = st.stream_key(dev, stream)?;
         let requires: Vec<Requirement> = st
             .event(event)?
@@ -288,8 +280,7 @@ impl Sim {
     /// `cuStreamSynchronize`: completes everything enqueued on the stream so
     /// far (0: `dev`'s default stream) and what it waits on.
     pub fn stream_synchronize(&self, dev: i32, stream: u64) -> CuResult<()> {
-        let mut st = self.call(Call::StreamSynchronize);
-        st.fault(Call::StreamSynchronize)?;
+        let mut st = self.call(Call::StreamSynchronize)?;
         let key = st.stream_key(dev, stream)?;
         st.complete_stream(key);
         Ok(())
@@ -298,8 +289,7 @@ impl Sim {
     /// `cuStreamQuery`: whether everything enqueued on the stream so far,
     /// including the waits issued on it, has completed.
     pub fn stream_query(&self, dev: i32, stream: u64) -> CuResult<bool> {
-        let mut st = self.call(Call::StreamQuery);
-        st.fault(Call::StreamQuery)?;
+        let st = self.call(Call::StreamQuery)?;
         let key = st.stream_key(dev, stream)?;
         Ok(st.capture(key).is_empty())
     }
@@ -307,8 +297,7 @@ impl Sim {
     /// `cuCtxSynchronize`: completes all work on all of the device's streams
     /// (destroyed ones with work left included).
     pub fn synchronize(&self, dev: i32) -> CuResult<()> {
-        let mut st = self.call(Call::CtxSynchronize);
-        st.fault(Call::CtxSynchronize)?;
+        let mut st = self.call(Call::CtxSynchronize)?;
         st.device(dev)?;
         let keys: Vec<StreamKey> = st
             .streams

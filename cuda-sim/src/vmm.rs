@@ -114,8 +114,7 @@ impl VmmState {
 }
 
 impl State {
-    fn vmm_check(&mut self, call: Call, dev: Option<i32>) -> CuResult<()> {
-        self.fault(call)?;
+    fn vmm_check(&mut self, dev: Option<i32>) -> CuResult<()> {
         self.check_init()?;
         if let Some(dev) = dev {
             self.device(dev)?;
@@ -173,8 +172,7 @@ impl Sim {
     /// `cuDeviceGetAttribute`: only `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`
     /// (102) is simulated; other attributes give `CUDA_ERROR_INVALID_VALUE`.
     pub fn device_attribute(&self, dev: i32, attribute: i32) -> CuResult<i32> {
-        let mut st = self.call(Call::DeviceGetAttribute);
-        st.fault(Call::DeviceGetAttribute)?;
+        let st = self.call(Call::DeviceGetAttribute)?;
         st.device(dev)?;
         match attribute {
             ATTRIBUTE_VMM_SUPPORTED => Ok(i32::from(st.vmm.supported)),
@@ -197,16 +195,16 @@ impl Sim {
 
     /// `cuMemGetAllocationGranularity` for a pinned device allocation on `dev`.
     pub fn mem_granularity(&self, dev: i32) -> CuResult<u64> {
-        self.call(Call::MemGetAllocationGranularity)
-            .vmm_check(Call::MemGetAllocationGranularity, Some(dev))?;
+        self.call(Call::MemGetAllocationGranularity)?
+            .vmm_check(Some(dev))?;
         Ok(GRANULARITY)
     }
 
     /// `cuMemAddressReserve`: a range of `size` bytes (a multiple of the granularity) at the
     /// lowest free address aligned to `alignment` (0: the granularity).
     pub fn mem_address_reserve(&self, size: u64, alignment: u64) -> CuResult<u64> {
-        let mut st = self.call(Call::MemAddressReserve);
-        st.vmm_check(Call::MemAddressReserve, None)?;
+        let mut st = self.call(Call::MemAddressReserve)?;
+        st.vmm_check(None)?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         if size == 0 || size % GRANULARITY != 0 || (alignment != 0 && !alignment.is_power_of_two())
         {
@@ -236,8 +234,8 @@ impl Sim {
     /// `cuMemAddressFree`: `ptr` and `size` must be exactly a reserved range with nothing
     /// mapped in it.
     pub fn mem_address_free(&self, ptr: u64, size: u64) -> CuResult<()> {
-        let mut st = self.call(Call::MemAddressFree);
-        st.vmm_check(Call::MemAddressFree, None)?;
+        let mut st = self.call(Call::MemAddressFree)?;
+        st.vmm_check(None)?;
         match st.vmm.ranges.get(&ptr) {
             Some(range) if range.size == size && range.maps.is_empty() => {
                 st.vmm.ranges.remove(&ptr);
@@ -250,8 +248,8 @@ impl Sim {
     /// `cuMemCreate`: `size` bytes (a multiple of the granularity) of physical memory on `dev`,
     /// counted against its capacity from now on.
     pub fn mem_create(&self, dev: i32, size: u64) -> CuResult<u64> {
-        let mut st = self.call(Call::MemCreate);
-        st.vmm_check(Call::MemCreate, Some(dev))?;
+        let mut st = self.call(Call::MemCreate)?;
+        st.vmm_check(Some(dev))?;
         if size == 0 || size % GRANULARITY != 0 {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
         }
@@ -273,8 +271,8 @@ impl Sim {
 
     /// `cuMemRelease`: the memory is freed now if unmapped, else when its last mapping goes.
     pub fn mem_release(&self, handle: u64) -> CuResult<()> {
-        let mut st = self.call(Call::MemRelease);
-        st.vmm_check(Call::MemRelease, None)?;
+        let mut st = self.call(Call::MemRelease)?;
+        st.vmm_check(None)?;
         let physical = match st.vmm.handles.get_mut(&handle) {
             Some(p) if !p.released => p,
             _ => return Err(CuError(CUDA_ERROR_INVALID_VALUE)),
@@ -294,8 +292,8 @@ impl Sim {
     /// [`VmmSetting::StartOnly`]); one allocation may be mapped in any number of places at
     /// once, each mapping counted until it is unmapped.
     pub fn mem_map(&self, ptr: u64, size: u64, offset: u64, handle: u64) -> CuResult<()> {
-        let mut st = self.call(Call::MemMap);
-        st.vmm_check(Call::MemMap, None)?;
+        let mut st = self.call(Call::MemMap)?;
+        st.vmm_check(None)?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         match st.vmm.handles.get(&handle) {
             Some(p)
@@ -332,8 +330,8 @@ impl Sim {
 
     /// `cuMemUnmap`: `[ptr, ptr + size)` must be exactly a run of whole mappings.
     pub fn mem_unmap(&self, ptr: u64, size: u64) -> CuResult<()> {
-        let mut st = self.call(Call::MemUnmap);
-        st.vmm_check(Call::MemUnmap, None)?;
+        let mut st = self.call(Call::MemUnmap)?;
+        st.vmm_check(None)?;
         let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
         for addr in addrs {
             let map = st
@@ -356,8 +354,8 @@ impl Sim {
     /// `cuMemSetAccess` (read-write for `dev`): `[ptr, ptr + size)` must be exactly a run of
     /// whole mappings.
     pub fn mem_set_access(&self, ptr: u64, size: u64, dev: i32) -> CuResult<()> {
-        let mut st = self.call(Call::MemSetAccess);
-        st.vmm_check(Call::MemSetAccess, Some(dev))?;
+        let mut st = self.call(Call::MemSetAccess)?;
+        st.vmm_check(Some(dev))?;
         let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
         let range = st.vmm.ranges.get_mut(&base).expect("range found");
         for addr in addrs {
