@@ -17,7 +17,13 @@ What it does:
   names it), ``Tensor.record_stream()`` reaches ``rm_record_stream``;
 - makes ``torch.cuda.memory_stats``, ``memory_allocated``, ``memory_reserved``,
   ``max_memory_allocated``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` report
-  resmem's figures under PyTorch's key names (for a pluggable allocator PyTorch raises there).
+  resmem's figures under PyTorch's key names (for a pluggable allocator PyTorch raises there);
+- makes ``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
+  ``torch.compile(mode="reduce-overhead")``) raise ``RuntimeError``: PyTorch keeps a graph's
+  memory in a private pool only through hooks resmem does not wire yet, so a tensor freed during
+  the capture would go back to resmem's cache, be handed to a tensor made after it, and be
+  written over by every replay. A refused capture is better than corrupted tensors; capture
+  outside ``install()``, with ``pool()`` around only the parts that should come from resmem.
 
 ``torch.cuda.mem_get_info`` keeps PyTorch's documented meaning, the driver's view, by default:
 transformers already adds ``memory_reserved() - memory_allocated()`` to it when it plans a
@@ -112,6 +118,22 @@ def _device_index(torch, device):
         return int(index) if index else torch.cuda.current_device()
     index = getattr(device, "index", None)
     return torch.cuda.current_device() if index is None else index
+
+
+#: What a CUDA graph capture under install() raises (see the module's documentation).
+GRAPH_REFUSAL = (
+    "resmem.torch.install() does not support CUDA graph capture yet: PyTorch gives a pluggable "
+    "allocator's graphs no private pool unless the allocator wires its pool hooks, which resmem "
+    "does not, so memory freed during the capture would be handed to other tensors while every "
+    "replay of the graph writes to it. Capture without install() (resmem.torch.pool() around "
+    "the parts that should come from resmem), or run without CUDA graphs (torch.compile "
+    "without mode='reduce-overhead')."
+)
+
+
+def _refuse_capture(self, *args, **kwargs):
+    """torch.cuda.CUDAGraph.capture_begin under install(): refused, see GRAPH_REFUSAL."""
+    raise RuntimeError(GRAPH_REFUSAL)
 
 
 def _address(lib, name):
@@ -215,4 +237,7 @@ def install(count_reusable_as_free=False):
         function.__doc__ = f"torch.cuda.{name}, answered by resmem (see resmem.torch)."
         for module in (torch.cuda, torch.cuda.memory):
             setattr(module, name, function)
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is not None:
+        graph.capture_begin = _refuse_capture
     return allocator

@@ -106,7 +106,15 @@ def fake_torch(with_mem_pool=True):
             while pool.segments:
                 pool.allocator.raw_delete(pool.segments.pop())
 
-    state.update(pool=None, pools=[], emptied=0)
+    class CUDAGraph:
+        """torch.cuda.CUDAGraph: torch.cuda.graph and torch.compile's CUDA graphs begin every
+        capture here."""
+
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            state["captures"] += 1
+
+    state.update(pool=None, pools=[], emptied=0, captures=0)
+    cuda.CUDAGraph = CUDAGraph
     torch.empty = empty
     cuda.OutOfMemoryError = FakeOutOfMemoryError
     cuda.empty_cache = empty_cache
@@ -146,6 +154,18 @@ def test_install_makes_resmem_the_allocator_and_wires_every_hook(torch):
         assert getattr(torch.cuda, name).__module__ == "resmem.torch"
     # mem_get_info keeps the driver's view unless asked.
     assert torch.cuda.mem_get_info(0) == ("driver view", 0)
+
+
+def test_install_refuses_cuda_graph_capture(torch):
+    # Before install(), PyTorch's own allocator keeps each graph's private pool.
+    torch.cuda.CUDAGraph().capture_begin()
+    assert torch.state["captures"] == 1
+    rtorch.install()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="does not support CUDA graph capture") as refused:
+        graph.capture_begin(pool=(0, 1), capture_error_mode="thread_local")
+    assert "resmem.torch.pool()" in str(refused.value)
+    assert torch.state["captures"] == 1
 
 
 def test_stats_report_resmem_figures_under_pytorch_names(torch):
