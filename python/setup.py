@@ -1,6 +1,7 @@
 """Build step of the resmem package: compile libresmem.so with cargo and put it inside the
-package, so that an installed resmem (``pip install ./python``, or the wheel from ``pip wheel
-./python``) loads its own library with no variable set.
+package, with libresmem_torch.so compiled from native/torch_raise.cpp for resmem.torch, so that
+an installed resmem (``pip install ./python``, or the wheel from ``pip wheel ./python``) loads
+its own library with no variable set.
 
 The Rust workspace is this folder's parent, so build from a checkout. ``RESMEM_CARGO_PROFILE``
 picks the cargo profile (``release``, the default, or ``debug`` to reuse what ``cargo test``
@@ -49,8 +50,32 @@ def build_library():
     return os.path.join(WORKSPACE, target, profile, "libresmem.so")
 
 
+def build_torch_raise(package):
+    """Compile native/torch_raise.cpp into the package as libresmem_torch.so: the allocation
+    functions resmem.torch.install() gives PyTorch, which throw a failure for PyTorch to raise
+    where rm_torch_malloc returns a NULL PyTorch does not check (see that file). C++ only may
+    throw into PyTorch, so it needs a C++ compiler (``CXX``, else ``c++``); without one the
+    package is built without it, said here, and install() warns and falls back to the NULL. It
+    links the C++ runtime dynamically, as PyTorch does, so that PyTorch catches its exceptions."""
+    compiler = os.environ.get("CXX", "c++")
+    command = [
+        compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC",
+        "-I", os.path.join(WORKSPACE, "include"),
+        os.path.join(HERE, "native", "torch_raise.cpp"),
+        "-o", os.path.join(package, "libresmem_torch.so"),
+    ]
+    try:
+        subprocess.run(command, check=True)
+    except (FileNotFoundError, subprocess.CalledProcessError) as e:
+        print(
+            f"warning: {' '.join(command)} failed ({e}): the package has no libresmem_torch.so, "
+            "and an out-of-memory under resmem.torch.install() will be a NULL PyTorch does not "
+            "check; install a C++ compiler and build again"
+        )
+
+
 class BuildWithLibrary(build_py):
-    """build_py, then libresmem.so into the built package."""
+    """build_py, then libresmem.so and libresmem_torch.so into the built package."""
 
     def run(self):
         super().run()
@@ -58,6 +83,7 @@ class BuildWithLibrary(build_py):
         package = os.path.join(self.build_lib, "resmem")
         os.makedirs(package, exist_ok=True)
         shutil.copy2(library, os.path.join(package, "libresmem.so"))
+        build_torch_raise(package)
 
 
 class WithNativeLibrary(Distribution):

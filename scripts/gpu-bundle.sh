@@ -2,8 +2,8 @@
 # Build what scripts/gpu-check.sh runs into one folder (default target/gpu-bundle): the release
 # library, the cuda_driver test binary, the C examples and the C benchmarks (benches/c: the pair
 # benchmark and the per-call driver costs), linked to find libresmem next to them,
-# and the Python package with python/tests/test_torch_gpu.py and test_torch_pool_gpu.py (they
-# use lib/libresmem.so.0).
+# and the Python package (libresmem_torch.so compiled into it) with python/tests/test_torch_gpu.py
+# and test_torch_pool_gpu.py (they use lib/libresmem.so.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/gpu-bundle}
@@ -31,5 +31,8 @@ done
 rm -rf "$out/python"
 mkdir -p "$out/python/tests"
 cp -r python/resmem "$out/python/"
+# What the package's build (python/setup.py) puts beside libresmem.so for resmem.torch.install().
+g++ -std=c++17 -O2 -Wall -Wextra -Werror -shared -fPIC -Iinclude python/native/torch_raise.cpp \
+  -o "$out/python/resmem/libresmem_torch.so"
 cp python/tests/test_torch_gpu.py python/tests/test_torch_pool_gpu.py "$out/python/tests/"
 echo "bundle ready in $out"

@@ -10,8 +10,13 @@ For the whole program, call ``resmem.torch.install()`` before the first CUDA all
 
 What it does:
 
-- makes ``libresmem.so`` the allocator (``torch.cuda.memory.CUDAPluggableAllocator`` with
-  ``rm_torch_malloc``/``rm_torch_free``, then ``change_current_allocator``);
+- makes resmem the allocator (``torch.cuda.memory.CUDAPluggableAllocator``, then
+  ``change_current_allocator``) through the package's ``libresmem_torch.so``: its allocation
+  function reserves from ``libresmem.so`` and throws a failure for PyTorch to raise
+  (``RuntimeError``; "CUDA out of memory. " and resmem's message for an out-of-memory, the text
+  accelerate's batch-size retries look for) instead of the NULL PyTorch does not check (a tensor
+  at address 0, whose first kernel ends the process's CUDA context). A package built without a
+  C++ compiler lacks it: ``install()`` then warns and uses ``rm_torch_malloc``'s NULL;
 - wires the allocator's hooks: ``torch.cuda.empty_cache()`` returns idle cache to the driver,
   ``torch.cuda.set_per_process_memory_fraction()`` caps the pool (an out-of-memory past the cap
   names it), ``Tensor.record_stream()`` reaches ``rm_record_stream``;
@@ -43,10 +48,9 @@ and also after CUDA memory exists (PyTorch cannot swap its allocator then)::
 PyTorch's caching allocator keeps managing the blocks of that pool; it takes its segments from
 resmem (``rm_torch_malloc``) and gives them back (``rm_torch_free``) on ``empty_cache``, after
 which ``resmem.torch.empty_cache()`` returns them to the driver. An out-of-memory inside
-``pool()`` is raised as ``torch.cuda.OutOfMemoryError`` with resmem's message added. Under
-``install()`` PyTorch does not check the allocation function's result (a failed allocation is
-a NULL it does not raise on), so an out-of-memory there cannot become an exception; read
-``resmem.last_error()``, or use ``pool()``.
+``pool()`` is raised as ``torch.cuda.OutOfMemoryError`` with resmem's message added (PyTorch's
+caching allocator checks the NULL ``rm_torch_malloc`` returns there, returns its own cache and
+tries again first). Under ``install()`` it is a ``RuntimeError`` (above).
 
 Frees reach the right device whatever the current device: resmem finds a block's device from
 its address, not from the device PyTorch passes.
@@ -55,6 +59,8 @@ its address, not from the device PyTorch passes.
 import collections
 import contextlib
 import ctypes
+import os
+import warnings
 
 from . import _lib
 
@@ -140,12 +146,48 @@ def _address(lib, name):
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-def _pluggable(torch):
-    """PyTorch's allocator object over libresmem's entry points, with every hook wired."""
+#: The library of the allocation functions install() gives PyTorch (``python/native/
+#: torch_raise.cpp``, built beside libresmem.so by the package's build).
+RAISING_LIBRARY = "libresmem_torch.so"
+
+#: What install() warns where the package was built without RAISING_LIBRARY.
+NO_RAISING_LIBRARY = (
+    "resmem: this resmem package has no libresmem_torch.so (it is built with a C++ compiler: "
+    "reinstall with one, c++ or $CXX): an out-of-memory under resmem.torch.install() is then a "
+    "NULL, which PyTorch does not check; the first kernel on that tensor faults and ends the "
+    "process's CUDA context"
+)
+
+
+def raising_library():
+    """The path of this package's libresmem_torch.so, set up to call the loaded libresmem, or
+    None where the package was built without it. Its allocation function throws a failure for
+    PyTorch to raise (``RuntimeError``, "CUDA out of memory. " and resmem's message for an
+    out-of-memory) where ``rm_torch_malloc`` returns NULL, which PyTorch does not check."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), RAISING_LIBRARY)
+    if not os.path.exists(path):
+        return None
     lib = _lib.library()
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        _lib.library_path(), "rm_torch_malloc", "rm_torch_free"
-    )
+    init = ctypes.CDLL(path).rm_torch_raising_init
+    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p] * 3
+    names = ("rm_reserve", "rm_torch_free", "rm_last_error")
+    if init(*(_address(lib, name) for name in names)) != 0:
+        raise RuntimeError(f"{path}: rm_torch_raising_init refused libresmem's entry points")
+    return path
+
+
+def _pluggable(torch, raising=False):
+    """PyTorch's allocator object over libresmem's entry points, with every hook wired. With
+    ``raising``, its allocation function is libresmem_torch.so's where the package has it."""
+    lib = _lib.library()
+    functions = (_lib.library_path(), "rm_torch_malloc", "rm_torch_free")
+    if raising:
+        path = raising_library()
+        if path is None:
+            warnings.warn(NO_RAISING_LIBRARY, RuntimeWarning, stacklevel=3)
+        else:
+            functions = (path, "rm_torch_raising_malloc", "rm_torch_raising_free")
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(*functions)
     hooks = allocator.allocator()
     for setter, function in HOOKS.items():
         getattr(hooks, setter)(_address(lib, function))
@@ -205,7 +247,7 @@ def install(count_reusable_as_free=False):
     Returns PyTorch's allocator object."""
     import torch
 
-    allocator = _pluggable(torch)
+    allocator = _pluggable(torch, raising=True)
     torch.cuda.memory.change_current_allocator(allocator)
 
     def memory_stats(device=None):

@@ -131,6 +131,17 @@ def load_four_times(folder, mode):
         del model
         gc.collect()
     print("RESULT " + json.dumps(rows))
+    # An out-of-memory: under install(), a RuntimeError from libresmem_torch.so where PyTorch
+    # would otherwise get a NULL it does not check; either way the device must still compute.
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        raised = "nothing raised"
+    except RuntimeError as e:
+        raised = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    ones = torch.ones(1 << 20, device="cuda")
+    computes = float(ones.sum()) == float(1 << 20)
+    print(f"1 PiB tensor: {raised[:200]}; the device computes after it: {computes}")
+    print("OOM " + json.dumps({"raised": raised, "computes": computes}))
 
 
 def scenario():
@@ -146,6 +157,8 @@ def scenario():
             print(out, end="")
             line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
             results[mode] = json.loads(line[len("RESULT "):])
+            line = [l for l in out.splitlines() if l.startswith("OOM ")][-1]
+            results[mode + " oom"] = json.loads(line[len("OOM "):])
     return results
 
 
@@ -155,12 +168,18 @@ def test_seed_scenario_in_pytorch():
     reason = missing()
     if reason:
         pytest.skip(reason)
-    rows = scenario()["resmem"]
+    results = scenario()
+    rows = results["resmem"]
     # With resmem, reserved memory stays within 2% of the first load's (one warm-up: the next
     # warm-ups are mapped from its pages, with what outlived generation and some headroom
     # created beside them), and nothing offloads.
     assert all(r["reserved"] <= 1.02 * rows[0]["reserved"] for r in rows), rows
     assert not any(r["offloaded"] for r in rows), rows
+    # An out-of-memory raises under both allocators, and the device goes on computing.
+    oom = results["resmem oom"]
+    assert oom["raised"].startswith("RuntimeError: CUDA out of memory. resmem: "), oom
+    assert oom["computes"], oom
+    assert results["pytorch oom"]["computes"], results["pytorch oom"]
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ given, as PyTorch does."""
 
 import contextlib
 import ctypes
+import os
 import sys
 import types
 
@@ -62,7 +63,7 @@ def fake_torch(with_mem_pool=True):
         def __init__(self, path, alloc_fn_name, free_fn_name):
             lib = ctypes.CDLL(path)
             address = lambda n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
-            self.path = path
+            self.path, self.names = path, (alloc_fn_name, free_fn_name)
             self.malloc = MALLOC(address(alloc_fn_name))
             self.free = FREE(address(free_fn_name))
             self._allocator = Hooks(self)
@@ -147,7 +148,13 @@ def torch(monkeypatch):
 def test_install_makes_resmem_the_allocator_and_wires_every_hook(torch):
     allocator = rtorch.install()
     assert torch.state["current"] is allocator
-    assert allocator.path == resmem.library_path()
+    raising = rtorch.raising_library()
+    if raising is not None:
+        assert allocator.path == raising
+        assert allocator.names == ("rm_torch_raising_malloc", "rm_torch_raising_free")
+    else:
+        assert allocator.path == resmem.library_path()
+        assert allocator.names == ("rm_torch_malloc", "rm_torch_free")
     assert sorted(allocator.allocator().fns) == sorted(rtorch.HOOKS)
     for name in rtorch.PATCHED:
         assert getattr(torch.cuda, name) is getattr(torch.cuda.memory, name)
@@ -166,6 +173,26 @@ def test_install_refuses_cuda_graph_capture(torch):
         graph.capture_begin(pool=(0, 1), capture_error_mode="thread_local")
     assert "resmem.torch.pool()" in str(refused.value)
     assert torch.state["captures"] == 1
+
+
+def test_an_installed_package_carries_the_library_that_raises(torch):
+    """The wheel CI tests has libresmem_torch.so; a checkout's python/ folder need not."""
+    package = os.path.dirname(os.path.abspath(resmem.__file__))
+    if "site-packages" not in package.split(os.sep):
+        pytest.skip(f"resmem imported from {package}, not an installed package")
+    raising = rtorch.raising_library()
+    assert raising == os.path.join(package, "libresmem_torch.so")
+
+
+def test_without_the_library_that_raises_install_warns_and_returns_null(torch, monkeypatch):
+    monkeypatch.setattr(rtorch, "raising_library", lambda: None)
+    with pytest.warns(RuntimeWarning, match="has no libresmem_torch.so"):
+        allocator = rtorch.install()
+    assert allocator.path == resmem.library_path()
+    assert allocator.names == ("rm_torch_malloc", "rm_torch_free")
+    resmem.set_memory_limit(64 * MIB, device=DEVICE)
+    assert allocator.malloc(128 * MIB, DEVICE, None) is None
+    assert "memory limit of 64.00 MiB" in resmem.last_error()
 
 
 def test_stats_report_resmem_figures_under_pytorch_names(torch):
@@ -208,7 +235,9 @@ def test_hooks_empty_cache_fraction_and_record_stream(torch):
     hooks["set_memory_fraction_fn"](0.25, DEVICE)  # set_per_process_memory_fraction(0.25)
     assert resmem.memory_limit(DEVICE) == 6 * GIB
     ooms = torch.cuda.memory_stats()["num_ooms"]
-    assert allocator.malloc(7 * GIB, DEVICE, None) is None
+    # libresmem_torch.so's function would throw here, which ctypes cannot carry
+    # (tests/torch_raise.rs checks that); libresmem's returns NULL.
+    assert resmem._lib.library().rm_torch_malloc(7 * GIB, DEVICE, None) is None
     assert "memory limit of 6.00 GiB" in resmem.last_error()
     assert torch.cuda.memory_stats()["num_ooms"] == ooms + 1
 
