@@ -1,0 +1,99 @@
+// Cache-hit allocation + free pairs as PyTorch makes them under resmem.torch.install(): through
+// std::function objects made from the raw addresses, as CUDAPluggableAllocator holds them. Three
+// ways in the same run, in alternating rounds: libresmem_torch.so's functions (what install()
+// gives PyTorch: python/native/torch_raise.cpp, compiled into this program, over rm_reserve),
+// libresmem.so's rm_torch_malloc and rm_torch_free directly (what it gave before, and what
+// pool() gives), and glibc's malloc and free behind the same std::function.
+//
+//   scripts/bench-torch.sh     (builds the release library, compiles this, runs it)
+//
+// Prints `torch_pair <way> <size> <ns per pair>`: for each way and size, the median over ROUNDS
+// (default 9) rounds of PAIRS (default 2,000,000) pairs on one thread, the default stream.
+
+#include <sys/types.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "resmem.h"
+
+extern "C" {
+int rm_torch_raising_init(void *reserve, void *free, void *last_error);
+void *rm_torch_raising_malloc(size_t size, int device, void *stream);
+void rm_torch_raising_free(void *ptr, ssize_t size, int device, void *stream);
+}
+
+namespace {
+
+// PyTorch's alloc_fn and free_fn types.
+using AllocFn = void *(size_t, int, void *);
+using FreeFn = void(void *, size_t, int, void *);
+
+void *glibc_alloc(size_t size, int, void *) { return std::malloc(size); }
+void glibc_free(void *ptr, size_t, int, void *) { std::free(ptr); }
+
+double now_ns() {
+    timespec t{};
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return double(t.tv_sec) * 1e9 + double(t.tv_nsec);
+}
+
+struct Way {
+    const char *name;
+    std::function<AllocFn> alloc;
+    std::function<FreeFn> free;
+};
+
+double pairs_ns(const Way &way, size_t size, long pairs) {
+    double start = now_ns();
+    for (long i = 0; i < pairs; i++) {
+        void *ptr = way.alloc(size, 0, nullptr);
+        if (ptr == nullptr) {
+            std::fprintf(stderr, "%s: %zu bytes failed: %s\n", way.name, size, rm_last_error());
+            std::exit(1);
+        }
+        way.free(ptr, size, 0, nullptr);
+    }
+    return (now_ns() - start) / double(pairs);
+}
+
+}  // namespace
+
+int main() {
+    const long pairs = std::getenv("PAIRS") ? std::atol(std::getenv("PAIRS")) : 2000000;
+    const int rounds = std::getenv("ROUNDS") ? std::atoi(std::getenv("ROUNDS")) : 9;
+    if (rm_torch_raising_init(reinterpret_cast<void *>(&rm_reserve),
+                              reinterpret_cast<void *>(&rm_torch_free),
+                              reinterpret_cast<void *>(&rm_last_error)) != 0) {
+        return 1;
+    }
+    std::vector<Way> ways = {
+        {"libresmem_torch", reinterpret_cast<AllocFn *>(&rm_torch_raising_malloc),
+         reinterpret_cast<FreeFn *>(&rm_torch_raising_free)},
+        {"rm_torch_malloc", reinterpret_cast<AllocFn *>(&rm_torch_malloc),
+         reinterpret_cast<FreeFn *>(&rm_torch_free)},
+        {"glibc", &glibc_alloc, &glibc_free},
+    };
+    for (size_t size : {size_t{512}, size_t{64} << 10, size_t{4} << 20}) {
+        std::vector<std::vector<double>> times(ways.size());
+        for (auto &way : ways) {
+            pairs_ns(way, size, pairs / 10);  // warm: the front cache holds the block
+        }
+        for (int round = 0; round < rounds; round++) {
+            for (size_t w = 0; w < ways.size(); w++) {
+                times[w].push_back(pairs_ns(ways[w], size, pairs));
+            }
+        }
+        for (size_t w = 0; w < ways.size(); w++) {
+            std::sort(times[w].begin(), times[w].end());
+            std::printf("torch_pair %s %zu %.2f\n", ways[w].name, size,
+                        times[w][times[w].size() / 2]);
+        }
+    }
+    return 0;
+}
