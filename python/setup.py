@@ -51,18 +51,20 @@ def build_library():
 
 
 def build_torch_raise(package):
-    """Compile native/torch_raise.cpp into the package as libresmem_torch.so: the allocation
-    functions resmem.torch.install() gives PyTorch, which throw a failure for PyTorch to raise
-    where rm_torch_malloc returns a NULL PyTorch does not check (see that file). C++ only may
-    throw into PyTorch, so it needs a C++ compiler (``CXX``, else ``c++``); without one the
-    package is built without it, said here, and install() warns and falls back to the NULL. It
+    """Compile native/torch_raise.cpp and graph_pools.cpp into the package as libresmem_torch.so:
+    the functions resmem.torch.install() gives PyTorch, which throw a failure for PyTorch to
+    raise where rm_torch_malloc returns a NULL PyTorch does not check, and keep CUDA graphs'
+    private pools (see those files). Only C++ may throw into PyTorch and take its std::function,
+    so it needs a C++ compiler (``CXX``, else ``c++``); without one the package is built without
+    it, said here, and install() warns, falls back to the NULL and refuses graph captures. It
     links the C++ runtime dynamically, as PyTorch does, so that PyTorch catches its exceptions."""
     compiler = os.environ.get("CXX", "c++")
     command = [
         compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC",
-        "-I", os.path.join(WORKSPACE, "include"),
+        "-fvisibility=hidden", "-I", os.path.join(WORKSPACE, "include"),
         os.path.join(HERE, "native", "torch_raise.cpp"),
-        "-o", os.path.join(package, "libresmem_torch.so"),
+        os.path.join(HERE, "native", "graph_pools.cpp"),
+        "-o", os.path.join(package, "libresmem_torch.so"), "-ldl",
     ]
     try:
         subprocess.run(command, check=True)

@@ -1,8 +1,9 @@
-//! `python/native/torch_raise.cpp`, the allocation functions `resmem.torch.install()` gives
-//! PyTorch, called as PyTorch calls them (through a `std::function` made from the raw address)
-//! by `tests/torch_raise/main.cpp`: a failure is thrown as `std::runtime_error` for PyTorch to
-//! raise in Python, an out-of-memory saying "CUDA out of memory.", instead of the NULL that
-//! PyTorch would turn into a tensor at address 0.
+//! `python/native/torch_raise.cpp` and `graph_pools.cpp`, the functions `resmem.torch.install()`
+//! gives PyTorch, called as PyTorch calls them (through `std::function` objects made from the raw
+//! addresses) by `tests/torch_raise/main.cpp`: a failure is thrown as `std::runtime_error` for
+//! PyTorch to raise in Python, an out-of-memory saying "CUDA out of memory.", instead of the NULL
+//! that PyTorch would turn into a tensor at address 0; and a graph's memory stays in its pool
+//! while a graph uses it.
 
 mod common;
 
@@ -12,7 +13,7 @@ use std::process::Command;
 use common::{artifacts, run, Driver};
 
 #[test]
-fn a_failure_is_thrown_for_pytorch_to_raise_and_a_success_is_rm_torch_malloc() {
+fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_pool() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = common::built_once("torch_raise".into(), || {
         let out = artifacts().work.join("torch_raise");
@@ -21,7 +22,9 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_success_is_rm_torch_malloc() {
         cmd.args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-I"])
             .arg(root.join("include"))
             .arg(root.join("python/native/torch_raise.cpp"))
-            .arg(&main);
+            .arg(root.join("python/native/graph_pools.cpp"))
+            .arg(&main)
+            .arg("-ldl");
         common::link_resmem(&mut cmd, false);
         common::compile(cmd, &main, &out)
     });
@@ -56,5 +59,44 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_success_is_rm_torch_malloc() {
         );
         assert_eq!(line("32 MiB kept"), "32 MiB kept: allocated 33554432");
         assert_eq!(line("freed"), "freed: allocated 0");
+        // A graph's pool: a block freed in the capture stays with the graph (allocated to
+        // resmem), serves the capture's later requests, and no allocation after it.
+        const MIB: u64 = 1 << 20;
+        let alloc = |mib: u64| format!("allocated {}", mib * MIB);
+        assert_eq!(
+            line("freed in the capture"),
+            format!("freed in the capture: {}", alloc(8))
+        );
+        assert_eq!(
+            line("4 MiB in the capture"),
+            "4 MiB in the capture: the freed 8 MiB block"
+        );
+        assert_eq!(
+            line("8 MiB after the capture"),
+            format!("8 MiB after the capture: another block; {}", alloc(32))
+        );
+        assert_eq!(
+            line("the graph's output freed"),
+            format!("the graph's output freed: {}", alloc(24))
+        );
+        assert_eq!(
+            line("12 MiB in the second capture"),
+            "12 MiB in the second capture: the 16 MiB block"
+        );
+        // The pool lives until the last graph using it is released; then its free blocks go
+        // back to resmem, and its live ones when freed.
+        assert_eq!(
+            line("one graph released"),
+            format!("one graph released: {}", alloc(24))
+        );
+        assert_eq!(
+            line("both released"),
+            format!("both released: {}", alloc(16))
+        );
+        assert_eq!(
+            line("the last block freed"),
+            format!("the last block freed: {}", alloc(0))
+        );
+        assert_eq!(line("8 MiB after"), "8 MiB after: the released block");
     }
 }

@@ -22,20 +22,22 @@
 
 #include "resmem.h"
 
+#include "../../python/native/graph_pools.h"
+
 extern "C" {
 int rm_torch_raising_init(void *reserve, void *free, void *last_error);
-void *rm_torch_raising_malloc(size_t size, int device, void *stream);
-void rm_torch_raising_free(void *ptr, ssize_t size, int device, void *stream);
+void *rm_torch_raising_malloc(size_t size, int device, cudaStream_t stream);
+void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 }
 
 namespace {
 
 // PyTorch's alloc_fn and free_fn types.
-using AllocFn = void *(size_t, int, void *);
-using FreeFn = void(void *, size_t, int, void *);
+using AllocFn = void *(size_t, int, cudaStream_t);
+using FreeFn = void(void *, size_t, int, cudaStream_t);
 
-void *glibc_alloc(size_t size, int, void *) { return std::malloc(size); }
-void glibc_free(void *ptr, size_t, int, void *) { std::free(ptr); }
+void *glibc_alloc(size_t size, int, cudaStream_t) { return std::malloc(size); }
+void glibc_free(void *ptr, size_t, int, cudaStream_t) { std::free(ptr); }
 
 double now_ns() {
     timespec t{};

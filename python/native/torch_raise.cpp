@@ -1,26 +1,34 @@
-// libresmem_torch.so: the allocation functions resmem.torch.install() gives PyTorch.
+// libresmem_torch.so: the functions resmem.torch.install() gives PyTorch.
 //
 // PyTorch does not check what a pluggable allocator's allocation function returns: a NULL
 // becomes a tensor at address 0, and the first kernel that touches it faults, which ends the
-// process's CUDA context. rm_torch_raising_malloc is rm_torch_malloc, but a failure throws
-// std::runtime_error instead, which PyTorch lets through to Python as a RuntimeError (as it did
-// for out-of-memory before torch.cuda.OutOfMemoryError): for RM_ERROR_OUT_OF_MEMORY, "CUDA out of
-// memory. " before resmem's message, the words accelerate's find_executable_batch_size and
-// similar retries look for. The program goes on, its CUDA context intact. It reserves through
-// rm_reserve, rm_torch_malloc's own path with a status to tell an out-of-memory by.
+// process's CUDA context. rm_torch_raising_malloc reserves from libresmem but throws a failure
+// as std::runtime_error instead, which PyTorch lets through to Python as a RuntimeError (as it
+// did for out-of-memory before torch.cuda.OutOfMemoryError): for RM_ERROR_OUT_OF_MEMORY, "CUDA
+// out of memory. " before resmem's message, the words accelerate's find_executable_batch_size
+// and similar retries look for. The program goes on, its CUDA context intact. It reserves
+// through rm_reserve, rm_torch_malloc's own path with a status to tell an out-of-memory by.
 //
-// C++ because only C++ code may throw into PyTorch: it is built apart from libresmem.so (which
-// stays free of the C++ runtime, for C programs) by the Python package's build (setup.py), and
-// calls libresmem through the entry points rm_torch_raising_init is given, so that it uses
-// whichever libresmem.so the package loaded. resmem.torch keeps rm_torch_malloc's NULL for
-// resmem.torch.pool(): PyTorch's caching allocator checks it there, and on a NULL returns its
-// own cache and tries again before it raises.
+// And PyTorch keeps no private pool for a graph captured with a pluggable allocator unless the
+// allocator answers its three pool hooks: the rm_torch_raising_*_pool functions below do, with
+// graph_pools.cpp, so that a graph's memory is not handed to other tensors while it lives.
+//
+// C++ because only C++ may throw into PyTorch, and take PyTorch's std::function filter: it is
+// built apart from libresmem.so (which stays free of the C++ runtime, for C programs) by the
+// Python package's build (setup.py), and calls libresmem through the entry points
+// rm_torch_raising_init is given, so that it uses whichever libresmem.so the package loaded.
+// resmem.torch keeps rm_torch_malloc's NULL for resmem.torch.pool(): PyTorch's caching allocator
+// checks it there, and on a NULL returns its own cache and tries again before it raises.
 
 #include <stdexcept>
 #include <string>
 #include <sys/types.h>
 
+#include "graph_pools.h"
 #include "resmem.h"
+
+// The library's interface; everything else is hidden (built with -fvisibility=hidden).
+#define RM_TORCH_EXPORT __attribute__((visibility("default")))
 
 namespace {
 
@@ -36,13 +44,50 @@ const char *const NOT_SET_UP =
     "resmem: libresmem_torch.so was called before rm_torch_raising_init gave it libresmem's "
     "entry points; let resmem.torch.install() set it up";
 
+// The failure of an rm_reserve that returned `status`, thrown (apart from the hit path).
+[[noreturn]] __attribute__((noinline, cold)) void fail(rm_status status) {
+    const char *why = last_error_fn();
+    std::string message = std::string("resmem: ") + (why == nullptr ? "" : why);
+    if (status == RM_ERROR_OUT_OF_MEMORY) {
+        message = "CUDA out of memory. " + message;
+    }
+    throw std::runtime_error(message);
+}
+
+// A block from rm_reserve, a failure thrown.
+inline void *reserve(std::size_t size, int device, void *stream) {
+    void *ptr = nullptr;
+    rm_status status = reserve_fn(device, size, stream, &ptr);
+    if (__builtin_expect(status != RM_SUCCESS, 0)) {
+        fail(status);
+    }
+    return ptr;
+}
+
+// An allocation a capture takes: from its graph's pool (apart from the hit path).
+__attribute__((noinline)) void *graph_alloc(graph_pools::MempoolId pool, std::size_t size,
+                                            int device, void *stream) {
+    if (void *ptr = graph_pools::reuse(pool, size)) {
+        return ptr;
+    }
+    void *ptr;
+    {
+        // The driver calls that make memory, allowed while the stream captures (as PyTorch's
+        // own allocator makes them).
+        graph_pools::RelaxedCapture relaxed;
+        ptr = reserve(size, device, stream);
+    }
+    graph_pools::adopt(pool, ptr, size);
+    return ptr;
+}
+
 }  // namespace
 
 extern "C" {
 
 // libresmem's rm_reserve, rm_torch_free and rm_last_error, given once by resmem.torch before
 // PyTorch gets the functions below. Returns 0, or -1 (nothing changed) if one is NULL.
-int rm_torch_raising_init(void *reserve, void *free, void *last_error) {
+RM_TORCH_EXPORT int rm_torch_raising_init(void *reserve, void *free, void *last_error) {
     if (reserve == nullptr || free == nullptr || last_error == nullptr) {
         return -1;
     }
@@ -53,28 +98,46 @@ int rm_torch_raising_init(void *reserve, void *free, void *last_error) {
 }
 
 // PyTorch's alloc_fn (whose size is a size_t): a block from rm_reserve, a failure thrown as
-// std::runtime_error (size 0 still returns NULL, as PyTorch expects of an empty tensor).
-void *rm_torch_raising_malloc(size_t size, int device, void *stream) {
+// std::runtime_error (size 0 still returns NULL, as PyTorch expects of an empty tensor). An
+// allocation a graph's capture takes comes from that graph's pool.
+RM_TORCH_EXPORT void *rm_torch_raising_malloc(std::size_t size, int device, cudaStream_t stream) {
     if (reserve_fn == nullptr) {
         throw std::runtime_error(NOT_SET_UP);
     }
-    void *ptr = nullptr;
-    rm_status status = reserve_fn(device, size, stream, &ptr);
-    if (status == RM_SUCCESS) {
-        return ptr;
+    graph_pools::MempoolId pool;
+    if (__builtin_expect(graph_pools::any(), 0) && size > 0 &&
+        graph_pools::capturing(device, stream, &pool)) {
+        return graph_alloc(pool, size, device, stream);
     }
-    const char *why = last_error_fn();
-    std::string message = std::string("resmem: ") + (why == nullptr ? "" : why);
-    if (status == RM_ERROR_OUT_OF_MEMORY) {
-        message = "CUDA out of memory. " + message;
-    }
-    throw std::runtime_error(message);
+    return reserve(size, device, stream);
 }
 
-// PyTorch's free_fn: rm_torch_free (PyTorch takes both functions from one library).
-void rm_torch_raising_free(void *ptr, ssize_t size, int device, void *stream) {
-    if (free_fn != nullptr) {
-        free_fn(ptr, size, device, stream);
+// PyTorch's free_fn: rm_torch_free, but a block of a graph's pool stays in the pool.
+RM_TORCH_EXPORT void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
+    if (free_fn == nullptr || (__builtin_expect(graph_pools::any(), 0) && graph_pools::keep(ptr))) {
+        return;
+    }
+    free_fn(ptr, size, device, stream);
+}
+
+// PyTorch's begin_allocate_to_pool hook (torch.cuda.graph's capture_begin, before the capture
+// starts): allocations on `device` that `filter` takes belong to `pool` from now on.
+RM_TORCH_EXPORT void rm_torch_raising_begin_allocate_to_pool(int device,
+                                                             graph_pools::MempoolId pool,
+                                                             graph_pools::Filter filter) {
+    graph_pools::begin(device, pool, std::move(filter));
+}
+
+// PyTorch's end_allocate_to_pool hook (the capture has ended): `pool` keeps its blocks.
+RM_TORCH_EXPORT void rm_torch_raising_end_allocate_to_pool(int device, graph_pools::MempoolId pool) {
+    graph_pools::end(device, pool);
+}
+
+// PyTorch's release_pool hook (a graph using `pool` is reset or destroyed): where no graph uses
+// the pool any more, its free blocks go back to resmem.
+RM_TORCH_EXPORT void rm_torch_raising_release_pool(int device, graph_pools::MempoolId pool) {
+    for (void *ptr : graph_pools::release(pool)) {
+        free_fn(ptr, 0, device, nullptr);
     }
 }
 

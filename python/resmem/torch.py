@@ -23,12 +23,15 @@ What it does:
 - makes ``torch.cuda.memory_stats``, ``memory_allocated``, ``memory_reserved``,
   ``max_memory_allocated``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` report
   resmem's figures under PyTorch's key names (for a pluggable allocator PyTorch raises there);
-- makes ``torch.cuda.CUDAGraph.capture_begin`` (``torch.cuda.graph``,
-  ``torch.compile(mode="reduce-overhead")``) raise ``RuntimeError``: PyTorch keeps a graph's
-  memory in a private pool only through hooks resmem does not wire yet, so a tensor freed during
+- wires PyTorch's CUDA graph hooks (PyTorch 2.3 and later) to ``libresmem_torch.so``, which
+  keeps each graph's private pool as PyTorch's own allocator does: while a capture runs, the
+  allocations it takes belong to its graph's pool; a block of the pool, freed, stays there for
+  the pool's later allocations (the graph writes to it on every replay) until the last graph
+  using the pool is released (blocks reused whole, not split; README, "CUDA graphs", for the
+  limits). Without them (no ``libresmem_torch.so``, or an older PyTorch)
+  ``torch.cuda.CUDAGraph.capture_begin`` raises ``RuntimeError`` instead: a tensor freed during
   the capture would go back to resmem's cache, be handed to a tensor made after it, and be
-  written over by every replay. A refused capture is better than corrupted tensors; capture
-  outside ``install()``, with ``pool()`` around only the parts that should come from resmem.
+  written over by every replay.
 
 ``torch.cuda.mem_get_info`` keeps PyTorch's documented meaning, the driver's view, by default:
 transformers already adds ``memory_reserved() - memory_allocated()`` to it when it plans a
@@ -126,20 +129,30 @@ def _device_index(torch, device):
     return torch.cuda.current_device() if index is None else index
 
 
-#: What a CUDA graph capture under install() raises (see the module's documentation).
+#: PyTorch's CUDA graph pool hooks (2.3 and later), and libresmem_torch.so's function for each.
+GRAPH_HOOKS = {
+    "set_begin_allocate_to_pool": "rm_torch_raising_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "rm_torch_raising_end_allocate_to_pool",
+    "set_release_pool": "rm_torch_raising_release_pool",
+}
+
+#: What a CUDA graph capture under install() raises where the hooks could not be wired.
 GRAPH_REFUSAL = (
-    "resmem.torch.install() does not support CUDA graph capture yet: PyTorch gives a pluggable "
-    "allocator's graphs no private pool unless the allocator wires its pool hooks, which resmem "
-    "does not, so memory freed during the capture would be handed to other tensors while every "
-    "replay of the graph writes to it. Capture without install() (resmem.torch.pool() around "
-    "the parts that should come from resmem), or run without CUDA graphs (torch.compile "
+    "resmem.torch.install() cannot keep this CUDA graph's memory in a private pool here ({}), "
+    "and without one memory freed during the capture would be handed to other tensors while "
+    "every replay of the graph writes to it. Capture without install() (resmem.torch.pool() "
+    "around the parts that should come from resmem), or run without CUDA graphs (torch.compile "
     "without mode='reduce-overhead')."
 )
 
 
-def _refuse_capture(self, *args, **kwargs):
-    """torch.cuda.CUDAGraph.capture_begin under install(): refused, see GRAPH_REFUSAL."""
-    raise RuntimeError(GRAPH_REFUSAL)
+def _refusing_capture(reason):
+    """torch.cuda.CUDAGraph.capture_begin where install() could not wire the graph hooks."""
+
+    def capture_begin(self, *args, **kwargs):
+        raise RuntimeError(GRAPH_REFUSAL.format(reason))
+
+    return capture_begin
 
 
 def _address(lib, name):
@@ -178,20 +191,33 @@ def raising_library():
 
 def _pluggable(torch, raising=False):
     """PyTorch's allocator object over libresmem's entry points, with every hook wired. With
-    ``raising``, its allocation function is libresmem_torch.so's where the package has it."""
+    ``raising``, over libresmem_torch.so where the package has it, its graph hooks wired too
+    where PyTorch has them. Returns the object and, with ``raising``, why graphs' private pools
+    cannot be kept (None where they can)."""
     lib = _lib.library()
     functions = (_lib.library_path(), "rm_torch_malloc", "rm_torch_free")
-    if raising:
-        path = raising_library()
-        if path is None:
-            warnings.warn(NO_RAISING_LIBRARY, RuntimeWarning, stacklevel=3)
-        else:
-            functions = (path, "rm_torch_raising_malloc", "rm_torch_raising_free")
+    path = raising_library() if raising else None
+    if raising and path is None:
+        warnings.warn(NO_RAISING_LIBRARY, RuntimeWarning, stacklevel=3)
+    if path is not None:
+        functions = (path, "rm_torch_raising_malloc", "rm_torch_raising_free")
     allocator = torch.cuda.memory.CUDAPluggableAllocator(*functions)
     hooks = allocator.allocator()
     for setter, function in HOOKS.items():
         getattr(hooks, setter)(_address(lib, function))
-    return allocator
+    no_graphs = "this package has no libresmem_torch.so"
+    if path is not None:
+        if all(hasattr(hooks, setter) for setter in GRAPH_HOOKS):
+            shim = ctypes.CDLL(path)
+            for setter, function in GRAPH_HOOKS.items():
+                getattr(hooks, setter)(_address(shim, function))
+            no_graphs = None
+        else:
+            no_graphs = (
+                f"PyTorch {getattr(torch, '__version__', '(unknown version)')} has no pool "
+                "hooks for a pluggable allocator; 2.3 and later have them"
+            )
+    return allocator, no_graphs
 
 
 def mem_pool():
@@ -208,7 +234,7 @@ def mem_pool():
             "torch.cuda.MemPool (PyTorch 2.5 or later has it); call resmem.torch.install() "
             "before the first CUDA allocation instead"
         )
-    return mem_pool_class(_pluggable(torch).allocator())
+    return mem_pool_class(_pluggable(torch)[0].allocator())
 
 
 @contextlib.contextmanager
@@ -247,7 +273,7 @@ def install(count_reusable_as_free=False):
     Returns PyTorch's allocator object."""
     import torch
 
-    allocator = _pluggable(torch, raising=True)
+    allocator, no_graphs = _pluggable(torch, raising=True)
     torch.cuda.memory.change_current_allocator(allocator)
 
     def memory_stats(device=None):
@@ -280,6 +306,6 @@ def install(count_reusable_as_free=False):
         for module in (torch.cuda, torch.cuda.memory):
             setattr(module, name, function)
     graph = getattr(torch.cuda, "CUDAGraph", None)
-    if graph is not None:
-        graph.capture_begin = _refuse_capture
+    if graph is not None and no_graphs is not None:
+        graph.capture_begin = _refusing_capture(no_graphs)
     return allocator

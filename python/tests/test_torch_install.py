@@ -33,10 +33,11 @@ class FakeOutOfMemoryError(RuntimeError):
     pass
 
 
-def fake_torch(with_mem_pool=True):
+def fake_torch(with_mem_pool=True, with_graph_hooks=True):
     """torch, torch.cuda and torch.cuda.memory with what install() and pool() touch. Its MemPool
     takes segments through the allocator object's raw_alloc, returning NULL as out-of-memory, as
-    PyTorch's caching allocator does for a pool with an allocator (allocPrimitive)."""
+    PyTorch's caching allocator does for a pool with an allocator (allocPrimitive). Without
+    `with_graph_hooks`, its allocator object lacks the graph pool hooks, as before PyTorch 2.3."""
     torch = types.ModuleType("torch")
     cuda = types.ModuleType("torch.cuda")
     memory = types.ModuleType("torch.cuda.memory")
@@ -46,6 +47,7 @@ def fake_torch(with_mem_pool=True):
     class Hooks:
         def __init__(self, owner):
             self.fns = {}
+            self.graph_fns = {}
             self.owner = owner
 
         def raw_alloc(self, size):
@@ -57,6 +59,9 @@ def fake_torch(with_mem_pool=True):
         def __getattr__(self, name):
             if name in HOOK_TYPES:
                 return lambda address: self.fns.__setitem__(name, HOOK_TYPES[name](address))
+            if with_graph_hooks and name in rtorch.GRAPH_HOOKS:
+                # Their functions take C++ objects (std::function): only their addresses here.
+                return lambda address: self.graph_fns.__setitem__(name, address)
             raise AttributeError(name)
 
     class CUDAPluggableAllocator:
@@ -163,16 +168,47 @@ def test_install_makes_resmem_the_allocator_and_wires_every_hook(torch):
     assert torch.cuda.mem_get_info(0) == ("driver view", 0)
 
 
-def test_install_refuses_cuda_graph_capture(torch):
+def test_install_wires_the_graph_hooks_to_the_library_that_keeps_graph_pools(torch):
+    raising = rtorch.raising_library()
+    if raising is None:
+        pytest.skip("resmem imported from a checkout without libresmem_torch.so")
+    allocator = rtorch.install()
+    shim = ctypes.CDLL(raising)
+    wired = allocator.allocator().graph_fns
+    assert wired == {
+        setter: ctypes.cast(getattr(shim, function), ctypes.c_void_p).value
+        for setter, function in rtorch.GRAPH_HOOKS.items()
+    }
+    # Captures go ahead: PyTorch calls the hooks (tests/torch_raise.rs checks what they do).
+    torch.cuda.CUDAGraph().capture_begin()
+    assert torch.state["captures"] == 1
+
+
+def test_without_the_library_install_refuses_cuda_graph_capture(torch, monkeypatch):
     # Before install(), PyTorch's own allocator keeps each graph's private pool.
     torch.cuda.CUDAGraph().capture_begin()
     assert torch.state["captures"] == 1
-    rtorch.install()
+    monkeypatch.setattr(rtorch, "raising_library", lambda: None)
+    with pytest.warns(RuntimeWarning):
+        rtorch.install()
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="does not support CUDA graph capture") as refused:
+    with pytest.raises(RuntimeError, match="cannot keep this CUDA graph's memory") as refused:
         graph.capture_begin(pool=(0, 1), capture_error_mode="thread_local")
+    assert "(this package has no libresmem_torch.so)" in str(refused.value)
     assert "resmem.torch.pool()" in str(refused.value)
     assert torch.state["captures"] == 1
+
+
+def test_without_pytorchs_graph_hooks_install_refuses_cuda_graph_capture(monkeypatch):
+    if rtorch.raising_library() is None:
+        pytest.skip("resmem imported from a checkout without libresmem_torch.so")
+    fake, state = fake_torch(with_graph_hooks=False)
+    fake.__version__ = "2.2.2"
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    rtorch.install()
+    with pytest.raises(RuntimeError, match="PyTorch 2.2.2 has no pool hooks"):
+        fake.cuda.CUDAGraph().capture_begin()
+    assert state["captures"] == 0
 
 
 def test_an_installed_package_carries_the_library_that_raises(torch):

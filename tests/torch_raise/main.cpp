@@ -1,6 +1,8 @@
 // Calls python/native/torch_raise.cpp's functions as PyTorch's CUDAPluggableAllocator does:
-// through a std::function made from the raw address, the exception caught by C++ above it.
-// Prints what happened, one line a case, for tests/torch_raise.rs to check.
+// through std::function objects made from the raw addresses, an exception caught by C++ above
+// them, and the graph-pool hooks called as torch.cuda.graph calls them (a capture emulated by a
+// filter that takes the default stream while `capturing` is set). Prints what happened, one
+// line a case, for tests/torch_raise.rs to check.
 
 #include <cstdio>
 #include <functional>
@@ -9,17 +11,31 @@
 
 #include "resmem.h"
 
+#include "../../python/native/graph_pools.h"
+
 extern "C" {
-int rm_torch_raising_init(void *malloc, void *free, void *last_error);
-void *rm_torch_raising_malloc(size_t size, int device, void *stream);
-void rm_torch_raising_free(void *ptr, ssize_t size, int device, void *stream);
+int rm_torch_raising_init(void *reserve, void *free, void *last_error);
+void *rm_torch_raising_malloc(size_t size, int device, cudaStream_t stream);
+void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
+void rm_torch_raising_begin_allocate_to_pool(int device, graph_pools::MempoolId pool,
+                                             graph_pools::Filter filter);
+void rm_torch_raising_end_allocate_to_pool(int device, graph_pools::MempoolId pool);
+void rm_torch_raising_release_pool(int device, graph_pools::MempoolId pool);
 }
 
 namespace {
 
-// PyTorch's alloc_fn type, made from an address as PyTorch makes it.
-using AllocFn = void *(size_t, int, void *);
-using FreeFn = void(void *, size_t, int, void *);
+// PyTorch's function types, made from addresses as PyTorch makes them.
+using AllocFn = void *(size_t, int, cudaStream_t);
+using FreeFn = void(void *, size_t, int, cudaStream_t);
+using BeginFn = void(int, graph_pools::MempoolId, std::function<bool(cudaStream_t)>);
+using PoolFn = void(int, graph_pools::MempoolId);
+
+unsigned long long allocated() {
+    rm_stats stats{};
+    rm_get_stats(0, &stats);
+    return static_cast<unsigned long long>(stats.allocated_bytes);
+}
 
 void try_alloc(const char *what, const std::function<AllocFn> &alloc, size_t size) {
     try {
@@ -38,6 +54,10 @@ void try_alloc(const char *what, const std::function<AllocFn> &alloc, size_t siz
 int main() {
     std::function<AllocFn> alloc = reinterpret_cast<AllocFn *>(&rm_torch_raising_malloc);
     std::function<FreeFn> free = reinterpret_cast<FreeFn *>(&rm_torch_raising_free);
+    std::function<BeginFn> begin =
+        reinterpret_cast<BeginFn *>(&rm_torch_raising_begin_allocate_to_pool);
+    std::function<PoolFn> end = reinterpret_cast<PoolFn *>(&rm_torch_raising_end_allocate_to_pool);
+    std::function<PoolFn> release = reinterpret_cast<PoolFn *>(&rm_torch_raising_release_pool);
     try_alloc("before init", alloc, 1 << 20);
     std::printf("init with NULL: %d\n", rm_torch_raising_init(nullptr, nullptr, nullptr));
     std::printf("init: %d\n",
@@ -52,12 +72,48 @@ int main() {
     try_alloc("128 MiB past a 64 MiB cap", alloc, size_t{128} << 20);
     try_alloc("more than the address space", alloc, ~size_t{0});
     void *kept = alloc(size_t{32} << 20, 0, nullptr);
-    rm_stats stats{};
-    rm_get_stats(0, &stats);
-    std::printf("32 MiB kept: allocated %llu\n",
-                static_cast<unsigned long long>(stats.allocated_bytes));
+    std::printf("32 MiB kept: allocated %llu\n", allocated());
     free(kept, size_t{32} << 20, 0, nullptr);
-    rm_get_stats(0, &stats);
-    std::printf("freed: allocated %llu\n", static_cast<unsigned long long>(stats.allocated_bytes));
+    std::printf("freed: allocated %llu\n", allocated());
+    rm_set_memory_limit(0, 0);
+
+    // A graph: a capture into pool (1, 0) on the default stream.
+    const size_t MiB = size_t{1} << 20;
+    static bool capturing = false;
+    const graph_pools::MempoolId pool{1, 0};
+    begin(0, pool, [](cudaStream_t stream) { return capturing && stream == nullptr; });
+    capturing = true;
+    void *a = alloc(8 * MiB, 0, nullptr);
+    free(a, 8 * MiB, 0, nullptr);
+    std::printf("freed in the capture: allocated %llu\n", allocated());
+    void *b = alloc(4 * MiB, 0, nullptr);
+    std::printf("4 MiB in the capture: %s\n", b == a ? "the freed 8 MiB block" : "another");
+    free(b, 4 * MiB, 0, nullptr);
+    void *c = alloc(16 * MiB, 0, nullptr);
+    capturing = false;
+    end(0, pool);
+    void *d = alloc(8 * MiB, 0, nullptr);
+    std::printf("8 MiB after the capture: %s; allocated %llu\n",
+                d == a ? "the graph's block" : "another block", allocated());
+    free(d, 8 * MiB, 0, nullptr);
+    free(c, 16 * MiB, 0, nullptr);  // the graph's output, dropped while the graph lives
+    std::printf("the graph's output freed: allocated %llu\n", allocated());
+
+    // A second graph sharing the pool.
+    begin(0, pool, [](cudaStream_t stream) { return capturing && stream == nullptr; });
+    capturing = true;
+    void *e = alloc(12 * MiB, 0, nullptr);
+    std::printf("12 MiB in the second capture: %s\n", e == c ? "the 16 MiB block" : "another");
+    capturing = false;
+    end(0, pool);
+    release(0, pool);
+    std::printf("one graph released: allocated %llu\n", allocated());
+    release(0, pool);
+    std::printf("both released: allocated %llu\n", allocated());
+    free(e, 12 * MiB, 0, nullptr);
+    std::printf("the last block freed: allocated %llu\n", allocated());
+    void *f = alloc(8 * MiB, 0, nullptr);
+    std::printf("8 MiB after: %s\n", f == a ? "the released block" : "another");
+    free(f, 8 * MiB, 0, nullptr);
     return 0;
 }

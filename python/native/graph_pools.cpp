@@ -1,0 +1,180 @@
+// The private pools of CUDA graphs captured under resmem.torch.install().
+//
+// A graph replays the kernels it captured on the addresses they used, so memory freed during a
+// capture must not go to other tensors while the graph lives. PyTorch's own allocator keeps a
+// private pool per graph; for a pluggable allocator it only calls three hooks
+// (beginAllocateToPool, endAllocateToPool, releasePool) and leaves the rest to it. This keeps
+// PyTorch's rules: while a capture into a pool is under way on a device, the allocations its
+// filter takes (those on the capturing stream) belong to the pool; a block of a pool, once freed,
+// stays in it (a later allocation of the same pool may take it: the graph's own order makes that
+// safe), whether freed during the capture or after it; when the last graph using the pool is
+// released, its free blocks go back to resmem, and its live ones when they are freed. Blocks are
+// taken whole (the smallest free one that holds the request), not split as PyTorch's are.
+//
+// No lock is taken where no pool exists: any() is one atomic load.
+
+#include "graph_pools.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+namespace graph_pools {
+
+namespace {
+
+struct Capture {
+    int device;
+    MempoolId pool;
+    Filter filter;
+};
+
+struct Pool {
+    int users = 0;
+    // Free blocks by (size, address).
+    std::multimap<std::size_t, void *> free;
+};
+
+struct Owner {
+    MempoolId pool;
+    std::size_t size;
+};
+
+std::mutex lock;
+std::vector<Capture> captures;
+std::map<MempoolId, Pool> pools;
+// Every block of a pool still in use, live or free, with its pool and size.
+std::unordered_map<void *, Owner> owners;
+
+void update_exists() { exists.store(!captures.empty() || !owners.empty() || !pools.empty()); }
+
+Pool *find_pool(MempoolId pool) {
+    auto it = pools.find(pool);
+    return it == pools.end() ? nullptr : &it->second;
+}
+
+}  // namespace
+
+std::atomic<bool> exists{false};
+
+void begin(int device, MempoolId pool, Filter filter) {
+    std::lock_guard<std::mutex> guard(lock);
+    pools[pool].users += 1;
+    captures.push_back({device, pool, std::move(filter)});
+    update_exists();
+}
+
+void end(int device, MempoolId pool) {
+    std::lock_guard<std::mutex> guard(lock);
+    auto it = std::find_if(captures.begin(), captures.end(), [&](const Capture &c) {
+        return c.device == device && c.pool == pool;
+    });
+    if (it != captures.end()) {
+        captures.erase(it);
+    }
+    update_exists();
+}
+
+bool capturing(int device, cudaStream_t stream, MempoolId *pool) {
+    std::lock_guard<std::mutex> guard(lock);
+    for (const Capture &c : captures) {
+        if (c.device == device && c.filter && c.filter(stream)) {
+            *pool = c.pool;
+            return true;
+        }
+    }
+    return false;
+}
+
+void *reuse(MempoolId pool, std::size_t size) {
+    std::lock_guard<std::mutex> guard(lock);
+    Pool *p = find_pool(pool);
+    if (p == nullptr) {
+        return nullptr;
+    }
+    auto it = p->free.lower_bound(size);
+    if (it == p->free.end()) {
+        return nullptr;
+    }
+    void *ptr = it->second;
+    p->free.erase(it);
+    return ptr;
+}
+
+void adopt(MempoolId pool, void *ptr, std::size_t size) {
+    std::lock_guard<std::mutex> guard(lock);
+    owners[ptr] = {pool, size};
+    update_exists();
+}
+
+bool keep(void *ptr) {
+    std::lock_guard<std::mutex> guard(lock);
+    auto owner = owners.find(ptr);
+    if (owner == owners.end()) {
+        return false;
+    }
+    Pool *p = find_pool(owner->second.pool);
+    if (p == nullptr) {
+        // Its pool was released while it lived: it goes back to resmem now.
+        owners.erase(owner);
+        update_exists();
+        return false;
+    }
+    p->free.emplace(owner->second.size, ptr);
+    return true;
+}
+
+std::vector<void *> release(MempoolId pool) {
+    std::lock_guard<std::mutex> guard(lock);
+    std::vector<void *> freed;
+    auto it = pools.find(pool);
+    if (it == pools.end() || --it->second.users > 0) {
+        return freed;
+    }
+    for (const auto &block : it->second.free) {
+        freed.push_back(block.second);
+        owners.erase(block.second);
+    }
+    pools.erase(it);
+    update_exists();
+    return freed;
+}
+
+namespace {
+
+// CUstreamCaptureMode's CU_STREAM_CAPTURE_MODE_RELAXED.
+constexpr int RELAXED = 2;
+using Exchange = int (*)(int *mode);
+
+// The driver's cuThreadExchangeStreamCaptureMode, where the process has libcuda.so.1 loaded
+// (PyTorch's CUDA runtime loads it); nothing is loaded here.
+Exchange exchange_fn() {
+    static const Exchange exchange = []() -> Exchange {
+        void *driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (driver == nullptr) {
+            return nullptr;
+        }
+        return reinterpret_cast<Exchange>(dlsym(driver, "cuThreadExchangeStreamCaptureMode"));
+    }();
+    return exchange;
+}
+
+}  // namespace
+
+RelaxedCapture::RelaxedCapture() : mode_(RELAXED), set_(false) {
+    if (Exchange exchange = exchange_fn()) {
+        set_ = exchange(&mode_) == 0;
+    }
+}
+
+RelaxedCapture::~RelaxedCapture() {
+    if (set_) {
+        exchange_fn()(&mode_);
+    }
+}
+
+}  // namespace graph_pools

@@ -1,0 +1,76 @@
+// The private pools of CUDA graphs captured under resmem.torch.install(), as PyTorch's own
+// allocator keeps them (see graph_pools.cpp).
+
+#ifndef RESMEM_GRAPH_POOLS_H
+#define RESMEM_GRAPH_POOLS_H
+
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <utility>
+#include <vector>
+
+struct CUstream_st;
+// As the CUDA runtime's headers declare it, so that the filter below is PyTorch's own type.
+typedef CUstream_st *cudaStream_t;
+
+namespace graph_pools {
+
+// c10::cuda::MempoolId_t: a graph pool's id.
+using MempoolId = std::pair<unsigned long long, unsigned long long>;
+// Whether an allocation on a stream belongs to the capture (PyTorch's filter).
+using Filter = std::function<bool(cudaStream_t)>;
+
+// Whether any graph pool, capture or block of a pool exists (kept by graph_pools.cpp).
+extern std::atomic<bool> exists;
+
+// Whether any graph pool or capture exists: one atomic load, inlined into the allocation
+// functions' fast path.
+inline bool any() { return exists.load(std::memory_order_relaxed); }
+
+// A capture into `pool` begins on `device`: allocations there that its filter takes belong to
+// the pool, which lives until as many release() as begin() calls.
+void begin(int device, MempoolId pool, Filter filter);
+
+// The capture into `pool` on `device` ends: its pool keeps its blocks.
+void end(int device, MempoolId pool);
+
+// The pool an allocation on `stream` of `device` belongs to: that of the first capture under
+// way on the device whose filter takes the stream, as PyTorch picks. False where none does.
+bool capturing(int device, cudaStream_t stream, MempoolId *pool);
+
+// The smallest freed block of `pool` that holds `size` bytes, taken out of its free blocks,
+// or NULL.
+void *reuse(MempoolId pool, std::size_t size);
+
+// `ptr`, of `size` bytes, newly reserved for `pool`.
+void adopt(MempoolId pool, void *ptr, std::size_t size);
+
+// Whether `ptr` belongs to a graph pool: if so it stays there, free for the pool's later
+// allocations (its graph still uses the memory on every replay), and the caller does not give
+// it back to resmem.
+bool keep(void *ptr);
+
+// One graph using `pool` is gone: where none is left, its free blocks, for the caller to give
+// back to resmem; its live blocks go back to resmem when freed. (PyTorch's pool ids are unique
+// across devices.)
+std::vector<void *> release(MempoolId pool);
+
+// The calling thread in CUDA's relaxed stream-capture mode while it lives, where the process
+// has the driver loaded (PyTorch's allocator makes its driver calls during a capture so): the
+// driver calls that make memory are then allowed while another stream captures.
+class RelaxedCapture {
+  public:
+    RelaxedCapture();
+    ~RelaxedCapture();
+    RelaxedCapture(const RelaxedCapture &) = delete;
+    RelaxedCapture &operator=(const RelaxedCapture &) = delete;
+
+  private:
+    int mode_;
+    bool set_;
+};
+
+}  // namespace graph_pools
+
+#endif
