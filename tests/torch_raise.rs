@@ -83,20 +83,21 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
             line("12 MiB in the second capture"),
             "12 MiB in the second capture: the 16 MiB block"
         );
-        // The pool lives until the last graph using it is released; then its free blocks go
-        // back to resmem, and its live ones when freed.
+        // The pool lives until the last graph using it is released; then its blocks are
+        // retired (its last replay may still run), and go back to resmem at empty_cache.
         assert_eq!(
             line("one graph released"),
             format!("one graph released: {}", alloc(24))
         );
         assert_eq!(
             line("both released"),
-            format!("both released: {}", alloc(16))
+            format!("both released: {}", alloc(24))
         );
         assert_eq!(
             line("the last block freed"),
-            format!("the last block freed: {}", alloc(0))
+            format!("the last block freed: {}", alloc(24))
         );
+        assert_eq!(line("empty_cache"), format!("empty_cache: {}", alloc(0)));
         assert_eq!(line("8 MiB after"), "8 MiB after: the released block");
     }
 }

@@ -25,7 +25,7 @@
 #include "../../python/native/graph_pools.h"
 
 extern "C" {
-int rm_torch_raising_init(void *reserve, void *free, void *last_error);
+int rm_torch_raising_init(void *reserve, void *free, void *last_error, void *empty_cache);
 void *rm_torch_raising_malloc(size_t size, int device, cudaStream_t stream);
 void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 }
@@ -71,7 +71,8 @@ int main() {
     const int rounds = std::getenv("ROUNDS") ? std::atoi(std::getenv("ROUNDS")) : 9;
     if (rm_torch_raising_init(reinterpret_cast<void *>(&rm_reserve),
                               reinterpret_cast<void *>(&rm_torch_free),
-                              reinterpret_cast<void *>(&rm_last_error)) != 0) {
+                              reinterpret_cast<void *>(&rm_last_error),
+                              reinterpret_cast<void *>(&rm_torch_empty_cache)) != 0) {
         return 1;
     }
     std::vector<Way> ways = {

@@ -7,9 +7,12 @@
 // PyTorch's rules: while a capture into a pool is under way on a device, the allocations its
 // filter takes (those on the capturing stream) belong to the pool; a block of a pool, once freed,
 // stays in it (a later allocation of the same pool may take it: the graph's own order makes that
-// safe), whether freed during the capture or after it; when the last graph using the pool is
-// released, its free blocks go back to resmem, and its live ones when they are freed. Blocks are
-// taken whole (the smallest free one that holds the request), not split as PyTorch's are.
+// safe), whether freed during the capture or after it. When the last graph using the pool is
+// released, its blocks are *retired*, the free ones at once and the live ones when freed: the
+// graph's last replay may still be running, on a stream resmem never saw, so they go back to
+// resmem only at the next empty_cache, before resmem waits for the device's work there (as
+// PyTorch frees a released pool's blocks only at empty_cache, after a synchronization). Blocks
+// are taken whole (the smallest free one that holds the request), not split as PyTorch's are.
 //
 // No lock is taken where no pool exists: any() is one atomic load.
 
@@ -49,8 +52,12 @@ std::vector<Capture> captures;
 std::map<MempoolId, Pool> pools;
 // Every block of a pool still in use, live or free, with its pool and size.
 std::unordered_map<void *, Owner> owners;
+// Blocks of released pools, free, for resmem at the next empty_cache.
+std::vector<void *> retired;
 
-void update_exists() { exists.store(!captures.empty() || !owners.empty() || !pools.empty()); }
+void update_exists() {
+    exists.store(!captures.empty() || !owners.empty() || !pools.empty() || !retired.empty());
+}
 
 Pool *find_pool(MempoolId pool) {
     auto it = pools.find(pool);
@@ -119,29 +126,35 @@ bool keep(void *ptr) {
     }
     Pool *p = find_pool(owner->second.pool);
     if (p == nullptr) {
-        // Its pool was released while it lived: it goes back to resmem now.
+        // Its pool was released while it lived.
+        retired.push_back(ptr);
         owners.erase(owner);
-        update_exists();
-        return false;
+    } else {
+        p->free.emplace(owner->second.size, ptr);
     }
-    p->free.emplace(owner->second.size, ptr);
     return true;
 }
 
-std::vector<void *> release(MempoolId pool) {
+void release(MempoolId pool) {
     std::lock_guard<std::mutex> guard(lock);
-    std::vector<void *> freed;
     auto it = pools.find(pool);
     if (it == pools.end() || --it->second.users > 0) {
-        return freed;
+        return;
     }
     for (const auto &block : it->second.free) {
-        freed.push_back(block.second);
+        retired.push_back(block.second);
         owners.erase(block.second);
     }
     pools.erase(it);
     update_exists();
-    return freed;
+}
+
+std::vector<void *> take_retired() {
+    std::lock_guard<std::mutex> guard(lock);
+    std::vector<void *> taken;
+    taken.swap(retired);
+    update_exists();
+    return taken;
 }
 
 namespace {

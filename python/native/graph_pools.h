@@ -46,15 +46,18 @@ void *reuse(MempoolId pool, std::size_t size);
 // `ptr`, of `size` bytes, newly reserved for `pool`.
 void adopt(MempoolId pool, void *ptr, std::size_t size);
 
-// Whether `ptr` belongs to a graph pool: if so it stays there, free for the pool's later
-// allocations (its graph still uses the memory on every replay), and the caller does not give
-// it back to resmem.
+// Whether `ptr` belongs to a graph pool, in use or released: if so it stays there, free for
+// the pool's later allocations (its graph still uses the memory on every replay), or retired
+// where its pool was released; the caller does not give it back to resmem.
 bool keep(void *ptr);
 
-// One graph using `pool` is gone: where none is left, its free blocks, for the caller to give
-// back to resmem; its live blocks go back to resmem when freed. (PyTorch's pool ids are unique
-// across devices.)
-std::vector<void *> release(MempoolId pool);
+// One graph using `pool` is gone: where none is left, its free blocks are retired, and its live
+// ones when freed. (PyTorch's pool ids are unique across devices.)
+void release(MempoolId pool);
+
+// The retired blocks, for the caller to give back to resmem before resmem waits for the
+// device's work (at empty_cache): the last replay of their graph may still be running.
+std::vector<void *> take_retired();
 
 // The calling thread in CUDA's relaxed stream-capture mode while it lives, where the process
 // has the driver loaded (PyTorch's allocator makes its driver calls during a capture so): the

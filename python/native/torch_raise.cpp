@@ -35,10 +35,12 @@ namespace {
 using Reserve = rm_status (*)(int device, size_t size, void *stream, void **out_ptr);
 using Free = void (*)(void *ptr, ssize_t size, int device, void *stream);
 using LastError = const char *(*)();
+using EmptyCache = void (*)();
 
 Reserve reserve_fn = nullptr;
 Free free_fn = nullptr;
 LastError last_error_fn = nullptr;
+EmptyCache empty_cache_fn = nullptr;
 
 const char *const NOT_SET_UP =
     "resmem: libresmem_torch.so was called before rm_torch_raising_init gave it libresmem's "
@@ -85,15 +87,19 @@ __attribute__((noinline)) void *graph_alloc(graph_pools::MempoolId pool, std::si
 
 extern "C" {
 
-// libresmem's rm_reserve, rm_torch_free and rm_last_error, given once by resmem.torch before
-// PyTorch gets the functions below. Returns 0, or -1 (nothing changed) if one is NULL.
-RM_TORCH_EXPORT int rm_torch_raising_init(void *reserve, void *free, void *last_error) {
-    if (reserve == nullptr || free == nullptr || last_error == nullptr) {
+// libresmem's rm_reserve, rm_torch_free, rm_last_error and rm_torch_empty_cache, given once by
+// resmem.torch before PyTorch gets the functions below. Returns 0, or -1 (nothing changed) if
+// one is NULL.
+RM_TORCH_EXPORT int rm_torch_raising_init(void *reserve, void *free, void *last_error,
+                                          void *empty_cache) {
+    if (reserve == nullptr || free == nullptr || last_error == nullptr ||
+        empty_cache == nullptr) {
         return -1;
     }
     reserve_fn = reinterpret_cast<Reserve>(reserve);
     free_fn = reinterpret_cast<Free>(free);
     last_error_fn = reinterpret_cast<LastError>(last_error);
+    empty_cache_fn = reinterpret_cast<EmptyCache>(empty_cache);
     return 0;
 }
 
@@ -134,11 +140,25 @@ RM_TORCH_EXPORT void rm_torch_raising_end_allocate_to_pool(int device, graph_poo
 }
 
 // PyTorch's release_pool hook (a graph using `pool` is reset or destroyed): where no graph uses
-// the pool any more, its free blocks go back to resmem.
+// the pool any more, its blocks are retired, for resmem at the next empty_cache.
 RM_TORCH_EXPORT void rm_torch_raising_release_pool(int device, graph_pools::MempoolId pool) {
-    for (void *ptr : graph_pools::release(pool)) {
-        free_fn(ptr, 0, device, nullptr);
+    (void)device;
+    graph_pools::release(pool);
+}
+
+// PyTorch's reset_fn (torch.cuda.empty_cache()): the retired blocks of released graph pools back
+// to resmem, then rm_torch_empty_cache, which waits for the device's work before it lets any
+// of them be used again or returns memory to the driver.
+RM_TORCH_EXPORT void rm_torch_raising_empty_cache() {
+    if (empty_cache_fn == nullptr) {
+        return;
     }
+    if (graph_pools::any()) {
+        for (void *ptr : graph_pools::take_retired()) {
+            free_fn(ptr, 0, 0, nullptr);
+        }
+    }
+    empty_cache_fn();
 }
 
 }  // extern "C"

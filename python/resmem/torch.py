@@ -27,11 +27,11 @@ What it does:
   keeps each graph's private pool as PyTorch's own allocator does: while a capture runs, the
   allocations it takes belong to its graph's pool; a block of the pool, freed, stays there for
   the pool's later allocations (the graph writes to it on every replay) until the last graph
-  using the pool is released (blocks reused whole, not split; README, "CUDA graphs", for the
-  limits). Without them (no ``libresmem_torch.so``, or an older PyTorch)
-  ``torch.cuda.CUDAGraph.capture_begin`` raises ``RuntimeError`` instead: a tensor freed during
-  the capture would go back to resmem's cache, be handed to a tensor made after it, and be
-  written over by every replay.
+  using the pool is released and ``torch.cuda.empty_cache()`` runs (blocks reused whole, not
+  split; README, "CUDA graphs", for the limits). Without them (no ``libresmem_torch.so``, or
+  an older PyTorch) ``torch.cuda.CUDAGraph.capture_begin`` raises ``RuntimeError`` instead: a
+  tensor freed during the capture would go back to resmem's cache, be handed to a tensor made
+  after it, and be written over by every replay.
 
 ``torch.cuda.mem_get_info`` keeps PyTorch's documented meaning, the driver's view, by default:
 transformers already adds ``memory_reserved() - memory_allocated()`` to it when it plans a
@@ -182,8 +182,8 @@ def raising_library():
         return None
     lib = _lib.library()
     init = ctypes.CDLL(path).rm_torch_raising_init
-    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p] * 3
-    names = ("rm_reserve", "rm_torch_free", "rm_last_error")
+    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4
+    names = ("rm_reserve", "rm_torch_free", "rm_last_error", "rm_torch_empty_cache")
     if init(*(_address(lib, name) for name in names)) != 0:
         raise RuntimeError(f"{path}: rm_torch_raising_init refused libresmem's entry points")
     return path
@@ -207,10 +207,12 @@ def _pluggable(torch, raising=False):
         getattr(hooks, setter)(_address(lib, function))
     no_graphs = "this package has no libresmem_torch.so"
     if path is not None:
+        shim = ctypes.CDLL(path)
         if all(hasattr(hooks, setter) for setter in GRAPH_HOOKS):
-            shim = ctypes.CDLL(path)
             for setter, function in GRAPH_HOOKS.items():
                 getattr(hooks, setter)(_address(shim, function))
+            # empty_cache gives released graph pools' blocks back first (graph_pools.cpp).
+            hooks.set_reset_fn(_address(shim, "rm_torch_raising_empty_cache"))
             no_graphs = None
         else:
             no_graphs = (

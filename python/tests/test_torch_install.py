@@ -179,6 +179,11 @@ def test_install_wires_the_graph_hooks_to_the_library_that_keeps_graph_pools(tor
         setter: ctypes.cast(getattr(shim, function), ctypes.c_void_p).value
         for setter, function in rtorch.GRAPH_HOOKS.items()
     }
+    # empty_cache gives released graph pools' blocks back before resmem's own.
+    reset = allocator.allocator().fns["set_reset_fn"]
+    assert ctypes.cast(reset, ctypes.c_void_p).value == ctypes.cast(
+        shim.rm_torch_raising_empty_cache, ctypes.c_void_p
+    ).value
     # Captures go ahead: PyTorch calls the hooks (tests/torch_raise.rs checks what they do).
     torch.cuda.CUDAGraph().capture_begin()
     assert torch.state["captures"] == 1

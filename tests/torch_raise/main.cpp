@@ -14,7 +14,8 @@
 #include "../../python/native/graph_pools.h"
 
 extern "C" {
-int rm_torch_raising_init(void *reserve, void *free, void *last_error);
+int rm_torch_raising_init(void *reserve, void *free, void *last_error, void *empty_cache);
+void rm_torch_raising_empty_cache();
 void *rm_torch_raising_malloc(size_t size, int device, cudaStream_t stream);
 void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 void rm_torch_raising_begin_allocate_to_pool(int device, graph_pools::MempoolId pool,
@@ -59,11 +60,12 @@ int main() {
     std::function<PoolFn> end = reinterpret_cast<PoolFn *>(&rm_torch_raising_end_allocate_to_pool);
     std::function<PoolFn> release = reinterpret_cast<PoolFn *>(&rm_torch_raising_release_pool);
     try_alloc("before init", alloc, 1 << 20);
-    std::printf("init with NULL: %d\n", rm_torch_raising_init(nullptr, nullptr, nullptr));
+    std::printf("init with NULL: %d\n", rm_torch_raising_init(nullptr, nullptr, nullptr, nullptr));
     std::printf("init: %d\n",
                 rm_torch_raising_init(reinterpret_cast<void *>(&rm_reserve),
                                       reinterpret_cast<void *>(&rm_torch_free),
-                                      reinterpret_cast<void *>(&rm_last_error)));
+                                      reinterpret_cast<void *>(&rm_last_error),
+                                      reinterpret_cast<void *>(&rm_torch_empty_cache)));
     try_alloc("1 MiB", alloc, 1 << 20);
     try_alloc("0 bytes", alloc, 0);
     if (rm_set_memory_limit(0, size_t{64} << 20) != RM_SUCCESS) {
@@ -112,6 +114,8 @@ int main() {
     std::printf("both released: allocated %llu\n", allocated());
     free(e, 12 * MiB, 0, nullptr);
     std::printf("the last block freed: allocated %llu\n", allocated());
+    rm_torch_raising_empty_cache();  // torch.cuda.empty_cache()
+    std::printf("empty_cache: allocated %llu\n", allocated());
     void *f = alloc(8 * MiB, 0, nullptr);
     std::printf("8 MiB after: %s\n", f == a ? "the released block" : "another");
     free(f, 8 * MiB, 0, nullptr);
