@@ -14,7 +14,8 @@
 // PyTorch frees a released pool's blocks only at empty_cache, after a synchronization). Blocks
 // are taken whole (the smallest free one that holds the request), not split as PyTorch's are.
 //
-// No lock is taken where no pool exists: any() is one atomic load.
+// No lock is taken where no pool exists (any() is one atomic load), nor by an allocation while
+// no capture is under way (capture_under_way()); a free takes the lock while a pool exists.
 
 #include "graph_pools.h"
 
@@ -57,6 +58,7 @@ std::vector<void *> retired;
 
 void update_exists() {
     exists.store(!captures.empty() || !owners.empty() || !pools.empty() || !retired.empty());
+    captures_under_way.store(!captures.empty());
 }
 
 Pool *find_pool(MempoolId pool) {
@@ -67,6 +69,7 @@ Pool *find_pool(MempoolId pool) {
 }  // namespace
 
 std::atomic<bool> exists{false};
+std::atomic<bool> captures_under_way{false};
 
 void begin(int device, MempoolId pool, Filter filter) {
     std::lock_guard<std::mutex> guard(lock);

@@ -21,12 +21,18 @@ using MempoolId = std::pair<unsigned long long, unsigned long long>;
 // Whether an allocation on a stream belongs to the capture (PyTorch's filter).
 using Filter = std::function<bool(cudaStream_t)>;
 
-// Whether any graph pool, capture or block of a pool exists (kept by graph_pools.cpp).
+// Whether any graph pool, capture or block of a pool exists, and whether a capture is under way
+// (kept by graph_pools.cpp).
 extern std::atomic<bool> exists;
+extern std::atomic<bool> captures_under_way;
 
-// Whether any graph pool or capture exists: one atomic load, inlined into the allocation
-// functions' fast path.
+// Whether any graph pool, capture or block of a pool exists: one atomic load, inlined into the
+// free function's fast path.
 inline bool any() { return exists.load(std::memory_order_relaxed); }
+
+// Whether a capture is under way on any device: one atomic load, inlined into the allocation
+// function's fast path (graphs that live on after their capture cost allocations nothing).
+inline bool capture_under_way() { return captures_under_way.load(std::memory_order_relaxed); }
 
 // A capture into `pool` begins on `device`: allocations there that its filter takes belong to
 // the pool, which lives until as many release() as begin() calls.

@@ -111,7 +111,7 @@ RM_TORCH_EXPORT void *rm_torch_raising_malloc(std::size_t size, int device, cuda
         throw std::runtime_error(NOT_SET_UP);
     }
     graph_pools::MempoolId pool;
-    if (__builtin_expect(graph_pools::any(), 0) && size > 0 &&
+    if (__builtin_expect(graph_pools::capture_under_way(), 0) && size > 0 &&
         graph_pools::capturing(device, stream, &pool)) {
         return graph_alloc(pool, size, device, stream);
     }
