@@ -39,7 +39,7 @@ struct Capture {
 
 struct Pool {
     int users = 0;
-    // Free blocks by (size, address).
+    // Free blocks by size.
     std::multimap<std::size_t, void *> free;
 };
 
