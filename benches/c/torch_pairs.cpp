@@ -23,23 +23,11 @@
 
 #include "resmem.h"
 
-#include "../../python/native/graph_pools.h"
-
-extern "C" {
-int rm_torch_raising_init(void *reserve, void *free, void *last_error, void *empty_cache);
-void rm_torch_raising_begin_allocate_to_pool(int device, graph_pools::MempoolId pool,
-                                             graph_pools::Filter filter);
-void rm_torch_raising_end_allocate_to_pool(int device, graph_pools::MempoolId pool);
-void *rm_torch_raising_malloc(size_t size, int device, cudaStream_t stream);
-void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
-}
+#include "../../python/native/torch_raise.h"
 
 namespace {
 
-// PyTorch's alloc_fn and free_fn types.
-using AllocFn = void *(size_t, int, cudaStream_t);
-using FreeFn = void(void *, size_t, int, cudaStream_t);
-
+// glibc behind PyTorch's function types.
 void *glibc_alloc(size_t size, int, cudaStream_t) { return std::malloc(size); }
 void glibc_free(void *ptr, size_t, int, cudaStream_t) { std::free(ptr); }
 
@@ -51,8 +39,8 @@ double now_ns() {
 
 struct Way {
     const char *name;
-    std::function<AllocFn> alloc;
-    std::function<FreeFn> free;
+    std::function<TorchAllocFn> alloc;
+    std::function<TorchFreeFn> free;
 };
 
 double pairs_ns(const Way &way, size_t size, long pairs) {
@@ -80,10 +68,10 @@ int main() {
         return 1;
     }
     std::vector<Way> ways = {
-        {"libresmem_torch", reinterpret_cast<AllocFn *>(&rm_torch_raising_malloc),
-         reinterpret_cast<FreeFn *>(&rm_torch_raising_free)},
-        {"rm_torch_malloc", reinterpret_cast<AllocFn *>(&rm_torch_malloc),
-         reinterpret_cast<FreeFn *>(&rm_torch_free)},
+        {"libresmem_torch", reinterpret_cast<TorchAllocFn *>(&rm_torch_raising_malloc),
+         reinterpret_cast<TorchFreeFn *>(&rm_torch_raising_free)},
+        {"rm_torch_malloc", reinterpret_cast<TorchAllocFn *>(&rm_torch_malloc),
+         reinterpret_cast<TorchFreeFn *>(&rm_torch_free)},
         {"glibc", &glibc_alloc, &glibc_free},
     };
     // Each way and size: the median of `rounds` rounds, the ways alternating.

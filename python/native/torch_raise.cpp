@@ -24,8 +24,8 @@
 #include <string>
 #include <sys/types.h>
 
-#include "graph_pools.h"
 #include "resmem.h"
+#include "torch_raise.h"
 
 // The library's interface; everything else is hidden (built with -fvisibility=hidden).
 #define RM_TORCH_EXPORT __attribute__((visibility("default")))

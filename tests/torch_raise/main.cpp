@@ -11,24 +11,12 @@
 
 #include "resmem.h"
 
-#include "../../python/native/graph_pools.h"
-
-extern "C" {
-int rm_torch_raising_init(void *reserve, void *free, void *last_error, void *empty_cache);
-void rm_torch_raising_empty_cache();
-void *rm_torch_raising_malloc(size_t size, int device, cudaStream_t stream);
-void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
-void rm_torch_raising_begin_allocate_to_pool(int device, graph_pools::MempoolId pool,
-                                             graph_pools::Filter filter);
-void rm_torch_raising_end_allocate_to_pool(int device, graph_pools::MempoolId pool);
-void rm_torch_raising_release_pool(int device, graph_pools::MempoolId pool);
-}
+#include "../../python/native/torch_raise.h"
 
 namespace {
 
-// PyTorch's function types, made from addresses as PyTorch makes them.
-using AllocFn = void *(size_t, int, cudaStream_t);
-using FreeFn = void(void *, size_t, int, cudaStream_t);
+// PyTorch's hook types (its alloc and free types are torch_raise.h's), made from addresses as
+// PyTorch makes them.
 using BeginFn = void(int, graph_pools::MempoolId, std::function<bool(cudaStream_t)>);
 using PoolFn = void(int, graph_pools::MempoolId);
 
@@ -38,7 +26,7 @@ unsigned long long allocated() {
     return static_cast<unsigned long long>(stats.allocated_bytes);
 }
 
-void try_alloc(const char *what, const std::function<AllocFn> &alloc, size_t size) {
+void try_alloc(const char *what, const std::function<TorchAllocFn> &alloc, size_t size) {
     try {
         void *ptr = alloc(size, 0, nullptr);
         std::printf("%s: returned %s\n", what, ptr == nullptr ? "NULL" : "a block");
@@ -53,8 +41,8 @@ void try_alloc(const char *what, const std::function<AllocFn> &alloc, size_t siz
 }  // namespace
 
 int main() {
-    std::function<AllocFn> alloc = reinterpret_cast<AllocFn *>(&rm_torch_raising_malloc);
-    std::function<FreeFn> free = reinterpret_cast<FreeFn *>(&rm_torch_raising_free);
+    std::function<TorchAllocFn> alloc = reinterpret_cast<TorchAllocFn *>(&rm_torch_raising_malloc);
+    std::function<TorchFreeFn> free = reinterpret_cast<TorchFreeFn *>(&rm_torch_raising_free);
     std::function<BeginFn> begin =
         reinterpret_cast<BeginFn *>(&rm_torch_raising_begin_allocate_to_pool);
     std::function<PoolFn> end = reinterpret_cast<PoolFn *>(&rm_torch_raising_end_allocate_to_pool);
