@@ -8,6 +8,7 @@ picks the cargo profile (``release``, the default, or ``debug`` to reuse what ``
 built); ``CARGO`` and ``CARGO_TARGET_DIR`` are honoured as cargo honours them.
 """
 
+import glob
 import os
 import shutil
 import subprocess
@@ -51,7 +52,8 @@ def build_library():
 
 
 def build_torch_raise(package):
-    """Compile native/torch_raise.cpp and graph_pools.cpp into the package as libresmem_torch.so:
+    """Compile every native/*.cpp (torch_raise.cpp, graph_pools.cpp) into the package as
+    libresmem_torch.so:
     the functions resmem.torch.install() gives PyTorch, which throw a failure for PyTorch to
     raise where rm_torch_malloc returns a NULL PyTorch does not check, and keep CUDA graphs'
     private pools (see those files). Only C++ may throw into PyTorch and take its std::function,
@@ -62,8 +64,7 @@ def build_torch_raise(package):
     command = [
         compiler, "-std=c++17", "-O2", "-Wall", "-Wextra", "-shared", "-fPIC",
         "-fvisibility=hidden", "-I", os.path.join(WORKSPACE, "include"),
-        os.path.join(HERE, "native", "torch_raise.cpp"),
-        os.path.join(HERE, "native", "graph_pools.cpp"),
+        *sorted(glob.glob(os.path.join(HERE, "native", "*.cpp"))),
         "-o", os.path.join(package, "libresmem_torch.so"), "-ldl",
     ]
     try:

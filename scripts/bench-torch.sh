@@ -12,7 +12,7 @@ cargo build --release -q -p resmem -p libcuda-sim
 mkdir -p "$out"
 ln -sf "$PWD/target/release/libresmem.so" "$out/libresmem.so.0"
 g++ -O2 -std=c++17 -Wall -Wextra -Werror -Iinclude benches/c/torch_pairs.cpp \
-  python/native/torch_raise.cpp python/native/graph_pools.cpp -o "$out/torch_pairs" \
-  -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -ldl
+  python/native/*.cpp -o "$out/torch_pairs" \
+  -Ltarget/release -lresmem -Wl,-rpath,"$PWD/$out" -ldl -pthread
 RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY="$PWD/target/release/libcuda_sim.so" \
   CUDA_SIM_DEVICES=80GiB "$out/torch_pairs"

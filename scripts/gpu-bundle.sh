@@ -33,7 +33,6 @@ mkdir -p "$out/python/tests"
 cp -r python/resmem "$out/python/"
 # What the package's build (python/setup.py) puts beside libresmem.so for resmem.torch.install().
 g++ -std=c++17 -O2 -Wall -Wextra -Werror -shared -fPIC -fvisibility=hidden -Iinclude \
-  python/native/torch_raise.cpp python/native/graph_pools.cpp \
-  -o "$out/python/resmem/libresmem_torch.so" -ldl
+  python/native/*.cpp -o "$out/python/resmem/libresmem_torch.so" -ldl
 cp python/tests/test_torch_gpu.py python/tests/test_torch_pool_gpu.py "$out/python/tests/"
 echo "bundle ready in $out"

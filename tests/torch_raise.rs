@@ -12,6 +12,19 @@ use std::process::Command;
 
 use common::{artifacts, run, Driver};
 
+/// Every `python/native/*.cpp`, as the package's build (`python/setup.py`) compiles them.
+fn native_sources(root: &Path) -> Vec<std::path::PathBuf> {
+    let dir = root.join("python/native");
+    let mut sources: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cpp"))
+        .collect();
+    sources.sort();
+    assert!(!sources.is_empty(), "no C++ sources in {}", dir.display());
+    sources
+}
+
 #[test]
 fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_pool() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -21,8 +34,7 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
         let mut cmd = Command::new("g++");
         cmd.args(["-std=c++17", "-Wall", "-Wextra", "-Werror", "-I"])
             .arg(root.join("include"))
-            .arg(root.join("python/native/torch_raise.cpp"))
-            .arg(root.join("python/native/graph_pools.cpp"))
+            .args(native_sources(root))
             .arg(&main)
             .arg("-ldl");
         common::link_resmem(&mut cmd, false);
@@ -78,6 +90,13 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
         assert_eq!(
             line("the graph's output freed"),
             format!("the graph's output freed: {}", alloc(24))
+        );
+        assert_eq!(
+            line("others freed"),
+            format!(
+                "others freed: one in the 8 MiB block's slot: yes; {}",
+                alloc(24)
+            )
         );
         assert_eq!(
             line("12 MiB in the second capture"),

@@ -9,7 +9,8 @@
 //   scripts/bench-torch.sh     (builds the release library, compiles this, runs it)
 //
 // Prints `torch_pair <way> <size> <ns per pair>`: for each way and size, the median over ROUNDS
-// (default 9) rounds of PAIRS (default 2,000,000) pairs on one thread, the default stream.
+// (default 9) rounds of PAIRS (default 2,000,000) pairs on one thread, the default stream; the
+// graph_alive pair again on two threads at once (`_2_threads`: ns per pair on each).
 
 #include <sys/types.h>
 
@@ -19,6 +20,7 @@
 #include <ctime>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "resmem.h"
@@ -43,8 +45,7 @@ struct Way {
     std::function<TorchFreeFn> free;
 };
 
-double pairs_ns(const Way &way, size_t size, long pairs) {
-    double start = now_ns();
+void run_pairs(const Way &way, size_t size, long pairs) {
     for (long i = 0; i < pairs; i++) {
         void *ptr = way.alloc(size, 0, nullptr);
         if (ptr == nullptr) {
@@ -52,6 +53,20 @@ double pairs_ns(const Way &way, size_t size, long pairs) {
             std::exit(1);
         }
         way.free(ptr, size, 0, nullptr);
+    }
+}
+
+// Nanoseconds per pair on each of `threads` threads, each making `pairs` pairs at once (the
+// wall time over `pairs`: a thread's figure where they do not wait for each other).
+double pairs_ns(const Way &way, size_t size, long pairs, int threads) {
+    double start = now_ns();
+    std::vector<std::thread> others;
+    for (int t = 1; t < threads; t++) {
+        others.emplace_back(run_pairs, std::cref(way), size, pairs);
+    }
+    run_pairs(way, size, pairs);
+    for (auto &other : others) {
+        other.join();
     }
     return (now_ns() - start) / double(pairs);
 }
@@ -75,25 +90,25 @@ int main() {
         {"glibc", &glibc_alloc, &glibc_free},
     };
     // Each way and size: the median of `rounds` rounds, the ways alternating.
-    auto measure = [&](const std::vector<Way> &measured) {
+    auto measure = [&](const std::vector<Way> &measured, int threads) {
         for (size_t size : {size_t{512}, size_t{64} << 10, size_t{4} << 20}) {
             std::vector<std::vector<double>> times(measured.size());
             for (const auto &way : measured) {
-                pairs_ns(way, size, pairs / 10);  // warm: the front cache holds the block
+                pairs_ns(way, size, pairs / 10, threads);  // warm: the front caches hold blocks
             }
             for (int round = 0; round < rounds; round++) {
                 for (size_t w = 0; w < measured.size(); w++) {
-                    times[w].push_back(pairs_ns(measured[w], size, pairs));
+                    times[w].push_back(pairs_ns(measured[w], size, pairs, threads));
                 }
             }
             for (size_t w = 0; w < measured.size(); w++) {
                 std::sort(times[w].begin(), times[w].end());
-                std::printf("torch_pair %s %zu %.2f\n", measured[w].name, size,
-                            times[w][times[w].size() / 2]);
+                std::printf("torch_pair %s%s %zu %.2f\n", measured[w].name,
+                            threads > 1 ? "_2_threads" : "", size, times[w][times[w].size() / 2]);
             }
         }
     };
-    measure(ways);
+    measure(ways, 1);
     // Then once a captured graph lives on (its pool holds a block), as in a server that captured
     // its graphs at start: each free looks the block up. Beside rm_torch_malloc again.
     const graph_pools::MempoolId pool{1, 0};
@@ -103,7 +118,11 @@ int main() {
     ways[0].alloc(1 << 20, 0, nullptr);
     in_capture = false;
     rm_torch_raising_end_allocate_to_pool(0, pool);
-    measure({{"graph_alive", ways[0].alloc, ways[0].free},
-             {"rm_torch_malloc_again", ways[1].alloc, ways[1].free}});
+    const std::vector<Way> graph_ways = {{"graph_alive", ways[0].alloc, ways[0].free},
+                                         {"rm_torch_malloc_again", ways[1].alloc, ways[1].free}};
+    measure(graph_ways, 1);
+    // And on two threads at once (each its own front cache): their frees look blocks up in the
+    // graph pools' maps at the same time.
+    measure(graph_ways, 2);
     return 0;
 }

@@ -15,7 +15,10 @@
 // are taken whole (the smallest free one that holds the request), not split as PyTorch's are.
 //
 // No lock is taken where no pool exists (any() is one atomic load), nor by an allocation while
-// no capture is under way (capture_under_way()); a free takes the lock while a pool exists.
+// no capture is under way (capture_under_way()). While a pool exists, a free reads one counter
+// of a filter: how many blocks of pools have addresses that hash to its slot. Zero (any block
+// not of a pool, save a few that share a slot with one) and it is not a pool's, found without
+// a lock, so that frees on several threads do not wait for each other.
 
 #include "graph_pools.h"
 
@@ -23,6 +26,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <unordered_map>
@@ -56,6 +60,20 @@ std::unordered_map<void *, Owner> owners;
 // Blocks of released pools, free, for resmem at the next empty_cache.
 std::vector<void *> retired;
 
+// The filter: for each slot, how many entries of `owners` hash to it. Changed under the lock
+// with every entry; read without it. A block's entry is made before its allocation returns, so
+// its free, which comes after, reads at least its own count.
+constexpr int FILTER_BITS = 14;
+std::atomic<std::uint32_t> filter[std::size_t{1} << FILTER_BITS];
+
+std::atomic<std::uint32_t> &slot_of(void *ptr) { return filter[filter_slot(ptr)]; }
+
+// Under the lock: a block's entry taken out of `owners`, with its count.
+void disown(std::unordered_map<void *, Owner>::iterator owner) {
+    slot_of(owner->first).fetch_sub(1, std::memory_order_relaxed);
+    owners.erase(owner);
+}
+
 void update_exists() {
     exists.store(!captures.empty() || !owners.empty() || !pools.empty() || !retired.empty());
     captures_under_way.store(!captures.empty());
@@ -67,6 +85,12 @@ Pool *find_pool(MempoolId pool) {
 }
 
 }  // namespace
+
+std::size_t filter_slot(void *ptr) {
+    // Blocks are 512-byte aligned; the bits above that, mixed, pick the slot.
+    auto bits = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(ptr) >> 9);
+    return (bits * 0x9E3779B97F4A7C15ull) >> (64 - FILTER_BITS);
+}
 
 std::atomic<bool> exists{false};
 std::atomic<bool> captures_under_way{false};
@@ -117,11 +141,16 @@ void *reuse(MempoolId pool, std::size_t size) {
 
 void adopt(MempoolId pool, void *ptr, std::size_t size) {
     std::lock_guard<std::mutex> guard(lock);
-    owners[ptr] = {pool, size};
+    if (owners.insert_or_assign(ptr, Owner{pool, size}).second) {
+        slot_of(ptr).fetch_add(1, std::memory_order_relaxed);
+    }
     update_exists();
 }
 
 bool keep(void *ptr) {
+    if (slot_of(ptr).load(std::memory_order_relaxed) == 0) {
+        return false;
+    }
     std::lock_guard<std::mutex> guard(lock);
     auto owner = owners.find(ptr);
     if (owner == owners.end()) {
@@ -131,7 +160,7 @@ bool keep(void *ptr) {
     if (p == nullptr) {
         // Its pool was released while it lived.
         retired.push_back(ptr);
-        owners.erase(owner);
+        disown(owner);
     } else {
         p->free.emplace(owner->second.size, ptr);
     }
@@ -146,7 +175,10 @@ void release(MempoolId pool) {
     }
     for (const auto &block : it->second.free) {
         retired.push_back(block.second);
-        owners.erase(block.second);
+        auto owner = owners.find(block.second);
+        if (owner != owners.end()) {
+            disown(owner);
+        }
     }
     pools.erase(it);
     update_exists();

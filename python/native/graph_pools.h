@@ -65,6 +65,10 @@ void release(MempoolId pool);
 // device's work (at empty_cache): the last replay of their graph may still be running.
 std::vector<void *> take_retired();
 
+// The slot of the free's filter that `ptr` hashes to (for tests: a block not of a pool that
+// shares a slot with one is looked up under the lock, and still not kept).
+std::size_t filter_slot(void *ptr);
+
 // The calling thread in CUDA's relaxed stream-capture mode while it lives, where the process
 // has the driver loaded (PyTorch's allocator makes its driver calls during a capture so): the
 // driver calls that make memory are then allowed while another stream captures.

@@ -172,6 +172,10 @@ NO_RAISING_LIBRARY = (
 )
 
 
+#: RAISING_LIBRARY loaded, by path: opened once, whoever asks.
+_RAISING_LOADED = {}
+
+
 def raising_library():
     """The path of this package's libresmem_torch.so, set up to call the loaded libresmem, or
     None where the package was built without it. Its allocation function throws a failure for
@@ -181,7 +185,9 @@ def raising_library():
     if not os.path.exists(path):
         return None
     lib = _lib.library()
-    init = ctypes.CDLL(path).rm_torch_raising_init
+    if path not in _RAISING_LOADED:
+        _RAISING_LOADED[path] = ctypes.CDLL(path)
+    init = _RAISING_LOADED[path].rm_torch_raising_init
     init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4
     names = ("rm_reserve", "rm_torch_free", "rm_last_error", "rm_torch_empty_cache")
     if init(*(_address(lib, name) for name in names)) != 0:
@@ -207,7 +213,7 @@ def _pluggable(torch, raising=False):
         getattr(hooks, setter)(_address(lib, function))
     no_graphs = "this package has no libresmem_torch.so"
     if path is not None:
-        shim = ctypes.CDLL(path)
+        shim = _RAISING_LOADED[path]
         if all(hasattr(hooks, setter) for setter in GRAPH_HOOKS):
             for setter, function in GRAPH_HOOKS.items():
                 getattr(hooks, setter)(_address(shim, function))

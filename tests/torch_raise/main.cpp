@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <functional>
 #include <stdexcept>
+#include <vector>
 #include <sys/types.h>
 
 #include "resmem.h"
@@ -88,6 +89,20 @@ int main() {
     free(d, 8 * MiB, 0, nullptr);
     free(c, 16 * MiB, 0, nullptr);  // the graph's output, dropped while the graph lives
     std::printf("the graph's output freed: allocated %llu\n", allocated());
+
+    // Blocks not of the pool, made and freed while it lives, go back to resmem: those whose
+    // free finds a zero in the filter, and one sharing the slot of the pool's 8 MiB block.
+    std::vector<void *> others;
+    bool shared = false;
+    while (!shared && others.size() < 200000) {
+        others.push_back(alloc(512, 0, nullptr));
+        shared = graph_pools::filter_slot(others.back()) == graph_pools::filter_slot(a);
+    }
+    for (void *other : others) {
+        free(other, 512, 0, nullptr);
+    }
+    std::printf("others freed: one in the 8 MiB block's slot: %s; allocated %llu\n",
+                shared ? "yes" : "no", allocated());
 
     // A second graph sharing the pool.
     begin(0, pool, [](cudaStream_t stream) { return capturing && stream == nullptr; });
