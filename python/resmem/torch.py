@@ -22,7 +22,9 @@ What it does:
   names it), ``Tensor.record_stream()`` reaches ``rm_record_stream``;
 - makes ``torch.cuda.memory_stats``, ``memory_allocated``, ``memory_reserved``,
   ``max_memory_allocated``, ``max_memory_reserved`` and ``reset_peak_memory_stats`` report
-  resmem's figures under PyTorch's key names (for a pluggable allocator PyTorch raises there);
+  resmem's figures under PyTorch's key names (for a pluggable allocator PyTorch raises there),
+  and ``memory_summary`` print them in its layout (PyTorch's would fail on the keys resmem
+  does not keep: per-pool splits, totals allocated and freed);
 - wires PyTorch's CUDA graph hooks (PyTorch 2.3 and later) to ``libresmem_torch.so``, which
   keeps each graph's private pool as PyTorch's own allocator does: while a capture runs, the
   allocations it takes belong to its graph's pool; a block of the pool, freed, stays there for
@@ -75,6 +77,7 @@ PATCHED = (
     "max_memory_allocated",
     "max_memory_reserved",
     "reset_peak_memory_stats",
+    "memory_summary",
 )
 
 #: The hooks of PyTorch's allocator object, and the resmem function each is given.
@@ -114,6 +117,55 @@ def torch_stats(s):
         "resmem.cache_hits": s["cache_hits"],
     }
     return collections.OrderedDict(sorted(out.items()))
+
+
+def _size(n):
+    """Bytes as PyTorch's memory_summary() prints them: whole units, the largest below 768."""
+    unit = "B  "
+    for larger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 768 * 1024:
+            break
+        unit, n = larger, n // 1024
+    return f"{n:6d} {unit}"
+
+
+def summary(s, device):
+    """resmem's figures (a ``resmem.stats()`` dict) as a printout in the layout of
+    ``torch.cuda.memory_summary()``: what ``memory_summary`` returns under ``install()``. Only
+    figures resmem keeps are printed (no per-pool split, no totals allocated and freed)."""
+    width = 75
+    rule, double = "-" * width, "=" * width
+    title = f"resmem memory summary, device ID {device}"
+    ooms = f"out-of-memory errors: {s['ooms']}"
+    retries = f"retries after returning cache: {s['oom_retries']}"
+    lines = [
+        double,
+        f"{title:^{width}}",
+        rule,
+        f"{ooms:^37}|{retries:^37}",
+        double,
+        f" {'Metric':<29} | {'Cur Usage':>12} | {'Peak Usage':>12}",
+        rule,
+        f" {'Allocated memory':<29} | {_size(s['allocated_bytes']):>12} | "
+        f"{_size(s['peak_allocated_bytes']):>12}",
+        f" {'Requested memory':<29} | {_size(s['requested_bytes']):>12} |",
+        f" {'Reserved memory':<29} | {_size(s['reserved_bytes']):>12} | "
+        f"{_size(s['peak_reserved_bytes']):>12}",
+        f" {'Reusable (reserved, unused)':<29} | {_size(s['reusable_bytes']):>12} |",
+        f" {'Largest reusable block':<29} | {_size(s['largest_reusable_block']):>12} |",
+        rule,
+        f" {'Live allocations':<29} | {s['live_blocks']:>12d} |",
+        f" {'Segments':<29} | {s['segments']:>12d} |",
+        rule,
+        f" {'Metric':<29} | {'Total':>12}",
+        rule,
+        f" {'Allocation requests':<29} | {s['reserve_calls']:>12d}",
+        f" {'  served from the cache':<29} | {s['cache_hits']:>12d}",
+        f" {'Driver allocations':<29} | {s['driver_allocs']:>12d}",
+        f" {'Driver frees':<29} | {s['driver_frees']:>12d}",
+        double,
+    ]
+    return "|" + "|\n|".join(line.ljust(width) for line in lines) + "|\n"
 
 
 def _device_index(torch, device):
@@ -301,6 +353,10 @@ def install(count_reusable_as_free=False):
 
     def reset_peak_memory_stats(device=None):
         _lib.reset_peak_stats(_device_index(torch, device))
+
+    def memory_summary(device=None, abbreviated=False):
+        index = _device_index(torch, device)
+        return summary(_lib.stats(index), index)
 
     replacements = {name: value for name, value in locals().items() if name in PATCHED}
     if count_reusable_as_free:

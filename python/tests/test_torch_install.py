@@ -261,6 +261,31 @@ def test_stats_report_resmem_figures_under_pytorch_names(torch):
     assert cuda.max_memory_reserved() == 2 * MIB
 
 
+def test_memory_summary_prints_resmem_figures_in_pytorchs_layout(torch):
+    allocator = rtorch.install()
+    ptr = allocator.malloc(1000, DEVICE, None)
+    text = torch.cuda.memory_summary()
+    assert text == torch.cuda.memory.memory_summary(DEVICE, abbreviated=True)
+    lines = text.splitlines()
+    assert all(len(line) == 77 and line[0] == line[-1] == "|" for line in lines)
+    assert f"resmem memory summary, device ID {DEVICE}" in lines[1]
+
+
+    def rows(text):
+        cells = (line.strip("|").split("|") for line in text.splitlines())
+        return {c[0].strip(): [v.strip() for v in c[1:]] for c in cells if len(c) > 1}
+
+    row = rows(text)
+    assert row["Allocated memory"] == ["1024 B", "1024 B"]
+    assert row["Requested memory"] == ["1000 B", ""]
+    assert row["Reserved memory"] == ["2048 KiB", "2048 KiB"]
+    assert row["Reusable (reserved, unused)"] == ["2047 KiB", ""]
+    assert row["Live allocations"] == ["1", ""]
+    assert row["Segments"] == ["1", ""]
+    allocator.free(ptr, 1000, DEVICE, None)
+    assert rows(torch.cuda.memory_summary())["Allocated memory"] == ["0 B", "1024 B"]
+
+
 def test_hooks_empty_cache_fraction_and_record_stream(torch):
     allocator = rtorch.install()
     hooks = allocator.allocator().fns
