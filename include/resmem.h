@@ -170,6 +170,24 @@ enum rm_status rm_mem_get_info(int device, size_t *free_bytes, size_t *total_byt
 enum rm_status rm_reserve(int device, size_t size, void *stream, void **out_ptr);
 
 /**
+ * Reserve as [`rm_reserve`] for a stream that is capturing a CUDA graph, or while any stream
+ * of the device captures one (`resmem.torch.install()` calls it for PyTorch's graph
+ * captures): it never waits for the device's work (`cuCtxSynchronize`, `cuEventSynchronize`,
+ * `cuEventQuery`, `cuMemFree`) nor orders `stream` after another stream's
+ * (`cuStreamWaitEvent`), which the driver refuses during a capture, invalidating it. It takes
+ * a cached block of `stream`, an idle cached segment whose work is known done (released before
+ * the pool last waited for the device), or new memory; no cache goes back to the driver to
+ * make room, so where memory is short it fails with `RM_ERROR_OUT_OF_MEMORY` where
+ * `rm_reserve` might not. Use `rm_reserve` again once the capture has ended. During a capture,
+ * the driver creates memory only for a thread in CUDA's relaxed capture mode
+ * (`cuThreadExchangeStreamCaptureMode`), as PyTorch's allocator sets it around its own.
+ *
+ * # Safety
+ * `out_ptr` is NULL or valid for writing a pointer.
+ */
+enum rm_status rm_reserve_no_wait(int device, size_t size, void *stream, void **out_ptr);
+
+/**
  * Give a block back to the pool (not to the driver). NULL is accepted and does nothing.
  * A pointer the pool did not hand out, an interior pointer, or a second release fails with
  * `RM_ERROR_INVALID_POINTER` and changes nothing. The block is reusable at once on the stream it

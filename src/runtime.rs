@@ -244,6 +244,12 @@ pub fn reserve(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr
     }
 }
 
+/// `rm_reserve_no_wait` on the process-wide pool (see [`crate::pool::Pool::reserve_no_wait`]):
+/// sharing does not ask other processes for memory, which waits.
+pub fn reserve_no_wait(device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr, Error> {
+    pool()?.reserve_no_wait(device, size, stream)
+}
+
 /// `rm_warmup` on the process-wide pool; when the driver runs out and sharing is on, after
 /// asking the other processes on the device for the shortfall. The bytes newly allocated.
 pub fn warmup(device: i32, bytes: u64) -> Result<u64, Error> {

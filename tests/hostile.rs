@@ -139,6 +139,12 @@ fn every_export_refuses_bad_pointers_sizes_and_devices() {
                 rm_status::RM_ERROR_INVALID_DEVICE
             );
             assert_eq!(rm_warmup(device, 1), rm_status::RM_ERROR_INVALID_DEVICE);
+            let mut p = 1 as *mut c_void;
+            assert_eq!(
+                rm_reserve_no_wait(device, 512, null_mut(), &mut p),
+                rm_status::RM_ERROR_INVALID_DEVICE
+            );
+            assert!(p.is_null());
             assert_eq!(
                 rm_get_stats(device, &mut s),
                 rm_status::RM_ERROR_INVALID_DEVICE
@@ -170,6 +176,17 @@ fn every_export_refuses_bad_pointers_sizes_and_devices() {
             rm_reserve(0, 512, null_mut(), null_mut()),
             rm_status::RM_ERROR_INVALID_VALUE
         );
+        assert_eq!(
+            rm_reserve_no_wait(0, 512, null_mut(), null_mut()),
+            rm_status::RM_ERROR_INVALID_VALUE
+        );
+        assert!(last_error().starts_with("rm_reserve_no_wait: "));
+        let mut p = 1 as *mut c_void;
+        assert_eq!(
+            rm_reserve_no_wait(0, usize::MAX, null_mut(), &mut p),
+            rm_status::RM_ERROR_INVALID_VALUE
+        );
+        assert!(p.is_null());
         assert_eq!(
             rm_get_stats(0, null_mut()),
             rm_status::RM_ERROR_INVALID_VALUE

@@ -41,6 +41,7 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
         common::compile(cmd, &main, &out)
     });
     for driver in [Driver::InProcess, Driver::SimLibrary] {
+        let library = matches!(driver, Driver::SimLibrary);
         let out = run(&exe, &[], driver, &[]);
         let line = |case: &str| {
             out.lines()
@@ -118,5 +119,19 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
         );
         assert_eq!(line("empty_cache"), format!("empty_cache: {}", alloc(0)));
         assert_eq!(line("8 MiB after"), "8 MiB after: the released block");
+        if library {
+            // New memory for the capture, not the warm-up's block of another stream, whose
+            // reuse would order the capturing stream after that stream's work.
+            assert_eq!(
+                line("real capture"),
+                "real capture: begun 0, allocated 64 MiB, ended 0"
+            );
+            assert_eq!(
+                line("real capture released"),
+                "real capture released: allocated 0"
+            );
+        } else {
+            assert_eq!(line("real capture"), "real capture: no driver library");
+        }
     }
 }

@@ -79,7 +79,8 @@ int main() {
     if (rm_torch_raising_init(reinterpret_cast<void *>(&rm_reserve),
                               reinterpret_cast<void *>(&rm_torch_free),
                               reinterpret_cast<void *>(&rm_last_error),
-                              reinterpret_cast<void *>(&rm_torch_empty_cache)) != 0) {
+                              reinterpret_cast<void *>(&rm_torch_empty_cache),
+                              reinterpret_cast<void *>(&rm_reserve_no_wait)) != 0) {
         return 1;
     }
     std::vector<Way> ways = {

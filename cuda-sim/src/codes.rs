@@ -19,6 +19,9 @@ pub const CUDA_ERROR_INVALID_DEVICE: i32 = 101;
 pub const CUDA_ERROR_INVALID_CONTEXT: i32 = 201;
 /// A stream, event or other handle is unknown or of the wrong device.
 pub const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+/// The operation cannot be made in the present state (a capture begun twice, or ended where
+/// none began).
+pub const CUDA_ERROR_ILLEGAL_STATE: i32 = 401;
 /// A named symbol was not found.
 pub const CUDA_ERROR_NOT_FOUND: i32 = 500;
 /// The queried work has not completed yet.
@@ -31,11 +34,17 @@ pub const CUDA_ERROR_LAUNCH_FAILED: i32 = 719;
 pub const CUDA_ERROR_NOT_PERMITTED: i32 = 800;
 /// The operation is not supported.
 pub const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+/// The operation is not permitted while a stream captures a graph.
+pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
+/// The capture was invalidated by an earlier error.
+pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: i32 = 901;
+/// A capturing stream was made to wait for work outside its capture.
+pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: i32 = 905;
 /// An unknown internal error.
 pub const CUDA_ERROR_UNKNOWN: i32 = 999;
 
 /// Every code this module knows, in increasing order.
-pub const ALL: [i32; 16] = [
+pub const ALL: [i32; 20] = [
     CUDA_SUCCESS,
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -45,12 +54,16 @@ pub const ALL: [i32; 16] = [
     CUDA_ERROR_INVALID_DEVICE,
     CUDA_ERROR_INVALID_CONTEXT,
     CUDA_ERROR_INVALID_HANDLE,
+    CUDA_ERROR_ILLEGAL_STATE,
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_NOT_READY,
     CUDA_ERROR_ILLEGAL_ADDRESS,
     CUDA_ERROR_LAUNCH_FAILED,
     CUDA_ERROR_NOT_PERMITTED,
     CUDA_ERROR_NOT_SUPPORTED,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+    CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
     CUDA_ERROR_UNKNOWN,
 ];
 
@@ -74,6 +87,22 @@ fn entry(code: i32) -> Option<(&'static str, &'static str)> {
         CUDA_ERROR_LAUNCH_FAILED => ("CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"),
         CUDA_ERROR_NOT_PERMITTED => ("CUDA_ERROR_NOT_PERMITTED", "operation not permitted"),
         CUDA_ERROR_NOT_SUPPORTED => ("CUDA_ERROR_NOT_SUPPORTED", "operation not supported"),
+        CUDA_ERROR_ILLEGAL_STATE => (
+            "CUDA_ERROR_ILLEGAL_STATE",
+            "the operation cannot be performed in the present state",
+        ),
+        CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED => (
+            "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+            "operation not permitted when stream is capturing",
+        ),
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => (
+            "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+            "operation failed due to a previous error during capture",
+        ),
+        CUDA_ERROR_STREAM_CAPTURE_ISOLATION => (
+            "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+            "dependency created on uncaptured work in another stream",
+        ),
         CUDA_ERROR_UNKNOWN => ("CUDA_ERROR_UNKNOWN", "unknown error"),
         _ => return None,
     })

@@ -37,6 +37,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
+mod capture;
 pub mod codes;
 mod config;
 mod delays;
@@ -46,6 +47,7 @@ pub mod ledger;
 mod shared;
 mod streams;
 mod vmm;
+pub use capture::{CAPTURE_STATUS_ACTIVE, CAPTURE_STATUS_INVALIDATED, CAPTURE_STATUS_NONE};
 use codes::*;
 use config::{human_size, DEFAULT_DEVICES, DELAYS_VAR, ENV_VAR, FAULTS_VAR, SHARED_VAR, VMM_VAR};
 pub use config::{parse_devices, parse_size};
@@ -96,6 +98,8 @@ struct State {
     devices: Vec<Device>,
     streams: HashMap<StreamKey, StreamState>,
     events: HashMap<u64, EventState>,
+    /// The streams capturing a graph (`capture.rs`).
+    captures: capture::Captures,
     next_stream: u64,
     next_event: u64,
     alloc_calls: u64,
@@ -234,6 +238,7 @@ impl Sim {
                 devices,
                 streams,
                 events: HashMap::new(),
+                captures: Default::default(),
                 next_stream: FIRST_STREAM,
                 next_event: FIRST_EVENT,
                 alloc_calls: 0,
@@ -545,6 +550,12 @@ impl Sim {
         st.check_init()?;
         let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
         let dev = window_device(ptr).ok_or(invalid)?;
+        let d = st.devices.get_mut(dev).ok_or(invalid)?;
+        if !d.allocations.contains_key(&ptr) {
+            return Err(invalid);
+        }
+        // cuMemFree waits for the device first.
+        st.refuse_wait_while_capturing(dev as i32)?;
         let d = st.devices.get_mut(dev).ok_or(invalid)?;
         let size = d.allocations.remove(&ptr).ok_or(invalid)?;
         st.give_pages(dev, size / PAGE);

@@ -53,6 +53,8 @@ pub(crate) struct EventState {
     device: i32,
     /// What the last record captured (empty: never recorded).
     captured: Vec<Requirement>,
+    /// The capturing stream the last record was made on, if it was made during a capture.
+    pub(crate) recorded_in: Option<StreamKey>,
 }
 
 /// Adds `req` to `reqs`, keeping one entry per stream with the larger count.
@@ -64,8 +66,16 @@ fn merge_requirement(reqs: &mut Vec<Requirement>, req: Requirement) {
 }
 
 impl State {
+    /// The device of stream `key`, if it is known.
+    pub(crate) fn key_device(&self, key: StreamKey) -> Option<i32> {
+        match key {
+            StreamKey::Default(dev) => Some(dev),
+            StreamKey::Created(_) => self.streams.get(&key).map(|s| s.device),
+        }
+    }
+
     /// Resolves `stream` (0: `dev`'s default stream) to a live stream of `dev`.
-    fn stream_key(&self, dev: i32, stream: u64) -> CuResult<StreamKey> {
+    pub(crate) fn stream_key(&self, dev: i32, stream: u64) -> CuResult<StreamKey> {
         self.device(dev)?;
         if stream == 0 {
             return Ok(StreamKey::Default(dev));
@@ -202,6 +212,7 @@ impl Sim {
             EventState {
                 device: dev,
                 captured: Vec::new(),
+                recorded_in: None,
             },
         );
         Ok(handle)
@@ -227,14 +238,19 @@ impl Sim {
             return Err(CuError(CUDA_ERROR_INVALID_HANDLE));
         }
         let captured = st.capture(key);
-        st.events.get_mut(&event).expect("checked above").captured = captured;
+        let recorded_in = st.captures.capturing(key).then_some(key);
+        let e = st.events.get_mut(&event).expect("checked above");
+        e.captured = captured;
+        e.recorded_in = recorded_in;
         Ok(())
     }
 
     /// `cuEventQuery`: whether the captured work has completed (`true`);
     /// events never recorded are complete.
     pub fn event_query(&self, event: u64) -> CuResult<bool> {
-        let st = self.call(Call::EventQuery)?;
+        let mut st = self.call(Call::EventQuery)?;
+        let dev = st.event(event)?.device;
+        st.refuse_wait_while_capturing(dev)?;
         let e = st.event(event)?;
         Ok(e.captured.iter().all(|r| st.met(r)))
     }
@@ -243,6 +259,8 @@ impl Sim {
     /// therefore completes (with whatever it waits on).
     pub fn event_synchronize(&self, event: u64) -> CuResult<()> {
         let mut st = self.call(Call::EventSynchronize)?;
+        let dev = st.event(event)?.device;
+        st.refuse_wait_while_capturing(dev)?;
         let reqs = st.event(event)?.captured.clone();
         st.complete(&reqs);
         Ok(())
@@ -254,6 +272,8 @@ impl Sim {
     pub fn stream_wait_event(&self, dev: i32, stream: u64, event: u64) -> CuResult<()> {
         let mut st = self.call(Call::StreamWaitEvent)?;
         let key = st.stream_key(dev, stream)?;
+        st.event(event)?;
+        st.refuse_isolated_wait(key, event)?;
         let requires: Vec<Requirement> = st
             .event(event)?
             .captured
@@ -282,6 +302,9 @@ impl Sim {
     pub fn stream_synchronize(&self, dev: i32, stream: u64) -> CuResult<()> {
         let mut st = self.call(Call::StreamSynchronize)?;
         let key = st.stream_key(dev, stream)?;
+        if st.captures.capturing(key) {
+            st.refuse_wait_while_capturing(dev)?;
+        }
         st.complete_stream(key);
         Ok(())
     }
@@ -289,8 +312,11 @@ impl Sim {
     /// `cuStreamQuery`: whether everything enqueued on the stream so far,
     /// including the waits issued on it, has completed.
     pub fn stream_query(&self, dev: i32, stream: u64) -> CuResult<bool> {
-        let st = self.call(Call::StreamQuery)?;
+        let mut st = self.call(Call::StreamQuery)?;
         let key = st.stream_key(dev, stream)?;
+        if st.captures.capturing(key) {
+            st.refuse_wait_while_capturing(dev)?;
+        }
         Ok(st.capture(key).is_empty())
     }
 
@@ -299,6 +325,7 @@ impl Sim {
     pub fn synchronize(&self, dev: i32) -> CuResult<()> {
         let mut st = self.call(Call::CtxSynchronize)?;
         st.device(dev)?;
+        st.refuse_wait_while_capturing(dev)?;
         let keys: Vec<StreamKey> = st
             .streams
             .iter()

@@ -38,6 +38,7 @@ using LastError = const char *(*)();
 using EmptyCache = void (*)();
 
 Reserve reserve_fn = nullptr;
+Reserve reserve_no_wait_fn = nullptr;
 Free free_fn = nullptr;
 LastError last_error_fn = nullptr;
 EmptyCache empty_cache_fn = nullptr;
@@ -56,30 +57,36 @@ const char *const NOT_SET_UP =
     throw std::runtime_error(message);
 }
 
-// A block from rm_reserve, a failure thrown.
-inline void *reserve(std::size_t size, int device, void *stream) {
+// A block from `reserve_with` (rm_reserve or rm_reserve_no_wait), a failure thrown.
+inline void *reserve(Reserve reserve_with, std::size_t size, int device, void *stream) {
     void *ptr = nullptr;
-    rm_status status = reserve_fn(device, size, stream, &ptr);
+    rm_status status = reserve_with(device, size, stream, &ptr);
     if (__builtin_expect(status != RM_SUCCESS, 0)) {
         fail(status);
     }
     return ptr;
 }
 
-// An allocation a capture takes: from its graph's pool (apart from the hit path).
-__attribute__((noinline)) void *graph_alloc(graph_pools::MempoolId pool, std::size_t size,
-                                            int device, void *stream) {
-    if (void *ptr = graph_pools::reuse(pool, size)) {
-        return ptr;
+// An allocation while a capture is under way: rm_reserve_no_wait, which never waits for the
+// device's work or orders the stream after another's (the driver refuses both during a capture
+// and invalidates it), in CUDA's relaxed capture mode, where the driver makes memory during a
+// capture (as PyTorch's own allocator makes it). From the graph's pool first where the capture
+// takes it (`pool` not null).
+__attribute__((noinline)) void *capture_alloc(const graph_pools::MempoolId *pool,
+                                              std::size_t size, int device, void *stream) {
+    if (pool != nullptr) {
+        if (void *ptr = graph_pools::reuse(*pool, size)) {
+            return ptr;
+        }
     }
     void *ptr;
     {
-        // The driver calls that make memory, allowed while the stream captures (as PyTorch's
-        // own allocator makes them).
         graph_pools::RelaxedCapture relaxed;
-        ptr = reserve(size, device, stream);
+        ptr = reserve(reserve_no_wait_fn, size, device, stream);
     }
-    graph_pools::adopt(pool, ptr, size);
+    if (pool != nullptr) {
+        graph_pools::adopt(*pool, ptr, size);
+    }
     return ptr;
 }
 
@@ -87,16 +94,17 @@ __attribute__((noinline)) void *graph_alloc(graph_pools::MempoolId pool, std::si
 
 extern "C" {
 
-// libresmem's rm_reserve, rm_torch_free, rm_last_error and rm_torch_empty_cache, given once by
-// resmem.torch before PyTorch gets the functions below. Returns 0, or -1 (nothing changed) if
-// one is NULL.
+// libresmem's rm_reserve, rm_torch_free, rm_last_error, rm_torch_empty_cache and
+// rm_reserve_no_wait, given once by resmem.torch before PyTorch gets the functions below.
+// Returns 0, or -1 (nothing changed) if one is NULL.
 RM_TORCH_EXPORT int rm_torch_raising_init(void *reserve, void *free, void *last_error,
-                                          void *empty_cache) {
+                                          void *empty_cache, void *reserve_no_wait) {
     if (reserve == nullptr || free == nullptr || last_error == nullptr ||
-        empty_cache == nullptr) {
+        empty_cache == nullptr || reserve_no_wait == nullptr) {
         return -1;
     }
     reserve_fn = reinterpret_cast<Reserve>(reserve);
+    reserve_no_wait_fn = reinterpret_cast<Reserve>(reserve_no_wait);
     free_fn = reinterpret_cast<Free>(free);
     last_error_fn = reinterpret_cast<LastError>(last_error);
     empty_cache_fn = reinterpret_cast<EmptyCache>(empty_cache);
@@ -104,18 +112,19 @@ RM_TORCH_EXPORT int rm_torch_raising_init(void *reserve, void *free, void *last_
 }
 
 // PyTorch's alloc_fn (whose size is a size_t): a block from rm_reserve, a failure thrown as
-// std::runtime_error (size 0 still returns NULL, as PyTorch expects of an empty tensor). An
-// allocation a graph's capture takes comes from that graph's pool.
+// std::runtime_error (size 0 still returns NULL, as PyTorch expects of an empty tensor). While
+// a capture is under way, from rm_reserve_no_wait, and an allocation the capture takes from its
+// graph's pool.
 RM_TORCH_EXPORT void *rm_torch_raising_malloc(std::size_t size, int device, cudaStream_t stream) {
     if (reserve_fn == nullptr) {
         throw std::runtime_error(NOT_SET_UP);
     }
-    graph_pools::MempoolId pool;
-    if (__builtin_expect(graph_pools::capture_under_way(), 0) && size > 0 &&
-        graph_pools::capturing(device, stream, &pool)) {
-        return graph_alloc(pool, size, device, stream);
+    if (__builtin_expect(graph_pools::capture_under_way(), 0) && size > 0) {
+        graph_pools::MempoolId pool;
+        bool taken = graph_pools::capturing(device, stream, &pool);
+        return capture_alloc(taken ? &pool : nullptr, size, device, stream);
     }
-    return reserve(size, device, stream);
+    return reserve(reserve_fn, size, device, stream);
 }
 
 // PyTorch's free_fn: rm_torch_free, but a block of a graph's pool stays in the pool.

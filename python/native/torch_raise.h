@@ -16,7 +16,8 @@ using TorchAllocFn = void *(std::size_t, int, cudaStream_t);
 using TorchFreeFn = void(void *, std::size_t, int, cudaStream_t);
 
 extern "C" {
-int rm_torch_raising_init(void *reserve, void *free, void *last_error, void *empty_cache);
+int rm_torch_raising_init(void *reserve, void *free, void *last_error, void *empty_cache,
+                          void *reserve_no_wait);
 void *rm_torch_raising_malloc(std::size_t size, int device, cudaStream_t stream);
 void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream);
 void rm_torch_raising_begin_allocate_to_pool(int device, graph_pools::MempoolId pool,

@@ -240,8 +240,14 @@ def raising_library():
     if path not in _RAISING_LOADED:
         _RAISING_LOADED[path] = ctypes.CDLL(path)
     init = _RAISING_LOADED[path].rm_torch_raising_init
-    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p] * 4
-    names = ("rm_reserve", "rm_torch_free", "rm_last_error", "rm_torch_empty_cache")
+    init.restype, init.argtypes = ctypes.c_int, [ctypes.c_void_p] * 5
+    names = (
+        "rm_reserve",
+        "rm_torch_free",
+        "rm_last_error",
+        "rm_torch_empty_cache",
+        "rm_reserve_no_wait",
+    )
     if init(*(_address(lib, name) for name in names)) != 0:
         raise RuntimeError(f"{path}: rm_torch_raising_init refused libresmem's entry points")
     return path

@@ -59,7 +59,7 @@ use std::sync::Arc;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{Error, Result};
 use crate::pool::size::SMALL_MAX;
-use crate::pool::Pool;
+use crate::pool::{Pool, Waits};
 use crate::tls;
 pub(crate) use bindings::forget_key;
 use bindings::{Binding, Bindings};
@@ -136,13 +136,34 @@ impl Front {
     /// A block of at least `size` bytes on `device` for use on `stream`; `0` for size 0.
     #[inline]
     pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        self.reserve_as(device, size, stream, Waits::Allowed)
+    }
+
+    /// [`Front::reserve`] for a stream capturing a CUDA graph: see [`Pool::reserve_no_wait`].
+    pub fn reserve_no_wait(
+        &self,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr> {
+        self.reserve_as(device, size, stream, Waits::Never)
+    }
+
+    #[inline]
+    fn reserve_as(
+        &self,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+        waits: Waits,
+    ) -> Result<DevicePtr> {
         let inner = &self.inner;
         if size == 0 || device as u32 >= inner.devices {
-            return inner.pool.reserve(device, size, stream);
+            return inner.pool.reserve_as(device, size, stream, waits);
         }
         if size > MAX_BLOCK {
             // Not cached, but it may need what the caches hold.
-            return inner.miss(device, size, 0, stream);
+            return inner.miss(device, size, 0, stream, waits);
         }
         let block = block_of(size);
         let hit = tls::with(|t| {
@@ -153,7 +174,7 @@ impl Front {
         });
         match hit.flatten() {
             Some(ptr) => Ok(ptr),
-            None => inner.miss(device, size, block, stream),
+            None => inner.miss(device, size, block, stream, waits),
         }
     }
 
@@ -639,6 +660,7 @@ impl Inner {
         size: u64,
         block: u64,
         stream: StreamHandle,
+        waits: Waits,
     ) -> Result<DevicePtr> {
         // A large request (its block over SMALL_MAX: the bound is a multiple of the block
         // rounding, so the size's side is the block's).
@@ -651,11 +673,11 @@ impl Inner {
                 if self.sum(device).cached_blocks != 0 {
                     self.drain();
                 }
-                match self.pool.reserve(device, size, stream) {
+                match self.pool.reserve_as(device, size, stream, waits) {
                     // Blocks cached by other threads meanwhile may be what is missing.
                     Err(e) if e.is_out_of_memory() && self.sum(device).cached_blocks != 0 => {
                         self.drain();
-                        self.pool.reserve(device, size, stream)?
+                        self.pool.reserve_as(device, size, stream, waits)?
                     }
                     result => result?,
                 }

@@ -167,6 +167,17 @@ struct Pending {
     released: u64,
 }
 
+/// Whether a reserve may wait for the device's work or order its stream after another's: not
+/// while a stream captures a CUDA graph (see [`super::Pool::reserve_no_wait`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waits {
+    /// Every step of the policy.
+    Allowed,
+    /// Only the steps that need no wait: the stream's cached blocks, settled idle segments of
+    /// other streams, new memory; no cache returned.
+    Never,
+}
+
 /// Whether `grow` may give cached memory back to make room (steps 3 and 4 of the policy).
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Grow {
@@ -239,6 +250,8 @@ pub struct DevicePool {
     /// An earlier pass of this request went past taking idle ranges of lent pages apart, or
     /// took them apart (`growing.rs`): later passes do not do it again.
     borrowed_returned: bool,
+    /// Whether the reserve under way may wait (`Allowed` between reserves).
+    waits: Waits,
     /// The creation deferred by this pass.
     plan: Option<Plan>,
     /// Memory made without the lock, for this pass to take.
@@ -297,6 +310,7 @@ impl DevicePool {
             settled: 0,
             defer: false,
             borrowed_returned: false,
+            waits: Waits::Allowed,
             plan: None,
             prepared: None,
             growing: 0,
@@ -305,8 +319,23 @@ impl DevicePool {
         }
     }
 
-    /// A block of at least `size` bytes for use on `stream`; `size` must be non-zero.
-    pub fn reserve(
+    /// A block of at least `size` bytes for use on `stream`; `size` must be non-zero. Without
+    /// waits where `waits` says (see `Pool::reserve_no_wait`).
+    pub fn reserve_as(
+        &mut self,
+        cx: &Context<'_>,
+        size: u64,
+        stream: StreamHandle,
+        waits: Waits,
+    ) -> Result<DevicePtr> {
+        self.waits = waits;
+        let reserved = self.reserve_steps(cx, size, stream);
+        self.waits = Waits::Allowed;
+        reserved
+    }
+
+    /// The steps of [`DevicePool::reserve_as`].
+    fn reserve_steps(
         &mut self,
         cx: &Context<'_>,
         size: u64,
@@ -322,7 +351,8 @@ impl DevicePool {
         // again in a later pass of the request (`growing.rs`): an earlier pass did it, and the
         // lenders it made idle would give back more, where a single pass leaves them to the
         // next request.
-        if !self.borrowed_returned && self.return_borrowed(cx)? {
+        let waits = self.waits == Waits::Allowed;
+        if waits && !self.borrowed_returned && self.return_borrowed(cx)? {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
             }
@@ -330,13 +360,19 @@ impl DevicePool {
         // 3. and 4. A new segment, returning cache to the driver first where needed.
         let class = size::class_of(block_size);
         let ooms = self.stats.ooms;
+        // Without waits, no cache goes back (`cuMemFree` waits; a range's pages need their
+        // work done) and none is mapped into the new range: the request's memory is new.
         let grown = self.grow(
             cx,
             size::segment_size(block_size),
             class,
             stream,
             size,
-            Grow::MayRelease,
+            if waits {
+                Grow::MayRelease
+            } else {
+                Grow::KeepCache
+            },
         );
         match grown {
             Ok(id) => Ok(self.take(id, block_size, size)),
@@ -364,7 +400,7 @@ impl DevicePool {
         }
     }
 
-    /// Like [`DevicePool::reserve`], but only from memory already held (steps 1 and 2): `None`
+    /// Like [`DevicePool::reserve_as`], but only from memory already held (steps 1 and 2): `None`
     /// where the request would need the driver, and then nothing is counted.
     pub fn reserve_cached(
         &mut self,
@@ -380,7 +416,7 @@ impl DevicePool {
         Ok(found)
     }
 
-    /// Steps 1 and 2 of [`DevicePool::reserve`].
+    /// Steps 1 and 2 of [`DevicePool::reserve_as`].
     fn reuse(
         &mut self,
         cx: &Context<'_>,
@@ -388,7 +424,7 @@ impl DevicePool {
         block_size: u64,
         stream: StreamHandle,
     ) -> Result<Option<DevicePtr>> {
-        if !self.pending.is_empty() {
+        if !self.pending.is_empty() && self.waits == Waits::Allowed {
             self.collect_pending(cx, false)?;
         }
         let class = size::class_of(block_size);

@@ -65,6 +65,7 @@ use std::time::{Duration, Instant};
 
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error, Result};
+pub(crate) use device::Waits;
 use device::{DevicePool, Pass, Sweep};
 pub use layout::Layout;
 pub use shards::SHARDS;
@@ -391,14 +392,43 @@ impl Pool {
     /// cache, that cache goes back to the driver and the request runs once more, as PyTorch's
     /// policy returns every stream's cache before it fails.
     pub fn reserve(&self, device: i32, size: u64, stream: StreamHandle) -> Result<DevicePtr> {
+        self.reserve_as(device, size, stream, Waits::Allowed)
+    }
+
+    /// [`Pool::reserve`] for a stream that is capturing a CUDA graph (or while any stream of the
+    /// device captures): it never waits for the device's work (`cuCtxSynchronize`,
+    /// `cuEventSynchronize`, `cuEventQuery`, `cuMemFree`) nor orders `stream` after another
+    /// stream's (`cuStreamWaitEvent`), which the driver refuses during a capture, invalidating
+    /// it. So it takes only what needs neither: the stream's own cached blocks, idle segments
+    /// whose work is known done (released before the last wait for the device), and new memory
+    /// (as PyTorch's allocator serves a capture: from the graph's pool or `cudaMalloc`). No
+    /// cache goes back to the driver to make room: past the driver's memory or the cap it fails
+    /// with an out-of-memory error.
+    pub fn reserve_no_wait(
+        &self,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+    ) -> Result<DevicePtr> {
+        self.reserve_as(device, size, stream, Waits::Never)
+    }
+
+    /// [`Pool::reserve`] or [`Pool::reserve_no_wait`], as `waits` says.
+    pub(crate) fn reserve_as(
+        &self,
+        device: i32,
+        size: u64,
+        stream: StreamHandle,
+        waits: Waits,
+    ) -> Result<DevicePtr> {
         if size == 0 {
             return self.device_index(device).map(|_| 0);
         }
-        let f = |pool: &mut DevicePool, cx: &Context<'_>| pool.reserve(cx, size, stream);
+        let f = |pool: &mut DevicePool, cx: &Context<'_>| pool.reserve_as(cx, size, stream, waits);
         let (index, guard) = self.lock_stream(device, stream)?;
         let books = Books::new(guard, &self.shards[index]);
         let err = match self.unlocked_growth(index, books, self.context(index), f) {
-            Err(err) if err.is_out_of_memory() => err,
+            Err(err) if err.is_out_of_memory() && waits == Waits::Allowed => err,
             done => return done,
         };
         if self.free_other_shards(index)? == 0 {

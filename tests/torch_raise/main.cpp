@@ -1,10 +1,14 @@
 // Calls python/native/torch_raise.cpp's functions as PyTorch's CUDAPluggableAllocator does:
 // through std::function objects made from the raw addresses, an exception caught by C++ above
 // them, and the graph-pool hooks called as torch.cuda.graph calls them (a capture emulated by a
-// filter that takes the default stream while `capturing` is set). Prints what happened, one
-// line a case, for tests/torch_raise.rs to check.
+// filter that takes the default stream while `capturing` is set; and, on the simulated driver
+// library, a capture the driver sees). Prints what happened, one line a case, for
+// tests/torch_raise.rs to check.
+
+#include <dlfcn.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <stdexcept>
 #include <vector>
@@ -39,6 +43,70 @@ void try_alloc(const char *what, const std::function<TorchAllocFn> &alloc, size_
     }
 }
 
+// A capture the simulated driver sees, where resmem loads libcuda_sim.so as the driver
+// (RESMEM_CUDA_LIBRARY): the same library, opened again, gives its streams and captures. A
+// warm-up's 64 MiB block on stream `a`, its work still queued, is cached when stream `c`
+// begins capturing; an allocation the capture takes must not order `c` after `a`'s work nor
+// wait for the device (the driver refuses both, and the capture with them).
+int real_capture(const std::function<TorchAllocFn> &alloc, const std::function<TorchFreeFn> &free) {
+    const char *path = std::getenv("RESMEM_CUDA_LIBRARY");
+    if (path == nullptr) {
+        std::printf("real capture: no driver library\n");
+        return 0;
+    }
+    void *driver = dlopen(path, RTLD_NOW);
+    if (driver == nullptr) {
+        std::printf("real capture: %s\n", dlerror());
+        return 1;
+    }
+    using Retain = int (*)(void **, int);
+    using SetCurrent = int (*)(void *);
+    using StreamCreate = int (*)(cudaStream_t *, unsigned);
+    using BeginCapture = int (*)(cudaStream_t, int);
+    using EndCapture = int (*)(cudaStream_t, void **);
+    using OnStream = int (*)(cudaStream_t);
+    auto sym = [&](const char *name) { return dlsym(driver, name); };
+    void *ctx = nullptr;
+    cudaStream_t a = nullptr, c = nullptr;
+    void *graph = nullptr;
+    if (reinterpret_cast<Retain>(sym("cuDevicePrimaryCtxRetain"))(&ctx, 0) != 0 ||
+        reinterpret_cast<SetCurrent>(sym("cuCtxSetCurrent"))(ctx) != 0 ||
+        reinterpret_cast<StreamCreate>(sym("cuStreamCreate"))(&a, 0) != 0 ||
+        reinterpret_cast<StreamCreate>(sym("cuStreamCreate"))(&c, 0) != 0) {
+        std::printf("real capture: no streams\n");
+        return 1;
+    }
+    const size_t MiB = size_t{1} << 20;
+    void *warm = alloc(64 * MiB, 0, a);
+    reinterpret_cast<OnStream>(sym("cudasim_enqueue_work"))(a);
+    free(warm, 64 * MiB, 0, a);
+    unsigned long long before = allocated();
+    static cudaStream_t capturing = nullptr;
+    capturing = c;
+    const graph_pools::MempoolId pool{2, 0};
+    rm_torch_raising_begin_allocate_to_pool(0, pool, [](cudaStream_t s) { return s == capturing; });
+    int begun = reinterpret_cast<BeginCapture>(sym("cuStreamBeginCapture_v2"))(c, 0);
+    const char *outcome = "allocated";
+    void *block = nullptr;
+    try {
+        block = alloc(64 * MiB, 0, c);
+    } catch (const std::runtime_error &e) {
+        std::printf("real capture: threw: %s\n", e.what());
+        outcome = "threw";
+    }
+    int ended = reinterpret_cast<EndCapture>(sym("cuStreamEndCapture"))(c, &graph);
+    rm_torch_raising_end_allocate_to_pool(0, pool);
+    std::printf("real capture: begun %d, %s %llu MiB, ended %d\n", begun, outcome,
+                (allocated() - before) / MiB, ended);
+    rm_torch_raising_release_pool(0, pool);
+    if (block != nullptr) {
+        free(block, 64 * MiB, 0, c);
+    }
+    rm_torch_raising_empty_cache();
+    std::printf("real capture released: allocated %llu\n", allocated());
+    return 0;
+}
+
 }  // namespace
 
 int main() {
@@ -49,12 +117,14 @@ int main() {
     std::function<PoolFn> end = reinterpret_cast<PoolFn *>(&rm_torch_raising_end_allocate_to_pool);
     std::function<PoolFn> release = reinterpret_cast<PoolFn *>(&rm_torch_raising_release_pool);
     try_alloc("before init", alloc, 1 << 20);
-    std::printf("init with NULL: %d\n", rm_torch_raising_init(nullptr, nullptr, nullptr, nullptr));
+    std::printf("init with NULL: %d\n",
+                rm_torch_raising_init(nullptr, nullptr, nullptr, nullptr, nullptr));
     std::printf("init: %d\n",
                 rm_torch_raising_init(reinterpret_cast<void *>(&rm_reserve),
                                       reinterpret_cast<void *>(&rm_torch_free),
                                       reinterpret_cast<void *>(&rm_last_error),
-                                      reinterpret_cast<void *>(&rm_torch_empty_cache)));
+                                      reinterpret_cast<void *>(&rm_torch_empty_cache),
+                                      reinterpret_cast<void *>(&rm_reserve_no_wait)));
     try_alloc("1 MiB", alloc, 1 << 20);
     try_alloc("0 bytes", alloc, 0);
     if (rm_set_memory_limit(0, size_t{64} << 20) != RM_SUCCESS) {
@@ -122,5 +192,5 @@ int main() {
     void *f = alloc(8 * MiB, 0, nullptr);
     std::printf("8 MiB after: %s\n", f == a ? "the released block" : "another");
     free(f, 8 * MiB, 0, nullptr);
-    return 0;
+    return real_capture(alloc, free);
 }

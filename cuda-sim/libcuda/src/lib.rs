@@ -660,6 +660,68 @@ pub unsafe extern "C" fn cuStreamWaitEvent(
     })
 }
 
+/// `cuStreamBeginCapture_v2`: the stream begins capturing a graph (any capture mode; the
+/// simulator refuses waits during a capture as the default, global mode does, see
+/// `cuda_sim`'s capture module). The default stream cannot capture.
+///
+/// # Safety
+/// Always safe to call; `stream` is only compared, never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2(stream: CUstream, mode: c_uint) -> CUresult {
+    guard(|| {
+        initialized()?;
+        if mode > 2 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (dev, handle) = resolve_stream(stream)?;
+        cu(sim().stream_begin_capture(dev, handle))
+    })
+}
+
+/// `cuStreamEndCapture`: the capture on the stream ends; `*ph_graph` gets a non-NULL handle
+/// standing for the graph (the simulator keeps no graph), NULL where the capture was
+/// invalidated (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
+///
+/// # Safety
+/// `ph_graph` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamEndCapture(
+    stream: CUstream,
+    ph_graph: *mut *mut c_void,
+) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(ph_graph)?;
+        let (dev, handle) = resolve_stream(stream)?;
+        let ended = cu(sim().stream_end_capture(dev, handle));
+        let graph = if ended.is_ok() {
+            stream.cast::<c_void>()
+        } else {
+            std::ptr::null_mut()
+        };
+        // SAFETY: the caller's contract on `ph_graph`.
+        unsafe { write_out(ph_graph, graph) }?;
+        ended
+    })
+}
+
+/// `cuStreamIsCapturing`: the stream's `CUstreamCaptureStatus` (0 none, 1 active,
+/// 2 invalidated).
+///
+/// # Safety
+/// `status` must be NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamIsCapturing(stream: CUstream, status: *mut c_uint) -> CUresult {
+    guard(|| {
+        initialized()?;
+        non_null(status)?;
+        let (dev, handle) = resolve_stream(stream)?;
+        let got = cu(sim().stream_is_capturing(dev, handle))?;
+        // SAFETY: the caller's contract on `status`.
+        unsafe { write_out(status, got) }
+    })
+}
+
 /// `cuEventCreate`: creates an event on the current device. `flags` may
 /// combine `CU_EVENT_BLOCKING_SYNC` (1) and `CU_EVENT_DISABLE_TIMING` (2).
 ///

@@ -9,7 +9,7 @@
 //! each held every other thread's reserve and release on the device behind it, even those the
 //! cache serves: one stream's growth serialized another stream's work on other memory. So
 //! `Pool::reserve` and `Pool::warmup` take several passes over the usual path
-//! (`DevicePool::reserve`, `DevicePool::warmup`):
+//! (`DevicePool::reserve_as`, `DevicePool::warmup`):
 //!
 //! 1. Under the lock, with growth *deferred*: where the growth policy (`obtain`) would call the
 //!    driver for new memory and has nothing to do first (the cap, counting other threads'
@@ -346,7 +346,7 @@ impl DevicePool {
         self.unplan(&plan);
         // Every plan but a wait alone comes from a pass that went past taking idle ranges apart
         // (`return_borrowed`), or took them apart: the passes after it do not take apart the
-        // lenders those give-backs made idle (`DevicePool::reserve`).
+        // lenders those give-backs made idle (`DevicePool::reserve_as`).
         self.borrowed_returned = !(plan.backing == Backing::Wait && plan.unmaps.is_empty());
         if !plan.unmaps.is_empty() {
             self.book_queued(cx, &mut plan.unmaps);

@@ -51,11 +51,16 @@ impl DevicePool {
         block_size: u64,
         stream: StreamHandle,
     ) -> Result<Option<BlockId>> {
+        // Without waits, only a segment of the stream's own, or one whose work is done.
+        let waits = self.waits == Waits::Allowed;
         let best = self
             .idle
             .iter()
             .map(|&seg| (&self.segments[seg], seg))
             .filter(|(s, _)| s.class == class && s.size >= block_size)
+            .filter(|(s, seg)| {
+                waits || self.slots[s.slot].handle == stream || self.is_settled(*seg)
+            })
             .min_by_key(|(s, seg)| (s.size, *seg))
             .map(|(_, seg)| seg);
         let Some(seg) = best else {
@@ -64,7 +69,9 @@ impl DevicePool {
         let (old_slot, id) = (self.segments[seg].slot, self.segments[seg].first);
         let old = self.slots[old_slot].handle;
         if old != stream {
-            self.order_after(cx, old, stream)?;
+            if waits {
+                self.order_after(cx, old, stream)?;
+            }
             self.bin_remove(old_slot, class, id);
             self.leave_slot(old_slot);
             let slot = self.join_slot(stream);
