@@ -80,7 +80,23 @@ impl State {
     }
 }
 
+std::thread_local! {
+    /// The calling thread's `CUstreamCaptureMode` (0 global, the default; 1 thread-local;
+    /// 2 relaxed).
+    static MODE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 impl Sim {
+    /// `cuThreadExchangeStreamCaptureMode`: the calling thread's capture mode becomes `mode`;
+    /// returns the old one. The simulator refuses waits during a capture whatever the mode.
+    pub fn thread_exchange_capture_mode(&self, mode: u32) -> CuResult<u32> {
+        let _st = self.call(Call::ThreadExchangeStreamCaptureMode)?;
+        if mode > 2 {
+            return Err(CuError(CUDA_ERROR_INVALID_VALUE));
+        }
+        Ok(MODE.with(|m| m.replace(mode)))
+    }
+
     /// `cuStreamBeginCapture`: `stream` (a created stream of `dev`) begins capturing a graph.
     /// The default stream fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, a stream already
     /// capturing with `CUDA_ERROR_ILLEGAL_STATE`.

@@ -76,6 +76,7 @@ driver_calls! {
     StreamBeginCapture = "cuStreamBeginCapture_v2",
     StreamEndCapture = "cuStreamEndCapture",
     StreamIsCapturing = "cuStreamIsCapturing",
+    ThreadExchangeStreamCaptureMode = "cuThreadExchangeStreamCaptureMode",
     EventCreate = "cuEventCreate",
     EventRecord = "cuEventRecord",
     EventQuery = "cuEventQuery",

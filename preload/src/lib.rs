@@ -10,7 +10,10 @@
 //! `cudaMemGetInfo` (runtime API, through a dynamically linked `libcudart`), `cuMemGetInfo_v2`
 //! and `cuMemGetInfo` (driver API). With `RESMEM_CONF=preload_allocations:true` it also routes
 //! `cudaMalloc`/`cudaFree` and `cuMemAlloc_v2`/`cuMemFree_v2` through the pool, so that an
-//! unmodified program gets the reserved-reuse policy. The pool comes with this object (its
+//! unmodified program gets the reserved-reuse policy; an allocation from a thread in CUDA's
+//! relaxed stream-capture mode (how PyTorch's allocator allocates while a graph is captured)
+//! goes through `rm_reserve_no_wait`, which makes no wait the driver refuses during a capture.
+//! The pool comes with this object (its
 //! `rm_*` functions are exported too, and being preloaded they are the ones a program calls).
 //!
 //! The real functions are reached through handles of their own libraries (`real.rs`), so a call
@@ -40,6 +43,47 @@ const NOT_INITIALIZED: c_int = 3;
 const INVALID_DEVICE: c_int = 101;
 /// `cudaErrorUnknown` and `CUDA_ERROR_UNKNOWN`.
 const UNKNOWN: c_int = 999;
+
+/// `cudaStreamCaptureModeRelaxed` / `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_MODE_RELAXED: c_int = 2;
+
+/// Whether the calling thread is in CUDA's relaxed stream-capture mode, read by exchanging the
+/// mode and putting it back: how an allocation made while a stream captures a graph is made
+/// (PyTorch's allocator switches to it around its `cudaMalloc` during a capture, as the driver
+/// creates memory then only in that mode). Such an allocation goes through
+/// `rm_reserve_no_wait`, which makes none of the waits the driver refuses during a capture (a
+/// thread relaxed for another reason only gets less reuse of cached memory). False where the
+/// library lacks the function or refuses it.
+fn relaxed_capture(exchange: Option<real::ExchangeCaptureMode>) -> bool {
+    let Some(exchange) = exchange else {
+        return false;
+    };
+    let mut mode = CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is a valid int; the call writes the thread's old mode there.
+    if unsafe { exchange(&mut mode) } != CUDA_SUCCESS {
+        return false;
+    }
+    let mut back = mode;
+    // SAFETY: as above; it puts the old mode back.
+    unsafe { exchange(&mut back) };
+    mode == CAPTURE_MODE_RELAXED
+}
+
+/// A block for an interposed allocation on `device`'s default stream: `rm_reserve`, or
+/// `rm_reserve_no_wait` for a thread in the relaxed capture mode ([`relaxed_capture`]).
+fn reserve_for(
+    device: c_int,
+    size: usize,
+    exchange: Option<real::ExchangeCaptureMode>,
+) -> Result<u64, Error> {
+    let outcome = if relaxed_capture(exchange) {
+        runtime::reserve_no_wait(device, size as u64, 0)
+    } else {
+        runtime::reserve(device, size as u64, 0)
+    };
+    record::reserved(device, size as u64, 0, &outcome);
+    outcome
+}
 
 /// Run an interposer's body; a panic becomes `UNKNOWN` rather than unwinding into the program.
 fn guard(body: impl FnOnce() -> c_int) -> c_int {
@@ -199,9 +243,7 @@ pub unsafe extern "C" fn cudaMalloc(ptr: *mut *mut c_void, size: usize) -> c_int
         if status != CUDA_SUCCESS {
             return status;
         }
-        let outcome = runtime::reserve(device, size as u64, 0);
-        record::reserved(device, size as u64, 0, &outcome);
-        match outcome {
+        match reserve_for(device, size, rt.exchange_capture_mode) {
             Ok(block) => {
                 // SAFETY: checked non-null; valid by the caller's contract.
                 unsafe { *ptr = block as *mut c_void };
@@ -268,9 +310,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(ptr: *mut u64, size: usize) -> c_int {
         if status != CUDA_SUCCESS {
             return status;
         }
-        let outcome = runtime::reserve(device, size as u64, 0);
-        record::reserved(device, size as u64, 0, &outcome);
-        match outcome {
+        match reserve_for(device, size, driver.exchange_capture_mode) {
             Ok(block) => {
                 // SAFETY: checked non-null; valid by the caller's contract.
                 unsafe { *ptr = block };

@@ -27,7 +27,14 @@ pub struct Runtime {
     pub free: unsafe extern "C" fn(*mut c_void) -> Status,
     /// `cudaDeviceSynchronize(void)`.
     pub device_synchronize: unsafe extern "C" fn() -> Status,
+    /// `cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode *mode)`, where the runtime
+    /// has it (CUDA 10.1 and later).
+    pub exchange_capture_mode: Option<ExchangeCaptureMode>,
 }
+
+/// `cudaThreadExchangeStreamCaptureMode` and `cuThreadExchangeStreamCaptureMode`: the calling
+/// thread's stream-capture mode set to `*mode`, the old one written there.
+pub type ExchangeCaptureMode = unsafe extern "C" fn(*mut c_int) -> Status;
 
 /// The driver API functions the interposers need.
 pub struct Driver {
@@ -41,6 +48,8 @@ pub struct Driver {
     pub mem_free: unsafe extern "C" fn(u64) -> Status,
     /// `cuCtxSynchronize(void)`.
     pub ctx_synchronize: unsafe extern "C" fn() -> Status,
+    /// `cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)`, where the driver has it.
+    pub exchange_capture_mode: Option<ExchangeCaptureMode>,
 }
 
 /// Resolve `name` on `handle` as a function pointer of type `F`.
@@ -102,6 +111,7 @@ fn runtime_from_loaded() -> Option<Runtime> {
             malloc: symbol(handle, c"cudaMalloc")?,
             free: symbol(handle, c"cudaFree")?,
             device_synchronize: symbol(handle, c"cudaDeviceSynchronize")?,
+            exchange_capture_mode: symbol(handle, c"cudaThreadExchangeStreamCaptureMode"),
         })
     }
 }
@@ -125,6 +135,7 @@ fn driver_from_library() -> Option<Driver> {
             mem_alloc: symbol(handle, c"cuMemAlloc_v2")?,
             mem_free: symbol(handle, c"cuMemFree_v2")?,
             ctx_synchronize: symbol(handle, c"cuCtxSynchronize")?,
+            exchange_capture_mode: symbol(handle, c"cuThreadExchangeStreamCaptureMode"),
         })
     }
 }

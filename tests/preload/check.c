@@ -18,6 +18,10 @@ uint64_t cudasim_used_bytes(int device);
 int cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
 int cudaMalloc(void **ptr, size_t size);
 int cudaFree(void *ptr);
+int cudaThreadExchangeStreamCaptureMode(int *mode);
+int cuStreamCreate(void **stream, unsigned flags);
+int cuStreamBeginCapture_v2(void *stream, int mode);
+int cuStreamEndCapture(void *stream, void **graph);
 
 #define MIB(x) ((size_t)(x) << 20)
 
@@ -73,6 +77,21 @@ int main(void) {
   check(cudaFree(q), "cudaFree");
   check(cudaFree(NULL), "cudaFree(NULL)");
   report("after cudaFree");
+
+  {
+    /* cudaMalloc while a stream captures a graph, in the relaxed mode PyTorch's allocator sets
+     * around it: the capture must end cleanly. */
+    void *s = NULL, *graph = NULL, *r = NULL;
+    int mode = 2;
+    check(cuStreamCreate(&s, 0), "cuStreamCreate");
+    check(cuStreamBeginCapture_v2(s, 0), "cuStreamBeginCapture_v2");
+    check(cudaThreadExchangeStreamCaptureMode(&mode), "to the relaxed capture mode");
+    check(cudaMalloc(&r, MIB(256)), "cudaMalloc during a capture");
+    check(cudaThreadExchangeStreamCaptureMode(&mode), "back from the relaxed capture mode");
+    check(cuStreamEndCapture(s, &graph), "cuStreamEndCapture");
+    report("256 MiB cudaMalloc captured");
+    check(cudaFree(r), "cudaFree after the capture");
+  }
 
   *(void **)&v1 = dlsym(RTLD_DEFAULT, "cuMemGetInfo");
   if (v1) {

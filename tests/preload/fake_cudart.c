@@ -12,6 +12,7 @@ typedef int (*mem_get_info_fn)(size_t *, size_t *);
 typedef int (*mem_alloc_fn)(uint64_t *, size_t);
 typedef int (*mem_free_fn)(uint64_t);
 typedef int (*sync_fn)(void);
+typedef int (*exchange_fn)(int *);
 typedef int (*init_fn)(unsigned);
 typedef int (*retain_fn)(void **, int);
 typedef int (*set_current_fn)(void *);
@@ -21,6 +22,7 @@ static struct {
   mem_alloc_fn mem_alloc;
   mem_free_fn mem_free;
   sync_fn synchronize;
+  exchange_fn exchange_capture_mode;
 } drv;
 
 /* cudaErrorInitializationError when the driver cannot be loaded. */
@@ -35,6 +37,7 @@ static int ready(void) {
   *(void **)&drv.mem_alloc = dlsym(h, "cuMemAlloc_v2");
   *(void **)&drv.mem_free = dlsym(h, "cuMemFree_v2");
   *(void **)&drv.synchronize = dlsym(h, "cuCtxSynchronize");
+  *(void **)&drv.exchange_capture_mode = dlsym(h, "cuThreadExchangeStreamCaptureMode");
   {
     init_fn cu_init;
     retain_fn retain;
@@ -71,3 +74,8 @@ int cudaFree(void *ptr) {
 }
 
 int cudaDeviceSynchronize(void) { return ready() ? 3 : drv.synchronize() ? 999 : 0; }
+
+/* The calling thread's stream-capture mode is the driver's, as in the runtime. */
+int cudaThreadExchangeStreamCaptureMode(int *mode) {
+  return ready() ? 3 : drv.exchange_capture_mode(mode) ? 1 : 0;
+}

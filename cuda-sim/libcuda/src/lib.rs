@@ -722,6 +722,23 @@ pub unsafe extern "C" fn cuStreamIsCapturing(stream: CUstream, status: *mut c_ui
     })
 }
 
+/// `cuThreadExchangeStreamCaptureMode`: the calling thread's capture mode becomes `*mode`,
+/// whose old value is written there.
+///
+/// # Safety
+/// `mode` must be NULL or valid for a read and a write.
+#[no_mangle]
+pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut c_uint) -> CUresult {
+    guard(|| {
+        non_null(mode)?;
+        // SAFETY: non-null, and valid for reads by the caller's contract.
+        let new = unsafe { mode.read() };
+        let old = cu(sim().thread_exchange_capture_mode(new))?;
+        // SAFETY: the caller's contract on `mode`.
+        unsafe { write_out(mode, old) }
+    })
+}
+
 /// `cuEventCreate`: creates an event on the current device. `flags` may
 /// combine `CU_EVENT_BLOCKING_SYNC` (1) and `CU_EVENT_DISABLE_TIMING` (2).
 ///
