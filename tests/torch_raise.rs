@@ -36,7 +36,7 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
             .arg(root.join("include"))
             .args(native_sources(root))
             .arg(&main)
-            .arg("-ldl");
+            .args(["-ldl", "-pthread"]);
         common::link_resmem(&mut cmd, false);
         common::compile(cmd, &main, &out)
     });

@@ -667,7 +667,7 @@ impl Inner {
         if size > SMALL_MAX {
             tls::with(|t| self.with_cache(t, |cache| self.give_back_large(cache, device, stream)));
         }
-        let ptr = match self.pool.reserve_cached(device, size, stream)? {
+        let ptr = match self.pool.reserve_cached(device, size, stream, waits)? {
             Some(ptr) => ptr,
             None => {
                 if self.sum(device).cached_blocks != 0 {

@@ -407,9 +407,13 @@ impl DevicePool {
         cx: &Context<'_>,
         size: u64,
         stream: StreamHandle,
+        waits: Waits,
     ) -> Result<Option<DevicePtr>> {
         let block_size = size::block_size(size)?;
-        let found = self.reuse(cx, size, block_size, stream)?;
+        self.waits = waits;
+        let found = self.reuse(cx, size, block_size, stream);
+        self.waits = Waits::Allowed;
+        let found = found?;
         if found.is_some() {
             self.stats.reserve_calls += 1;
         }

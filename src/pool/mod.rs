@@ -480,20 +480,22 @@ impl Pool {
         unreachable!("the last pass defers nothing")
     }
 
-    /// Like [`Pool::reserve`], but only from memory the pool already holds: `None` (and nothing
-    /// counted) where the request would need the driver. Size 0 is `Some(0)`.
+    /// Like [`Pool::reserve`] (or [`Pool::reserve_no_wait`], as `waits` says), but only from
+    /// memory the pool already holds: `None` (and nothing counted) where the request would need
+    /// the driver. Size 0 is `Some(0)`.
     pub fn reserve_cached(
         &self,
         device: i32,
         size: u64,
         stream: StreamHandle,
+        waits: Waits,
     ) -> Result<Option<DevicePtr>> {
         if size == 0 {
             return self.device_index(device).map(|_| Some(0));
         }
         let (index, guard) = self.lock_stream(device, stream)?;
         let mut books = Books::new(guard, &self.shards[index]);
-        books.reserve_cached(&self.context(index), size, stream)
+        books.reserve_cached(&self.context(index), size, stream, waits)
     }
 
     /// Give a block back to the pool. `0` is accepted and does nothing.

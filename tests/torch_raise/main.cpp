@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <functional>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 #include <sys/types.h>
 
@@ -45,7 +46,7 @@ void try_alloc(const char *what, const std::function<TorchAllocFn> &alloc, size_
 
 // A capture the simulated driver sees, where resmem loads libcuda_sim.so as the driver
 // (RESMEM_CUDA_LIBRARY): the same library, opened again, gives its streams and captures. A
-// warm-up's 64 MiB block on stream `a`, its work still queued, is cached when stream `c`
+// warm-up's 64 MiB block on stream `a`, its work still queued, is cached in the pool when stream `c`
 // begins capturing; an allocation the capture takes must not order `c` after `a`'s work nor
 // wait for the device (the driver refuses both, and the capture with them).
 int real_capture(const std::function<TorchAllocFn> &alloc, const std::function<TorchFreeFn> &free) {
@@ -77,9 +78,14 @@ int real_capture(const std::function<TorchAllocFn> &alloc, const std::function<T
         return 1;
     }
     const size_t MiB = size_t{1} << 20;
-    void *warm = alloc(64 * MiB, 0, a);
-    reinterpret_cast<OnStream>(sym("cudasim_enqueue_work"))(a);
-    free(warm, 64 * MiB, 0, a);
+    // The warm-up on a thread of its own, which ends: its cached block goes back to the pool,
+    // an idle segment of `a` (on this thread it would stay in this thread's cache).
+    std::thread warm_up([&] {
+        void *warm = alloc(64 * MiB, 0, a);
+        reinterpret_cast<OnStream>(sym("cudasim_enqueue_work"))(a);
+        free(warm, 64 * MiB, 0, a);
+    });
+    warm_up.join();
     unsigned long long before = allocated();
     static cudaStream_t capturing = nullptr;
     capturing = c;
