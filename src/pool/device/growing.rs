@@ -156,6 +156,9 @@ pub struct Plan {
     /// For a wait plan: the unmaps of idle ranges the pass took apart (`return_borrowed`),
     /// made first; their answers are booked by the next pass before it decides anything.
     unmaps: Deferred,
+    /// Whether the reserve that deferred it may wait (not during a graph capture): where not,
+    /// memory made meanwhile past a lowered cap returns no cache.
+    waits: Waits,
 }
 
 impl Plan {
@@ -464,6 +467,7 @@ impl DevicePool {
             wait,
             driver_info: (0, self.driver_total),
             unmaps,
+            waits: self.waits,
         });
     }
 
@@ -491,6 +495,7 @@ impl DevicePool {
             wait: None,
             driver_info: (driver_free, self.driver_total),
             unmaps: Deferred::default(),
+            waits: self.waits,
         };
         if matches!(backing, Backing::Range | Backing::Mapping) {
             plan.pages = self.mapping.clone();
@@ -500,6 +505,10 @@ impl DevicePool {
         // The lenders of the range's cached pages (`DevicePool::lending`): waited for with it.
         let unsettled = self.lending.iter().any(|&seg| !self.is_settled(seg));
         plan.wait = unsettled.then_some(self.releases);
+        debug_assert!(
+            plan.wait.is_none() || self.waits == Waits::Allowed,
+            "a reserve without waits lends no unsettled pages"
+        );
         self.carved += plan.span();
         self.pinned.extend(plan.pages.iter().map(|p| p.handle));
         self.plan = Some(plan);
@@ -566,7 +575,10 @@ impl DevicePool {
                 unreachable!("a plan makes a segment or a range")
             }
         }
-        if let Some(limit) = self.limit() {
+        // Not for a reserve without waits (`cuMemFree` waits): kept above the cap until the
+        // next reserve that may wait.
+        let limit = self.limit().filter(|_| plan.waits == Waits::Allowed);
+        if let Some(limit) = limit {
             let over = self.device_committed(cx).saturating_sub(limit);
             if over > 0 {
                 match self.release_idle(cx, over) {
