@@ -36,6 +36,13 @@ enum Op {
         size: u64,
         stream: usize,
     },
+    /// A reserve while the stream (a created one) captures a graph: `reserve_no_wait`, the
+    /// capture begun before and ended after it, which must end cleanly.
+    ReserveCaptured {
+        device: i32,
+        size: u64,
+        stream: usize,
+    },
     Release(Index),
     ReleaseInterior(Index, u64),
     DoubleRelease,
@@ -82,6 +89,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         12 => (device(), size(), stream.clone())
             .prop_map(|(device, size, stream)| Op::Reserve { device, size, stream }),
+        3 => (device(), size(), 1..=STREAMS)
+            .prop_map(|(device, size, stream)| Op::ReserveCaptured { device, size, stream }),
         8 => any::<Index>().prop_map(Op::Release),
         1 => (any::<Index>(), 1u64..4096).prop_map(|(i, off)| Op::ReleaseInterior(i, off)),
         1 => Just(Op::DoubleRelease),
@@ -210,6 +219,56 @@ impl Model {
         Ok(())
     }
 
+    /// A reserve on `stream` of `device`: `captured`, by `reserve_no_wait` while the stream
+    /// captures a graph, whose capture must end cleanly (no wait the driver refuses was made).
+    fn reserve(
+        &mut self,
+        device: i32,
+        size: u64,
+        stream: usize,
+        captured: bool,
+    ) -> Result<(), TestCaseError> {
+        let handle = self.streams[device as usize][stream];
+        let block = round_up(size, 512);
+        let reserved = if captured {
+            self.sim.stream_begin_capture(device, handle).unwrap();
+            let reserved = self.pool.reserve_no_wait(device, size, handle);
+            let ended = self.sim.stream_end_capture(device, handle);
+            ensure!(
+                ended.is_ok(),
+                "a reserve of {size} during a capture made a wait the driver refused: {ended:?}"
+            );
+            reserved
+        } else {
+            self.pool.reserve(device, size, handle)
+        };
+        match reserved {
+            Ok(ptr) => {
+                ensure!(
+                    ptr != 0 && ptr % 512 == 0,
+                    "pointer {ptr:#x} is not aligned"
+                );
+                let b = Block {
+                    device,
+                    size: block,
+                    requested: size,
+                };
+                self.check_placement(ptr, b)?;
+                self.live.insert(ptr, b);
+                RESERVED.fetch_add(1, Relaxed);
+            }
+            Err(e) => {
+                ensure!(
+                    e.status == rm_status::RM_ERROR_OUT_OF_MEMORY,
+                    "reserve of {size} failed with {e}"
+                );
+                OOMS.fetch_add(1, Relaxed);
+                self.oom_is_justified(device, segment_for(block))?;
+            }
+        }
+        Ok(())
+    }
+
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         OPS.fetch_add(1, Relaxed);
         match *op {
@@ -217,34 +276,12 @@ impl Model {
                 device,
                 size,
                 stream,
-            } => {
-                let handle = self.streams[device as usize][stream];
-                let block = round_up(size, 512);
-                match self.pool.reserve(device, size, handle) {
-                    Ok(ptr) => {
-                        ensure!(
-                            ptr != 0 && ptr % 512 == 0,
-                            "pointer {ptr:#x} is not aligned"
-                        );
-                        let b = Block {
-                            device,
-                            size: block,
-                            requested: size,
-                        };
-                        self.check_placement(ptr, b)?;
-                        self.live.insert(ptr, b);
-                        RESERVED.fetch_add(1, Relaxed);
-                    }
-                    Err(e) => {
-                        ensure!(
-                            e.status == rm_status::RM_ERROR_OUT_OF_MEMORY,
-                            "reserve of {size} failed with {e}"
-                        );
-                        OOMS.fetch_add(1, Relaxed);
-                        self.oom_is_justified(device, segment_for(block))?;
-                    }
-                }
-            }
+            } => self.reserve(device, size, stream, false)?,
+            Op::ReserveCaptured {
+                device,
+                size,
+                stream,
+            } => self.reserve(device, size, stream, true)?,
             Op::Release(ref index) => {
                 if let Some((ptr, _)) = self.pick(index) {
                     self.pool.release(ptr).map_err(|e| fail(e.to_string()))?;

@@ -7,6 +7,8 @@ use resmem::{Front, Pool, Result as RmResult, Stats};
 /// path), with the same meaning on both.
 pub trait Under: Send + Sync {
     fn reserve(&self, device: i32, size: u64, stream: u64) -> RmResult<u64>;
+    /// [`Pool::reserve_no_wait`].
+    fn reserve_no_wait(&self, device: i32, size: u64, stream: u64) -> RmResult<u64>;
     fn release(&self, ptr: u64) -> RmResult<()>;
     fn stats(&self, device: i32) -> RmResult<Stats>;
     fn mem_get_info(&self, device: i32) -> RmResult<(u64, u64)>;
@@ -33,6 +35,9 @@ macro_rules! under {
             }
             fn reserve(&self, device: i32, size: u64, stream: u64) -> RmResult<u64> {
                 <$t>::reserve(self, device, size, stream)
+            }
+            fn reserve_no_wait(&self, device: i32, size: u64, stream: u64) -> RmResult<u64> {
+                <$t>::reserve_no_wait(self, device, size, stream)
             }
             fn release(&self, ptr: u64) -> RmResult<()> {
                 <$t>::release(self, ptr)
