@@ -483,7 +483,7 @@ impl Pool {
     /// Like [`Pool::reserve`] (or [`Pool::reserve_no_wait`], as `waits` says), but only from
     /// memory the pool already holds: `None` (and nothing counted) where the request would need
     /// the driver. Size 0 is `Some(0)`.
-    pub fn reserve_cached(
+    pub(crate) fn reserve_cached(
         &self,
         device: i32,
         size: u64,
