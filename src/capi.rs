@@ -339,13 +339,39 @@ unsafe fn reserve_call(
             return rm_status::RM_SUCCESS;
         }
     }
-    boundary("rm_reserve", || {
+    // SAFETY: the caller's contract, passed on.
+    unsafe {
+        reserve_full(
+            "rm_reserve",
+            runtime::reserve,
+            device,
+            size,
+            stream,
+            out_ptr,
+        )
+    }
+}
+
+/// The full path of `function` (`rm_reserve` or `rm_reserve_no_wait`): `*out_ptr` NULL first,
+/// then the block `reserve` gives, recorded; a NULL `out_ptr` refused.
+///
+/// # Safety
+/// `out_ptr` is NULL or valid for writing a pointer.
+unsafe fn reserve_full(
+    function: &str,
+    reserve: fn(i32, u64, u64) -> Result<DevicePtr>,
+    device: c_int,
+    size: usize,
+    stream: *mut c_void,
+    out_ptr: *mut *mut c_void,
+) -> rm_status {
+    boundary(function, || {
         if out_ptr.is_null() {
             return Err(null_argument("out_ptr"));
         }
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out_ptr, std::ptr::null_mut()) };
-        let outcome = runtime::reserve(device, size_arg(size), stream as u64);
+        let outcome = reserve(device, size_arg(size), stream as u64);
         record::reserved(device, size_arg(size), stream as u64, &outcome);
         let ptr = outcome?;
         // SAFETY: as above.
@@ -375,19 +401,9 @@ pub unsafe extern "C" fn rm_reserve_no_wait(
     stream: *mut c_void,
     out_ptr: *mut *mut c_void,
 ) -> rm_status {
-    boundary("rm_reserve_no_wait", || {
-        if out_ptr.is_null() {
-            return Err(null_argument("out_ptr"));
-        }
-        // SAFETY: checked non-null; valid by the caller's contract.
-        unsafe { write_out(out_ptr, std::ptr::null_mut()) };
-        let outcome = runtime::reserve_no_wait(device, size_arg(size), stream as u64);
-        record::reserved(device, size_arg(size), stream as u64, &outcome);
-        let ptr = outcome?;
-        // SAFETY: as above.
-        unsafe { write_out(out_ptr, ptr as *mut c_void) };
-        Ok(())
-    })
+    let reserve = runtime::reserve_no_wait;
+    // SAFETY: the caller's contract, passed on.
+    unsafe { reserve_full("rm_reserve_no_wait", reserve, device, size, stream, out_ptr) }
 }
 
 /// Give a block back to the pool (not to the driver). NULL is accepted and does nothing.

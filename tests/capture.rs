@@ -32,6 +32,26 @@ fn idle_on(sim: &Sim, pool: &Pool, a: u64) {
     pool.release(p).unwrap();
 }
 
+/// `pool.reserve(0, size, c)` while `c` captures: it fails with the driver's refusal (its
+/// message naming `code`), and the capture is invalidated with it.
+fn refused_during_capture(sim: &Sim, pool: &Pool, c: u64, size: u64, code: &str) {
+    sim.stream_begin_capture(0, c).unwrap();
+    let e = pool.reserve(0, size, c).unwrap_err();
+    assert!(e.message.contains(code), "{}", e.message);
+    assert_eq!(
+        sim.stream_end_capture(0, c).unwrap_err().0,
+        CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    );
+}
+
+/// `pool.reserve_no_wait(0, size, c)` while `c` captures; the capture ends cleanly.
+fn no_wait_during_capture(sim: &Sim, pool: &Pool, c: u64, size: u64) -> resmem::Result<u64> {
+    sim.stream_begin_capture(0, c).unwrap();
+    let reserved = pool.reserve_no_wait(0, size, c);
+    sim.stream_end_capture(0, c).unwrap();
+    reserved
+}
+
 #[test]
 fn a_reserve_during_a_capture_takes_no_cache_that_needs_a_wait() {
     for vmm in [false, true] {
@@ -42,31 +62,17 @@ fn a_reserve_during_a_capture_takes_no_cache_that_needs_a_wait() {
 
         // The usual reserve orders the capturing stream after `a`'s work: refused, and the
         // capture with it.
-        sim.stream_begin_capture(0, c).unwrap();
-        let e = pool.reserve(0, 64 * MIB, c).unwrap_err();
-        assert!(
-            e.message.contains("CUDA_ERROR_STREAM_CAPTURE"),
-            "vmm {vmm}: {}",
-            e.message
-        );
-        assert_eq!(
-            sim.stream_end_capture(0, c).unwrap_err().0,
-            CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-        );
+        refused_during_capture(sim, &pool, c, 64 * MIB, "CUDA_ERROR_STREAM_CAPTURE");
         pool.check().unwrap();
 
         // Without waits: new memory, the capture intact.
-        sim.stream_begin_capture(0, c).unwrap();
-        let p = pool.reserve_no_wait(0, 64 * MIB, c).unwrap();
-        sim.stream_end_capture(0, c).unwrap();
+        let p = no_wait_during_capture(sim, &pool, c, 64 * MIB).unwrap();
         assert_eq!(sim.used_bytes(0), 128 * MIB, "vmm {vmm}");
         let s = pool.stats(0).unwrap();
         assert_eq!((s.allocated_bytes, s.reserved_bytes), (64 * MIB, 128 * MIB));
         // Its own stream's cache is taken as usual.
         pool.release(p).unwrap();
-        sim.stream_begin_capture(0, c).unwrap();
-        let q = pool.reserve_no_wait(0, 64 * MIB, c).unwrap();
-        sim.stream_end_capture(0, c).unwrap();
+        let q = no_wait_during_capture(sim, &pool, c, 64 * MIB).unwrap();
         assert_eq!(q, p, "vmm {vmm}");
         assert_eq!(sim.used_bytes(0), 128 * MIB, "vmm {vmm}");
         pool.release(q).unwrap();
@@ -87,20 +93,8 @@ fn a_reserve_during_a_capture_leaves_blocks_pending_on_other_streams_alone() {
         pool.record_stream(shared, b).unwrap();
         sim.enqueue_work(0, b).unwrap();
         pool.release(shared).unwrap();
-        sim.stream_begin_capture(0, c).unwrap();
-        let e = pool.reserve(0, MIB, c).unwrap_err();
-        assert!(
-            e.message.contains("CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"),
-            "{}",
-            e.message
-        );
-        assert_eq!(
-            sim.stream_end_capture(0, c).unwrap_err().0,
-            CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-        );
-        sim.stream_begin_capture(0, c).unwrap();
-        let p = pool.reserve_no_wait(0, MIB, c).unwrap();
-        sim.stream_end_capture(0, c).unwrap();
+        refused_during_capture(sim, &pool, c, MIB, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
+        let p = no_wait_during_capture(sim, &pool, c, MIB).unwrap();
         assert_ne!(p, shared, "vmm {vmm}: the pending block is not ready");
         pool.release(p).unwrap();
         sim.complete_work(0, b).unwrap();
@@ -116,15 +110,13 @@ fn without_waits_the_cache_is_not_returned_to_make_room() {
         let (a, c) = (sim.stream_create(0).unwrap(), sim.stream_create(0).unwrap());
         idle_on(sim, &pool, a);
         pool.set_memory_limit(Some(0), Some(96 * MIB)).unwrap();
-        sim.stream_begin_capture(0, c).unwrap();
-        let e = pool.reserve_no_wait(0, 64 * MIB, c).unwrap_err();
+        let e = no_wait_during_capture(sim, &pool, c, 64 * MIB).unwrap_err();
         assert_eq!(e.status, rm_status::RM_ERROR_OUT_OF_MEMORY, "{}", e.message);
         assert!(
             e.message.contains("memory limit of 96.00 MiB"),
             "{}",
             e.message
         );
-        sim.stream_end_capture(0, c).unwrap();
         assert_eq!(
             sim.used_bytes(0),
             64 * MIB,
@@ -156,9 +148,7 @@ fn a_settled_idle_segment_of_another_stream_is_taken_without_a_wait() {
     assert_eq!(sim.used_bytes(0), 160 * MIB);
     pool.set_memory_limit(Some(0), None).unwrap();
     let waits = sim.call_count(Call::StreamWaitEvent) + sim.call_count(Call::EventRecord);
-    sim.stream_begin_capture(0, c).unwrap();
-    let r = pool.reserve_no_wait(0, 64 * MIB, c).unwrap();
-    sim.stream_end_capture(0, c).unwrap();
+    let r = no_wait_during_capture(sim, &pool, c, 64 * MIB).unwrap();
     assert!(r == p || r == q);
     assert_eq!(sim.used_bytes(0), 160 * MIB, "no new memory");
     assert_eq!(
