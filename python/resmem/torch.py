@@ -30,7 +30,9 @@ What it does:
   allocations it takes belong to its graph's pool; a block of the pool, freed, stays there for
   the pool's later allocations (the graph writes to it on every replay) until the last graph
   using the pool is released and ``torch.cuda.empty_cache()`` runs (blocks reused whole, not
-  split; README, "CUDA graphs", for the limits). Without them (no ``libresmem_torch.so``, or
+  split; README, "CUDA graphs", for the limits). While a capture is under way, allocations go
+  through ``rm_reserve_no_wait``, which makes none of the waits the driver refuses during a
+  capture. Without them (no ``libresmem_torch.so``, or
   an older PyTorch) ``torch.cuda.CUDAGraph.capture_begin`` raises ``RuntimeError`` instead: a
   tensor freed during the capture would go back to resmem's cache, be handed to a tensor made
   after it, and be written over by every replay.
