@@ -157,9 +157,10 @@ RM_TORCH_EXPORT void rm_torch_raising_release_pool(int device, graph_pools::Memp
 
 // PyTorch's reset_fn (torch.cuda.empty_cache()): the retired blocks of released graph pools back
 // to resmem, then rm_torch_empty_cache, which waits for the device's work before it lets any
-// of them be used again or returns memory to the driver.
+// of them be used again or returns memory to the driver. Nothing while a capture is under way:
+// the driver refuses that wait during a capture, and the refusal would end the capture.
 RM_TORCH_EXPORT void rm_torch_raising_empty_cache() {
-    if (empty_cache_fn == nullptr) {
+    if (empty_cache_fn == nullptr || graph_pools::capture_under_way()) {
         return;
     }
     if (graph_pools::any()) {

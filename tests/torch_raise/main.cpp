@@ -100,6 +100,7 @@ int real_capture(const std::function<TorchAllocFn> &alloc, const std::function<T
         std::printf("real capture: threw: %s\n", e.what());
         outcome = "threw";
     }
+    rm_torch_raising_empty_cache();  // torch.cuda.empty_cache() during the capture: nothing
     int ended = reinterpret_cast<EndCapture>(sym("cuStreamEndCapture"))(c, &graph);
     rm_torch_raising_end_allocate_to_pool(0, pool);
     std::printf("real capture: begun %d, %s %llu MiB, ended %d\n", begun, outcome,
