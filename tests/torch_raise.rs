@@ -127,6 +127,10 @@ fn a_failure_is_thrown_for_pytorch_to_raise_and_a_graphs_memory_stays_in_its_poo
                 "real capture: begun 0, allocated 64 MiB, ended 0"
             );
             assert_eq!(
+                line("after the capture"),
+                "after the capture: 1 MiB: returned a block"
+            );
+            assert_eq!(
                 line("real capture released"),
                 "real capture released: allocated 0"
             );

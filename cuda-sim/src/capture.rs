@@ -11,7 +11,10 @@
 //!   (`cuStreamSynchronize`, `cuStreamQuery`), or for any event (`cuEventSynchronize`,
 //!   `cuEventQuery`, prohibited in the default, global capture mode), and `cuMemFree` (which
 //!   waits for the device), while a stream of the device captures:
-//!   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, every capture on the device invalidated.
+//!   `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, every capture on the device invalidated;
+//! - asking after an event last recorded in a capture (`cuEventQuery`, `cuEventSynchronize`), or
+//!   making a stream outside that capture wait for it, once the capture is over too:
+//!   `CUDA_ERROR_CAPTURED_EVENT` (it stands for work of the graph, which runs at its launches).
 //!
 //! Creating and mapping memory (`cuMemAlloc`, `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`)
 //! stays allowed, as in CUDA's relaxed capture mode, which PyTorch's allocator uses for them.
@@ -65,13 +68,25 @@ impl State {
         Err(CuError(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED))
     }
 
-    /// Refuse a wait of capturing stream `key` for an event recorded outside its capture,
-    /// invalidating the capture.
-    pub(crate) fn refuse_isolated_wait(&mut self, key: StreamKey, event: u64) -> CuResult<()> {
-        if !self.captures.capturing(key) {
-            return Ok(());
+    /// Refuse a query or host wait of `event` where it was last recorded in a capture.
+    pub(crate) fn refuse_captured_event(&self, event: u64) -> CuResult<()> {
+        match self.events.get(&event).and_then(|e| e.recorded_in) {
+            Some(_) => Err(CuError(CUDA_ERROR_CAPTURED_EVENT)),
+            None => Ok(()),
         }
+    }
+
+    /// Refuse a wait of stream `key` for `event` across a capture's bounds: a capturing stream
+    /// for an event recorded outside its capture (the capture invalidated), or any other stream
+    /// for an event recorded in a capture.
+    pub(crate) fn refuse_isolated_wait(&mut self, key: StreamKey, event: u64) -> CuResult<()> {
         let recorded_in = self.events.get(&event).and_then(|e| e.recorded_in);
+        if !self.captures.capturing(key) {
+            return match recorded_in {
+                Some(_) => Err(CuError(CUDA_ERROR_CAPTURED_EVENT)),
+                None => Ok(()),
+            };
+        }
         if recorded_in == Some(key) {
             return Ok(());
         }
@@ -179,6 +194,22 @@ mod tests {
         assert_eq!(s.stream_is_capturing(0, c).unwrap(), CAPTURE_STATUS_NONE);
         s.mem_free(p).unwrap();
         s.mem_release(h).unwrap();
+    }
+
+    #[test]
+    fn an_event_recorded_in_a_capture_is_not_asked_after() {
+        let s = sim();
+        let (a, c) = (s.stream_create(0).unwrap(), s.stream_create(0).unwrap());
+        let e = s.event_create(0).unwrap();
+        s.stream_begin_capture(0, c).unwrap();
+        s.event_record(0, e, c).unwrap();
+        s.stream_end_capture(0, c).unwrap();
+        assert_eq!(err(s.event_query(e)), CUDA_ERROR_CAPTURED_EVENT);
+        assert_eq!(err(s.event_synchronize(e)), CUDA_ERROR_CAPTURED_EVENT);
+        assert_eq!(err(s.stream_wait_event(0, a, e)), CUDA_ERROR_CAPTURED_EVENT);
+        // Recorded again outside a capture, it is an event as any.
+        s.event_record(0, e, c).unwrap();
+        assert!(s.event_query(e).unwrap());
     }
 
     #[test]

@@ -40,11 +40,13 @@ pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
 pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: i32 = 901;
 /// A capturing stream was made to wait for work outside its capture.
 pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: i32 = 905;
+/// The event was last recorded in a capture: it stands for graph work, not asked after.
+pub const CUDA_ERROR_CAPTURED_EVENT: i32 = 907;
 /// An unknown internal error.
 pub const CUDA_ERROR_UNKNOWN: i32 = 999;
 
 /// Every code this module knows, in increasing order.
-pub const ALL: [i32; 20] = [
+pub const ALL: [i32; 21] = [
     CUDA_SUCCESS,
     CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -64,6 +66,7 @@ pub const ALL: [i32; 20] = [
     CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
     CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
     CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+    CUDA_ERROR_CAPTURED_EVENT,
     CUDA_ERROR_UNKNOWN,
 ];
 
@@ -102,6 +105,10 @@ fn entry(code: i32) -> Option<(&'static str, &'static str)> {
         CUDA_ERROR_STREAM_CAPTURE_ISOLATION => (
             "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
             "dependency created on uncaptured work in another stream",
+        ),
+        CUDA_ERROR_CAPTURED_EVENT => (
+            "CUDA_ERROR_CAPTURED_EVENT",
+            "operation not permitted on an event last recorded in a capturing stream",
         ),
         CUDA_ERROR_UNKNOWN => ("CUDA_ERROR_UNKNOWN", "unknown error"),
         _ => return None,

@@ -251,6 +251,7 @@ impl Sim {
         let mut st = self.call(Call::EventQuery)?;
         let dev = st.event(event)?.device;
         st.refuse_wait_while_capturing(dev)?;
+        st.refuse_captured_event(event)?;
         let e = st.event(event)?;
         Ok(e.captured.iter().all(|r| st.met(r)))
     }
@@ -261,6 +262,7 @@ impl Sim {
         let mut st = self.call(Call::EventSynchronize)?;
         let dev = st.event(event)?.device;
         st.refuse_wait_while_capturing(dev)?;
+        st.refuse_captured_event(event)?;
         let reqs = st.event(event)?.captured.clone();
         st.complete(&reqs);
         Ok(())

@@ -14,6 +14,9 @@
 // PyTorch frees a released pool's blocks only at empty_cache, after a synchronization). Blocks
 // are taken whole (the smallest free one that holds the request), not split as PyTorch's are.
 //
+// While a capture is under way, a free of a block not of a pool is held until no capture is:
+// released then, it could record an event on the capturing stream (see defer_free).
+//
 // No lock is taken where no pool exists (any() is one atomic load), nor by an allocation while
 // no capture is under way (capture_under_way()). While a pool exists, a free reads one counter
 // of a filter: how many blocks of pools have addresses that hash to its slot. Zero (any block
@@ -59,6 +62,8 @@ std::map<MempoolId, Pool> pools;
 std::unordered_map<void *, Owner> owners;
 // Blocks of released pools, free, for resmem at the next empty_cache.
 std::vector<void *> retired;
+// Frees of blocks not of a pool, made while a capture was under way, held until none is.
+std::vector<Free> deferred;
 
 // The filter: for each slot, how many entries of `owners` hash to it. Changed under the lock
 // with every entry; read without it. A block's entry is made before its allocation returns, so
@@ -182,6 +187,24 @@ void release(MempoolId pool) {
     }
     pools.erase(it);
     update_exists();
+}
+
+bool defer_free(const Free &free) {
+    std::lock_guard<std::mutex> guard(lock);
+    if (captures.empty()) {
+        return false;
+    }
+    deferred.push_back(free);
+    return true;
+}
+
+std::vector<Free> take_deferred() {
+    std::lock_guard<std::mutex> guard(lock);
+    std::vector<Free> taken;
+    if (captures.empty()) {
+        taken.swap(deferred);
+    }
+    return taken;
 }
 
 std::vector<void *> take_retired() {

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstddef>
 #include <functional>
+#include <sys/types.h>
 #include <utility>
 #include <vector>
 
@@ -64,6 +65,25 @@ void release(MempoolId pool);
 // The retired blocks, for the caller to give back to resmem before resmem waits for the
 // device's work (at empty_cache): the last replay of their graph may still be running.
 std::vector<void *> take_retired();
+
+// A free, as PyTorch passes it.
+struct Free {
+    void *ptr;
+    ssize_t size;
+    int device;
+    cudaStream_t stream;
+};
+
+// Hold `free`, of a block not of a pool, while a capture is under way: releasing it then would
+// record events on the streams that used it (`record_stream`), one of which may be capturing,
+// and an event recorded in a capture cannot be asked after once it ends (PyTorch's allocator
+// defers such events until no capture is under way). False where no capture is under way: the
+// caller frees it now.
+bool defer_free(const Free &free);
+
+// The frees held, for the caller to make, once no capture is under way (at a capture's end,
+// which PyTorch signals after the driver ended it); none while one is.
+std::vector<Free> take_deferred();
 
 // The slot of the free's filter that `ptr` hashes to (for tests: a block not of a pool that
 // shares a slot with one is looked up under the lock, and still not kept).

@@ -127,9 +127,14 @@ RM_TORCH_EXPORT void *rm_torch_raising_malloc(std::size_t size, int device, cuda
     return reserve(reserve_fn, size, device, stream);
 }
 
-// PyTorch's free_fn: rm_torch_free, but a block of a graph's pool stays in the pool.
+// PyTorch's free_fn: rm_torch_free, but a block of a graph's pool stays in the pool, and the
+// free of another block while a capture is under way waits for its end.
 RM_TORCH_EXPORT void rm_torch_raising_free(void *ptr, ssize_t size, int device, cudaStream_t stream) {
     if (free_fn == nullptr || (__builtin_expect(graph_pools::any(), 0) && graph_pools::keep(ptr))) {
+        return;
+    }
+    if (__builtin_expect(graph_pools::capture_under_way(), 0) &&
+        graph_pools::defer_free({ptr, size, device, stream})) {
         return;
     }
     free_fn(ptr, size, device, stream);
@@ -146,6 +151,11 @@ RM_TORCH_EXPORT void rm_torch_raising_begin_allocate_to_pool(int device,
 // PyTorch's end_allocate_to_pool hook (the capture has ended): `pool` keeps its blocks.
 RM_TORCH_EXPORT void rm_torch_raising_end_allocate_to_pool(int device, graph_pools::MempoolId pool) {
     graph_pools::end(device, pool);
+    // PyTorch ends the allocations after the driver ended the capture: where it was the last,
+    // the frees held during it are made.
+    for (const graph_pools::Free &f : graph_pools::take_deferred()) {
+        free_fn(f.ptr, f.size, f.device, f.stream);
+    }
 }
 
 // PyTorch's release_pool hook (a graph using `pool` is reset or destroyed): where no graph uses

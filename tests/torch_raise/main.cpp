@@ -86,6 +86,10 @@ int real_capture(const std::function<TorchAllocFn> &alloc, const std::function<T
         free(warm, 64 * MiB, 0, a);
     });
     warm_up.join();
+    // A tensor made before the capture, also used on `c`, and freed during it: its free waits
+    // for the capture's end, where its event is recorded outside the capture.
+    void *used = alloc(MiB, 0, a);
+    rm_torch_record_stream(used, c);
     unsigned long long before = allocated();
     static cudaStream_t capturing = nullptr;
     capturing = c;
@@ -100,11 +104,21 @@ int real_capture(const std::function<TorchAllocFn> &alloc, const std::function<T
         std::printf("real capture: threw: %s\n", e.what());
         outcome = "threw";
     }
+    unsigned long long grown = allocated() - before;
+    free(used, MiB, 0, a);
     rm_torch_raising_empty_cache();  // torch.cuda.empty_cache() during the capture: nothing
     int ended = reinterpret_cast<EndCapture>(sym("cuStreamEndCapture"))(c, &graph);
     rm_torch_raising_end_allocate_to_pool(0, pool);
-    std::printf("real capture: begun %d, %s %llu MiB, ended %d\n", begun, outcome,
-                (allocated() - before) / MiB, ended);
+    std::printf("real capture: begun %d, %s %llu MiB, ended %d\n", begun, outcome, grown / MiB,
+                ended);
+    // The next allocation asks after the freed tensor's event on `c`.
+    try {
+        void *next = alloc(MiB, 0, a);
+        std::printf("after the capture: 1 MiB: returned a block\n");
+        free(next, MiB, 0, a);
+    } catch (const std::runtime_error &e) {
+        std::printf("after the capture: 1 MiB: threw: %s\n", e.what());
+    }
     rm_torch_raising_release_pool(0, pool);
     if (block != nullptr) {
         free(block, 64 * MiB, 0, c);
