@@ -2,7 +2,8 @@
 //! under the default policy (stitched segments) or classic segments, straight to the pool or
 //! through the front caches the C library calls (`Front`), as the first byte says: every byte
 //! pair is one operation, among them arming a driver call to fail (once, with out-of-memory or
-//! another `CUresult`). After each, the books must be exact (`Pool::check`,
+//! another `CUresult`) and reserving while a stream captures a graph (without waits; the capture
+//! must end cleanly). After each, the books must be exact (`Pool::check`,
 //! reserved equal to what the simulator holds, allocated + reusable = reserved, the live blocks
 //! those handed out and not released), every block aligned and inside the driver's memory, and
 //! a failure must have the right status: out-of-memory, or with a fault fired in the operation,
@@ -61,6 +62,9 @@ macro_rules! either {
 impl Target {
     fn reserve(&self, device: i32, size: u64, stream: u64) -> Result<u64> {
         either!(self, t => t.reserve(device, size, stream))
+    }
+    fn reserve_no_wait(&self, device: i32, size: u64, stream: u64) -> Result<u64> {
+        either!(self, t => t.reserve_no_wait(device, size, stream))
     }
     fn release(&self, ptr: u64) -> Result<()> {
         either!(self, t => t.release(ptr))
@@ -188,7 +192,25 @@ fuzz_target!(|data: &[u8]| {
         let fired = || sim.injected_failures() - before;
         match op >> 3 {
             0..=11 => {
-                let result = pool.reserve(device, size(arg), stream).map(|ptr| {
+                // A quarter of them while the stream, a created one, captures a graph: without
+                // waits, and the capture must end cleanly.
+                let captured = op >> 3 >= 9 && stream != 0;
+                if captured {
+                    sim.stream_begin_capture(device, stream).unwrap();
+                }
+                let result = if captured {
+                    pool.reserve_no_wait(device, size(arg), stream)
+                } else {
+                    pool.reserve(device, size(arg), stream)
+                };
+                if captured {
+                    let ended = sim.stream_end_capture(device, stream);
+                    assert!(
+                        ended.is_ok(),
+                        "a reserve during a capture waited: {ended:?}"
+                    );
+                }
+                let result = result.map(|ptr| {
                     assert_eq!(ptr % 512, 0);
                     assert_eq!(sim.device_of(ptr), Some(device));
                     assert_eq!(sim.device_of(ptr + size(arg) - 1), Some(device));
