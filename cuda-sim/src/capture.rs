@@ -45,25 +45,17 @@ impl Captures {
 }
 
 impl State {
-    /// Whether a stream of `dev` is capturing.
-    fn device_captures(&self, dev: i32) -> bool {
-        self.captures
-            .0
-            .keys()
-            .any(|key| self.key_device(*key) == Some(dev))
-    }
-
     /// Refuse a call that waits for work while a stream of `dev` captures, invalidating every
     /// capture on the device.
     pub(crate) fn refuse_wait_while_capturing(&mut self, dev: i32) -> CuResult<()> {
-        if !self.device_captures(dev) {
+        let on_device: Vec<StreamKey> = (self.captures.0.keys().copied())
+            .filter(|&key| self.key_device(key) == Some(dev))
+            .collect();
+        if on_device.is_empty() {
             return Ok(());
         }
-        let keys: Vec<StreamKey> = self.captures.0.keys().copied().collect();
-        for key in keys {
-            if self.key_device(key) == Some(dev) {
-                self.captures.0.insert(key, true);
-            }
+        for key in on_device {
+            self.captures.0.insert(key, true);
         }
         Err(CuError(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED))
     }
@@ -80,14 +72,10 @@ impl State {
     /// for an event recorded outside its capture (the capture invalidated), or any other stream
     /// for an event recorded in a capture.
     pub(crate) fn refuse_isolated_wait(&mut self, key: StreamKey, event: u64) -> CuResult<()> {
-        let recorded_in = self.events.get(&event).and_then(|e| e.recorded_in);
         if !self.captures.capturing(key) {
-            return match recorded_in {
-                Some(_) => Err(CuError(CUDA_ERROR_CAPTURED_EVENT)),
-                None => Ok(()),
-            };
+            return self.refuse_captured_event(event);
         }
-        if recorded_in == Some(key) {
+        if self.events.get(&event).and_then(|e| e.recorded_in) == Some(key) {
             return Ok(());
         }
         self.captures.0.insert(key, true);

@@ -328,10 +328,21 @@ impl DevicePool {
         stream: StreamHandle,
         waits: Waits,
     ) -> Result<DevicePtr> {
+        self.with_waits(waits, |pool| pool.reserve_steps(cx, size, stream))
+    }
+
+    /// `f` with the reserve's `waits` in force (`Allowed` again after it).
+    fn with_waits<T>(&mut self, waits: Waits, f: impl FnOnce(&mut Self) -> T) -> T {
         self.waits = waits;
-        let reserved = self.reserve_steps(cx, size, stream);
+        let done = f(self);
         self.waits = Waits::Allowed;
-        reserved
+        done
+    }
+
+    /// Whether the reserve under way may wait for the device's work or order its stream after
+    /// another's.
+    pub(super) fn may_wait(&self) -> bool {
+        self.waits == Waits::Allowed
     }
 
     /// The steps of [`DevicePool::reserve_as`].
@@ -351,7 +362,7 @@ impl DevicePool {
         // again in a later pass of the request (`growing.rs`): an earlier pass did it, and the
         // lenders it made idle would give back more, where a single pass leaves them to the
         // next request.
-        let waits = self.waits == Waits::Allowed;
+        let waits = self.may_wait();
         if waits && !self.borrowed_returned && self.return_borrowed(cx)? {
             if let Some(ptr) = self.reuse(cx, size, block_size, stream)? {
                 return Ok(ptr);
@@ -410,10 +421,7 @@ impl DevicePool {
         waits: Waits,
     ) -> Result<Option<DevicePtr>> {
         let block_size = size::block_size(size)?;
-        self.waits = waits;
-        let found = self.reuse(cx, size, block_size, stream);
-        self.waits = Waits::Allowed;
-        let found = found?;
+        let found = self.with_waits(waits, |pool| pool.reuse(cx, size, block_size, stream))?;
         if found.is_some() {
             self.stats.reserve_calls += 1;
         }
@@ -428,7 +436,7 @@ impl DevicePool {
         block_size: u64,
         stream: StreamHandle,
     ) -> Result<Option<DevicePtr>> {
-        if !self.pending.is_empty() && self.waits == Waits::Allowed {
+        if !self.pending.is_empty() && self.may_wait() {
             self.collect_pending(cx, false)?;
         }
         let class = size::class_of(block_size);

@@ -506,7 +506,7 @@ impl DevicePool {
         let unsettled = self.lending.iter().any(|&seg| !self.is_settled(seg));
         plan.wait = unsettled.then_some(self.releases);
         debug_assert!(
-            plan.wait.is_none() || self.waits == Waits::Allowed,
+            plan.wait.is_none() || self.may_wait(),
             "a reserve without waits lends no unsettled pages"
         );
         self.carved += plan.span();

@@ -52,7 +52,7 @@ impl DevicePool {
         stream: StreamHandle,
     ) -> Result<Option<BlockId>> {
         // Without waits, only a segment of the stream's own, or one whose work is done.
-        let waits = self.waits == Waits::Allowed;
+        let waits = self.may_wait();
         let best = self
             .idle
             .iter()
