@@ -20,6 +20,7 @@ use std::sync::{Arc, OnceLock};
 
 use crate::config::{DriverChoice, Settings};
 use crate::driver::cuda::CudaDriver;
+use crate::driver::pages::PageHandles;
 use crate::driver::sim::SimDriver;
 use crate::driver::{DevicePtr, Driver, StreamHandle};
 use crate::error::{rm_status, Error};
@@ -105,8 +106,10 @@ pub fn var(name: &str) -> Option<String> {
 /// Build a pool from settings.
 pub fn build(settings: &Settings) -> Result<Pool, Error> {
     let driver: Arc<dyn Driver> = match &settings.driver {
-        DriverChoice::Cuda(library) => Arc::new(CudaDriver::load(library)?),
-        DriverChoice::Sim => Arc::new(SimDriver::new(cuda_sim::Sim::global_from(&var_os))?),
+        DriverChoice::Cuda(library) => Arc::new(PageHandles::new(CudaDriver::load(library)?)),
+        DriverChoice::Sim => Arc::new(PageHandles::new(SimDriver::new(
+            cuda_sim::Sim::global_from(&var_os),
+        )?)),
     };
     Ok(Pool::new(driver, settings.pool))
 }

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use common::hooks::SimHooks;
 use resmem::driver::cuda::CudaDriver;
+use resmem::driver::pages::PageHandles;
 use resmem::driver::Driver;
 use resmem::{Pool, PoolConfig};
 
@@ -40,6 +41,14 @@ struct Extra {
     primary_ctx_retain: RetainFn,
     /// The simulator's hooks, where the library is the simulator.
     sim: Option<SimHooks>,
+}
+
+/// The driver library loaded as resmem loads it: handles of one page each where the driver
+/// maps only from an allocation's start.
+fn loaded(library: &str) -> Arc<PageHandles<CudaDriver>> {
+    Arc::new(PageHandles::new(
+        CudaDriver::load(library).expect("load the driver library"),
+    ))
 }
 
 fn library() -> String {
@@ -112,7 +121,7 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 fn the_pool_works_through_the_loaded_driver() {
     let _serial = one_at_a_time();
     let library = library();
-    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    let driver = loaded(&library);
     println!(
         "{} with {} device(s)",
         driver.describe(),
@@ -226,11 +235,10 @@ fn the_pool_works_through_the_loaded_driver() {
 fn stitching_through_the_loaded_driver() {
     let _serial = one_at_a_time();
     let library = library();
-    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    let driver = loaded(&library);
     if driver.vmm_granularity(0).is_none() {
         println!(
-            "{}: no virtual-memory API on device 0, or no mapping at an offset into an \
-             allocation; stitching not exercised",
+            "{}: no virtual-memory API on device 0; stitching not exercised",
             driver.describe()
         );
         return;
@@ -257,13 +265,19 @@ fn stitching_through_the_loaded_driver() {
     assert_eq!(after.driver_allocs, before.driver_allocs);
     // The 32 lenders stay, all holes, and the new range.
     assert_eq!(after.segments, 33);
-    // One reserve, 32 maps (the same pages mapped a second time) and one access call; nothing
-    // is unmapped.
-    let calls = 1 + 32 + 1;
+    // One reserve, 32 maps (the same pages mapped a second time; 512 where the driver maps only
+    // from an allocation's start, a page at a time) and one access call; nothing is unmapped.
+    let offsets = driver.inner().vmm_granularity(0).is_some();
+    let calls = 1 + if offsets { 32 } else { 512 } + 1;
     println!(
-        "made a 1 GiB range from 32 cached 32 MiB segments in {:.2} ms ({:.1} us per driver call, {calls} calls)",
+        "made a 1 GiB range from 32 cached 32 MiB segments in {:.2} ms ({:.1} us per driver call, {calls} calls{})",
         elapsed.as_secs_f64() * 1e3,
-        elapsed.as_secs_f64() * 1e6 / calls as f64
+        elapsed.as_secs_f64() * 1e6 / calls as f64,
+        if offsets {
+            ""
+        } else {
+            "; handles of one page each: the driver maps only from an allocation's start"
+        }
     );
     pool.release(big).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), 1024 * MIB);
@@ -280,7 +294,7 @@ impl Drop for OffsetsBack<'_> {
 }
 
 #[test]
-fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
+fn a_driver_that_maps_only_from_an_allocations_start_gets_handles_of_one_page() {
     let _serial = one_at_a_time();
     let library = library();
     let Some(hooks) = SimHooks::find(&library) else {
@@ -291,30 +305,96 @@ fn a_driver_that_maps_only_from_an_allocations_start_gets_classic_segments() {
     hooks.refuse_map_offsets(true);
     let _back = OffsetsBack(&hooks);
     // The probe finds out, and gives back all it took.
-    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
-    assert_eq!(driver.vmm_granularity(0), None);
+    let raw = CudaDriver::load(&library).expect("load the driver library");
+    assert_eq!(raw.vmm_granularity(0), None);
+    assert_eq!(raw.vmm_whole_granularity(0), Some(2 * MIB));
     assert_eq!(hooks.used(), used);
-    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    // The bare driver gives the pool classic segments: one of PyTorch's size, from cuMemAlloc.
+    let pool = Pool::new(Arc::new(raw), PoolConfig::default());
     let live = hooks.live();
     let p = pool.reserve(0, 3 * MIB, 0).unwrap();
-    // A classic segment of PyTorch's size for it, from cuMemAlloc.
     assert_eq!(hooks.live(), live + 1);
     let s = pool.stats(0).unwrap();
     assert_eq!((s.reserved_bytes, s.segments), (20 * MIB, 1));
     pool.release(p).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), 20 * MIB);
     assert_eq!((hooks.live(), hooks.used()), (live, used));
-    // A driver that maps at offsets is found to: the pool stitches.
+    // As resmem loads it, the pool reuses pages, its handles made of pages.
+    let driver = loaded(&library);
+    assert_eq!(driver.vmm_granularity(0), Some(2 * MIB));
+    let pool = Pool::new(driver, PoolConfig::default());
+    assert!(pool.reuses_pages(0).unwrap());
+    let p = pool.reserve(0, 3 * MIB, 0).unwrap();
+    assert_eq!(hooks.live(), live, "handles, not a cuMemAlloc allocation");
+    let reserved = pool.stats(0).unwrap().reserved_bytes;
+    assert_eq!(hooks.used(), used + reserved);
+    pool.release(p).unwrap();
+    assert_eq!(pool.free_reusable(None).unwrap(), reserved);
+    assert_eq!(hooks.used(), used);
+    // A driver that maps at offsets is found to: its handles are the pool's.
     hooks.refuse_map_offsets(false);
-    let driver = Arc::new(CudaDriver::load(&library).expect("load the driver library"));
+    let driver = loaded(&library);
+    assert_eq!(driver.inner().vmm_granularity(0), Some(2 * MIB));
     assert_eq!(driver.vmm_granularity(0), Some(2 * MIB));
     assert_eq!(hooks.used(), used);
-    let pool = Pool::new(driver, PoolConfig::default());
-    let p = pool.reserve(0, 3 * MIB, 0).unwrap();
-    assert_eq!(hooks.live(), live, "a handle, not a cuMemAlloc allocation");
-    pool.release(p).unwrap();
-    pool.free_reusable(None).unwrap();
-    assert_eq!(hooks.used(), used);
+}
+
+#[test]
+fn whole_handles_map_twice_and_runs_take_one_call() {
+    // What handles of one page need of a driver that maps only from an allocation's start: one
+    // handle mapped in two places at once, and a run of mappings of several handles unmapped,
+    // and given access, in one call each (else PageHandles asks page by page). Printed on a
+    // GPU; the simulator allows all of it.
+    let _serial = one_at_a_time();
+    let library = library();
+    let driver = CudaDriver::load(&library).expect("load the driver library");
+    let Some(page) = driver
+        .vmm_granularity(0)
+        .or_else(|| driver.vmm_whole_granularity(0))
+    else {
+        println!("{}: no virtual-memory API on device 0", driver.describe());
+        return;
+    };
+    let handles = [
+        driver.vmm_create(0, page).unwrap(),
+        driver.vmm_create(0, page).unwrap(),
+    ];
+    let (run, twice) = (
+        driver.vmm_reserve(0, 2 * page).unwrap(),
+        driver.vmm_reserve(0, page).unwrap(),
+    );
+    driver.vmm_map(0, run, page, handles[0], 0).unwrap();
+    driver.vmm_map(0, run + page, page, handles[1], 0).unwrap();
+    let mapped_twice = driver.vmm_map(0, twice, page, handles[0], 0);
+    let access = driver.vmm_set_access(0, run, 2 * page);
+    let unmap = driver.vmm_unmap(0, run, 2 * page);
+    if unmap.is_err() {
+        driver.vmm_unmap(0, run, page).unwrap();
+        driver.vmm_unmap(0, run + page, page).unwrap();
+    }
+    if mapped_twice.is_ok() {
+        driver.vmm_unmap(0, twice, page).unwrap();
+    }
+    for handle in handles {
+        driver.vmm_release(0, handle).unwrap();
+    }
+    driver.vmm_free(0, run, 2 * page).unwrap();
+    driver.vmm_free(0, twice, page).unwrap();
+    let said = |r: &Result<(), resmem::driver::DriverError>| match r {
+        Ok(()) => "yes".to_string(),
+        Err(e) => format!("no ({e})"),
+    };
+    println!(
+        "{}: one handle mapped twice: {}; access to a run of two handles in one call: {}; the run \
+         unmapped in one call: {}",
+        driver.describe(),
+        said(&mapped_twice),
+        said(&access),
+        said(&unmap)
+    );
+    if SimHooks::find(&library).is_some() {
+        assert!(mapped_twice.is_ok() && access.is_ok() && unmap.is_ok());
+    }
 }
 
 #[test]

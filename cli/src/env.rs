@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use resmem::config::{DriverChoice, Settings};
 use resmem::driver::cuda::CudaDriver;
+use resmem::driver::pages::PageHandles;
 use resmem::Driver;
 
 /// What the environment says, validated.
@@ -88,7 +89,7 @@ impl Environment {
                 _ => Ok(d),
             });
         match found {
-            Ok(driver) => Ok(Device::Gpu(Arc::new(driver))),
+            Ok(driver) => Ok(Device::Gpu(Arc::new(PageHandles::new(driver)))),
             Err(why) if self.driver_given => Err(format!("RESMEM_DRIVER=cuda, but {why}")),
             Err(why) => Ok(Device::Simulated(format!("no GPU: {why}"))),
         }

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use resmem::driver::pages::PageHandles;
 use resmem::driver::sim::SimDriver;
 use resmem::{Driver, Pool};
 
@@ -57,7 +58,7 @@ pub fn run(env: &Environment) -> Result<(), String> {
             let sim = env.simulated(&env.sim_devices);
             let driver = SimDriver::new(sim).map_err(|e| e.message)?;
             let place = format!("simulated devices from CUDA_SIM_DEVICES ({why})");
-            (Arc::new(driver), place)
+            (Arc::new(PageHandles::new(driver)), place)
         }
     };
     let pool = Pool::new(Arc::clone(&driver), env.settings.pool);
@@ -88,8 +89,7 @@ pub fn run(env: &Environment) -> Result<(), String> {
     print!("\n{}", table(&rows));
     println!(
         "\nreuse: pages (cached memory mapped again page by page, with the virtual-memory API) \
-         or segments (classic: vmm:false, or a driver without the API or without mappings at \
-         offsets into an allocation)"
+         or segments (classic: vmm:false, or a driver without the API)"
     );
     Ok(())
 }

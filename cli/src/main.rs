@@ -8,6 +8,7 @@ use std::sync::Arc;
 use clap::error::ErrorKind;
 use clap::{ArgGroup, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use resmem::driver::pages::PageHandles;
 use resmem::driver::sim::SimDriver;
 use resmem::Driver;
 use resmem_cli::env::{self, Device, Environment};
@@ -243,7 +244,9 @@ fn run_demo(
             Some(d) => d.clone(),
             None => {
                 let sim = env.simulated(&[device_memory]);
-                Arc::new(SimDriver::new(sim).map_err(|e| e.message)?)
+                Arc::new(PageHandles::new(
+                    SimDriver::new(sim).map_err(|e| e.message)?,
+                ))
             }
         };
         let alloc = policy.build(driver);

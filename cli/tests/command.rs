@@ -113,17 +113,17 @@ fn info_prints_a_table_of_the_configured_devices() {
              1            80.00 GiB     80.00 GiB           0 B       80.00 GiB     pages\n\
              \n\
              reuse: pages (cached memory mapped again page by page, with the virtual-memory \
-             API) or segments (classic: vmm:false, or a driver without the API or without \
-             mappings at offsets into an allocation)\n",
+             API) or segments (classic: vmm:false, or a driver without the API)\n",
             env!("CARGO_PKG_VERSION")
         )
     );
-    // Stitching turned off, devices without the virtual-memory API, or whose cuMemMap maps only
-    // from an allocation's start (through the CUDA driver: tests/cuda_driver.rs): segments.
-    for (var, value) in [
-        ("RESMEM_CONF", "vmm:false"),
-        ("CUDA_SIM_VMM", "0"),
-        ("CUDA_SIM_VMM", "offset0"),
+    // Stitching turned off, or devices without the virtual-memory API: segments. Devices whose
+    // cuMemMap maps only from an allocation's start, as the CUDA driver's: pages, of handles of
+    // one page each.
+    for (var, value, reuse) in [
+        ("RESMEM_CONF", "vmm:false", "segments"),
+        ("CUDA_SIM_VMM", "0", "segments"),
+        ("CUDA_SIM_VMM", "offset0", "   pages"),
     ] {
         let (code, out, err) = resmem_with(
             &["info"],
@@ -135,9 +135,9 @@ fn info_prints_a_table_of_the_configured_devices() {
         );
         assert_eq!(code, 0, "{err}");
         assert!(
-            out.contains(
-                "\n0            24.00 GiB     24.00 GiB           0 B       24.00 GiB  segments\n"
-            ),
+            out.contains(&format!(
+                "\n0            24.00 GiB     24.00 GiB           0 B       24.00 GiB  {reuse}\n"
+            )),
             "{var}={value}: {out}"
         );
     }

@@ -402,6 +402,43 @@ impl CudaDriver {
         self.check(name, result)
     }
 
+    /// The virtual-memory API's granularity on `device` and whether its `cuMemMap` maps at
+    /// offsets into an allocation (probed once, `maps_at_offsets`); `None` without the API.
+    fn vmm_support(&self, device: i32) -> Option<(u64, bool)> {
+        let mut supported: c_int = 0;
+        // SAFETY: the out-pointer is valid; the device handle came from cuDeviceGet.
+        let dev = *self.devices.get(usize::try_from(device).ok()?)?;
+        self.vmm_call(device, "cuDeviceGetAttribute", |v| unsafe {
+            (v.device_get_attribute)(
+                &mut supported,
+                CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                dev,
+            )
+        })
+        .ok()?;
+        if supported == 0 {
+            return None;
+        }
+        let mut granularity = 0usize;
+        let prop = device_prop(dev);
+        // SAFETY: the out-pointer and the property are valid for the call.
+        self.vmm_call(device, "cuMemGetAllocationGranularity", |v| unsafe {
+            (v.granularity)(&mut granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
+        })
+        .ok()?;
+        let granularity = u64::try_from(granularity).ok().filter(|&g| g > 0)?;
+        // Asked once per device; where the probe cannot tell, the call's description holds.
+        let known = &self.offsets[usize::try_from(device).ok()?];
+        let offsets = match known.get() {
+            Some(&offsets) => offsets,
+            None => match self.maps_at_offsets(device, granularity) {
+                Some(offsets) => *known.get_or_init(|| offsets),
+                None => true,
+            },
+        };
+        Some((granularity, offsets))
+    }
+
     /// Whether the driver maps memory at an offset into a physical allocation, and one
     /// allocation in two places at once, as page-granular reuse needs (a cached page is mapped
     /// into a new range while the rest of its allocation stays where it is). The API's
@@ -597,38 +634,13 @@ impl Driver for CudaDriver {
     }
 
     fn vmm_granularity(&self, device: i32) -> Option<u64> {
-        let mut supported: c_int = 0;
-        // SAFETY: the out-pointer is valid; the device handle came from cuDeviceGet.
-        let dev = *self.devices.get(usize::try_from(device).ok()?)?;
-        self.vmm_call(device, "cuDeviceGetAttribute", |v| unsafe {
-            (v.device_get_attribute)(
-                &mut supported,
-                CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
-                dev,
-            )
-        })
-        .ok()?;
-        if supported == 0 {
-            return None;
-        }
-        let mut granularity = 0usize;
-        let prop = device_prop(dev);
-        // SAFETY: the out-pointer and the property are valid for the call.
-        self.vmm_call(device, "cuMemGetAllocationGranularity", |v| unsafe {
-            (v.granularity)(&mut granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)
-        })
-        .ok()?;
-        let granularity = u64::try_from(granularity).ok().filter(|&g| g > 0)?;
-        // Asked once per device; where the probe cannot tell, the call's description holds.
-        let known = &self.offsets[usize::try_from(device).ok()?];
-        let offsets = match known.get() {
-            Some(&offsets) => offsets,
-            None => match self.maps_at_offsets(device, granularity) {
-                Some(offsets) => *known.get_or_init(|| offsets),
-                None => true,
-            },
-        };
+        let (granularity, offsets) = self.vmm_support(device)?;
         offsets.then_some(granularity)
+    }
+
+    fn vmm_whole_granularity(&self, device: i32) -> Option<u64> {
+        let (granularity, offsets) = self.vmm_support(device)?;
+        (!offsets).then_some(granularity)
     }
 
     fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr> {

@@ -6,10 +6,15 @@
 //!   device's primary context, leaving the caller's current context as it was.
 //! - [`sim::SimDriver`] calls the simulated devices of the `cuda-sim` crate in process.
 //!
+//! [`pages::PageHandles`] wraps either where the driver maps physical memory only from an
+//! allocation's start, as the CUDA driver does, so that the pool can still map cached pages
+//! into new ranges.
+//!
 //! Handles cross the trait as plain integers: a stream or event is the driver's opaque handle
 //! (`CUstream`, `CUevent`) as a `u64`, with `0` meaning the default stream.
 
 pub mod cuda;
+pub mod pages;
 pub mod sim;
 
 use std::fmt;
@@ -113,6 +118,14 @@ pub trait Driver: Send + Sync {
     /// an offset into an allocation (or not one allocation in two places at once), which the
     /// pool's page-granular reuse needs.
     fn vmm_granularity(&self, device: i32) -> Option<u64>;
+    /// The allocation granularity where `device` has the virtual-memory API but the driver maps
+    /// memory only from an allocation's start (so [`Driver::vmm_granularity`] says `None`):
+    /// [`pages::PageHandles`] then makes the pool's handles of one-page handles. `None`
+    /// elsewhere, and by default.
+    fn vmm_whole_granularity(&self, device: i32) -> Option<u64> {
+        let _ = device;
+        None
+    }
     /// Reserve `size` bytes of address space (`cuMemAddressReserve`).
     fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr>;
     /// Free a reserved address range with nothing mapped in it (`cuMemAddressFree`).

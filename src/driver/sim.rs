@@ -34,6 +34,18 @@ impl SimDriver {
     pub fn sim(&self) -> &'static Sim {
         self.sim
     }
+
+    /// The granularity where `device` has the virtual-memory API and maps at offsets into an
+    /// allocation as `offsets` says.
+    fn vmm_supported(&self, device: i32, offsets: bool) -> Option<u64> {
+        let supported = self
+            .sim
+            .device_attribute(device, cuda_sim::ATTRIBUTE_VMM_SUPPORTED);
+        if supported != Ok(1) || self.sim.maps_at_offsets() != offsets {
+            return None;
+        }
+        self.sim.mem_granularity(device).ok()
+    }
 }
 
 fn fail(call: &'static str) -> impl Fn(CuError) -> DriverError {
@@ -125,16 +137,14 @@ impl Driver for SimDriver {
     }
 
     fn vmm_granularity(&self, device: i32) -> Option<u64> {
-        let supported = self
-            .sim
-            .device_attribute(device, cuda_sim::ATTRIBUTE_VMM_SUPPORTED);
         // A simulator made to refuse offsets into allocations (`CUDA_SIM_VMM=offset0`) says so
         // without the probe the CUDA driver needs (`cuda.rs`), which would add calls to every
         // replay.
-        if supported != Ok(1) || !self.sim.maps_at_offsets() {
-            return None;
-        }
-        self.sim.mem_granularity(device).ok()
+        self.vmm_supported(device, true)
+    }
+
+    fn vmm_whole_granularity(&self, device: i32) -> Option<u64> {
+        self.vmm_supported(device, false)
     }
 
     fn vmm_reserve(&self, _device: i32, size: u64) -> DriverResult<DevicePtr> {
