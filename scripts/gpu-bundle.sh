@@ -8,7 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-target/gpu-bundle}
 mkdir -p "$out/lib"
-cargo build --release -p resmem --lib -p resmem-cli
+cargo build --release -p resmem --lib
+cargo build --release -p resmem-cli --bins
 test_bin=$(cargo test --release --test cuda_driver --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for line in sys.stdin:

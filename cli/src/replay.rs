@@ -386,9 +386,9 @@ mod tests {
             (1, 1)
         );
         assert_eq!(o.creating_calls(), 1);
-        // One cuMemAlloc and one cuMemFree of 2 MiB, at 50 us and 200 us per GiB each, and the
-        // device synchronisation of empty_cache (5 us).
-        let expected = 2.0 * (50.0 + 200.0 * 2.0 / 1024.0) + 5.0;
+        // One cuMemAlloc of 2 MiB (46 us and 149 us per GiB) and one cuMemFree (37 us and 580
+        // us per GiB), and the device synchronisation of empty_cache (5 us).
+        let expected = 46.0 + 149.0 * 2.0 / 1024.0 + 37.0 + 580.0 * 2.0 / 1024.0 + 5.0;
         assert!((o.driver_time_us() - expected).abs() < 1e-9, "{o:?}");
     }
 

@@ -81,77 +81,87 @@ pub struct CallCost {
     pub source: &'static str,
 }
 
-/// The H200's measured cost of a virtual-memory call: stitching 1 GiB from 512 cached 2 MiB
-/// chunks took 29.08 ms for 1538 calls (512 `cuMemUnmap`, 512 `cuMemAddressFree`, 512
-/// `cuMemMap`, one `cuMemAddressReserve`, one `cuMemSetAccess`), 18.9 us each; two later runs
-/// gave 14.4 and 21.0 us (`scripts/gpu-check.sh`, README "On a real GPU", 2026-11-29).
-pub const H200_VMM_CALL_US: f64 = 18.9;
+/// Where the memory calls' figures come from: `benches/c/driver_costs.c`, run by
+/// `scripts/gpu-check.sh` on one NVIDIA H200 (driver 580.159.04, CUDA 13.0), 2026-12-04, twice:
+/// each call timed alone 20 times at 2 MiB, 20 MiB, 64 MiB, 512 MiB and 2 GiB. Per call: the
+/// mean of the two runs' medians at 2 MiB; per GiB: the rise from 2 MiB to 2 GiB, halved
+/// (README, "On a real GPU"; BENCHMARKS.md).
+const H200_SOURCE: &str = "H200 measurement, 2026-12-04 (benches/c/driver_costs.c)";
 
-/// Assumption: mapping physical pages costs 0.4 us per 2 MiB page (200 us per GiB), on top of
-/// the fixed cost; no measurement here separates it yet.
-pub const PAGE_TABLE_US_PER_GIB: f64 = 200.0;
+/// Freeing physical memory, per GiB, whichever call frees it: `cuMemRelease` of an unmapped
+/// handle measured 520 us per GiB on the H200, and `cuMemUnmap` frees a released handle's memory
+/// in its stead (the ledger charges the call that freed the memory).
+pub const H200_FREE_US_PER_GIB: f64 = 520.0;
 
-const VMM_SOURCE: &str = "H200 measurement, 18.9 us per virtual-memory call (README)";
-const ALLOC_SOURCE: &str = "published: cudaMalloc about 50 us per call from 4 KiB to 512 KiB \
-    (University of Virginia, memory_management_overhead); per GiB: assumption";
 const SYNC_SOURCE: &str = "assumption: a few microseconds for a call that does not touch memory";
 
 /// The cost model: every call kind that a caching allocator makes, with its source. Kinds not
 /// listed are counted but cost nothing here (initialisation, contexts, device queries).
 pub const COSTS: &[CallCost] = &[
+    // 46 us at 2 MiB, 344 at 2 GiB.
     CallCost {
         call: Call::MemAlloc,
-        per_call_us: 50.0,
-        per_gib_us: PAGE_TABLE_US_PER_GIB,
-        source: ALLOC_SOURCE,
+        per_call_us: 46.0,
+        per_gib_us: 149.0,
+        source: H200_SOURCE,
     },
+    // 37 us at 2 MiB, 1,198 at 2 GiB: freeing costs more than allocating.
     CallCost {
         call: Call::MemFree,
-        per_call_us: 50.0,
-        per_gib_us: PAGE_TABLE_US_PER_GIB,
-        source: "assumption: as cuMemAlloc (cuMemFree also synchronises the device)",
+        per_call_us: 37.0,
+        per_gib_us: 580.0,
+        source: H200_SOURCE,
     },
+    // 12 us at 2 MiB, 214 at 2 GiB.
     CallCost {
         call: Call::MemCreate,
-        per_call_us: H200_VMM_CALL_US,
-        per_gib_us: PAGE_TABLE_US_PER_GIB,
-        source: "per call: H200 virtual-memory call (README); per GiB: assumption",
+        per_call_us: 12.0,
+        per_gib_us: 101.0,
+        source: H200_SOURCE,
     },
+    // 13.5 us at 2 MiB, 1,054 at 2 GiB.
     CallCost {
         call: Call::MemRelease,
-        per_call_us: H200_VMM_CALL_US,
-        per_gib_us: PAGE_TABLE_US_PER_GIB,
-        source: "per call: H200 virtual-memory call (README); per GiB: assumption",
+        per_call_us: 13.5,
+        per_gib_us: H200_FREE_US_PER_GIB,
+        source: H200_SOURCE,
     },
+    // 1.0 us at 2 MiB, 5 at 2 GiB; it creates no memory.
     CallCost {
         call: Call::MemMap,
-        per_call_us: H200_VMM_CALL_US,
+        per_call_us: 1.0,
         per_gib_us: 0.0,
-        source: VMM_SOURCE,
+        source: H200_SOURCE,
     },
+    // 18 us at 2 MiB, 61 at 2 GiB for a handle still held; per GiB freed: as cuMemRelease.
     CallCost {
         call: Call::MemUnmap,
-        per_call_us: H200_VMM_CALL_US,
-        per_gib_us: PAGE_TABLE_US_PER_GIB,
-        source: "per call: H200 measurement (README); per GiB freed: assumption",
+        per_call_us: 18.0,
+        per_gib_us: H200_FREE_US_PER_GIB,
+        source: H200_SOURCE,
     },
+    // 27 us at 2 MiB, 26 at 20 MiB, 150 at 2 GiB: the model has no per-GiB part for a call
+    // that creates no memory, so ranges of gigabytes cost more than it says.
     CallCost {
         call: Call::MemSetAccess,
-        per_call_us: H200_VMM_CALL_US,
+        per_call_us: 27.0,
         per_gib_us: 0.0,
-        source: VMM_SOURCE,
+        source: H200_SOURCE,
     },
+    // 0.9 us at 2 MiB, 12 at 2 GiB; the pool reserves 64 GiB or more at a time: the 2 GiB
+    // figure.
     CallCost {
         call: Call::MemAddressReserve,
-        per_call_us: H200_VMM_CALL_US,
+        per_call_us: 12.0,
         per_gib_us: 0.0,
-        source: VMM_SOURCE,
+        source: H200_SOURCE,
     },
+    // 0.7 us at 2 MiB, 12 at 2 GiB: as cuMemAddressReserve.
     CallCost {
         call: Call::MemAddressFree,
-        per_call_us: H200_VMM_CALL_US,
+        per_call_us: 12.0,
         per_gib_us: 0.0,
-        source: VMM_SOURCE,
+        source: H200_SOURCE,
     },
     CallCost {
         call: Call::MemGetInfo,
@@ -277,13 +287,13 @@ mod tests {
             bytes_created: 2 << 30,
             bytes_freed: 0,
         };
-        assert_eq!(estimate_us(&tally), 4.0 * 50.0 + 2.0 * 200.0);
+        assert_eq!(estimate_us(&tally), 4.0 * 46.0 + 2.0 * 149.0);
         let map = CallTally {
             call: Some(Call::MemMap),
             calls: 10,
             ..CallTally::default()
         };
-        assert_eq!(estimate_us(&map), 189.0);
+        assert_eq!(estimate_us(&map), 10.0);
         let init = CallTally {
             call: Some(Call::Init),
             calls: 3,
