@@ -13,15 +13,40 @@
 //! handle, and one `cuMemMap` per page mapped. Unmapping and setting access take one call for a
 //! run of mappings, as the driver allows; where it refuses a run, each page is asked for alone.
 //! On a driver that maps at offsets, or has no virtual-memory API, every call passes through.
+//!
+//! Each call the pool makes stays one call to it, all or nothing where the driver allows:
+//! out of memory is answered before any page is made (from `cuMemGetInfo`); a creation or
+//! mapping that fails part way undoes what it made; a release that fails part way keeps the
+//! handle, whole (the pages it released made again, at once or where it is next mapped), as the
+//! pool keeps a handle whose release failed. What an undo cannot undo (the driver refusing that
+//! too) is made good before the next creation, release, mapping or address-range free.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle};
+use super::{
+    DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle,
+    CUDA_ERROR_OUT_OF_MEMORY,
+};
+
+/// What an undo left to make good later (see [`PageHandles::leftovers`]).
+#[derive(Clone, Copy, Debug)]
+enum Leftover {
+    /// A page of a failed creation, on a device, to release.
+    Page(i32, PhysHandle),
+    /// A page mapped by a failed mapping, on a device: its address and size, to unmap.
+    Mapping(i32, DevicePtr, u64),
+}
+
+/// A handle made of pages: each page's driver handle, `None` where it was released.
+type Pages = Box<[Option<PhysHandle>]>;
 
 /// `CUDA_ERROR_INVALID_VALUE`: what the driver answers a range it will not take in one call.
 const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+
+/// The top bit of the names of handles made of pages.
+const COMPOSED: PhysHandle = 1 << 63;
 
 /// A driver whose handles are made of one-page handles where it maps only from an allocation's
 /// start (see the module's description).
@@ -32,11 +57,19 @@ pub struct PageHandles<D> {
     /// any physical memory).
     whole_only: Vec<OnceLock<u64>>,
     /// The pool's handles made of pages, by the handle the pool was given: the device's driver
-    /// handles, one per page, in order.
-    handles: Mutex<HashMap<PhysHandle, Box<[PhysHandle]>>>,
+    /// handles, one per page, in order (`None`: a page released by a release that failed part
+    /// way, made again when the handle is mapped there).
+    handles: Mutex<HashMap<PhysHandle, Pages>>,
     /// Cleared once the driver refused to unmap, or set access to, a run of several mappings in
     /// one call: each page is then asked for alone.
     runs: AtomicBool,
+    /// What undoing a call that failed part way could not undo, made good before each later
+    /// creation, release, mapping or address-range free: pages of a failed creation whose
+    /// release failed too (the pool never knew them), and pages of a failed mapping whose unmap
+    /// failed too (the pool takes the range for unmapped).
+    leftovers: Mutex<Vec<Leftover>>,
+    /// The next name for a handle made of pages (with [`COMPOSED`]).
+    next: AtomicU64,
 }
 
 impl<D: Driver> PageHandles<D> {
@@ -48,12 +81,25 @@ impl<D: Driver> PageHandles<D> {
             whole_only: (0..devices).map(|_| OnceLock::new()).collect(),
             handles: Mutex::new(HashMap::new()),
             runs: AtomicBool::new(true),
+            leftovers: Mutex::new(Vec::new()),
+            next: AtomicU64::new(1),
         }
     }
 
     /// The wrapped driver.
     pub fn inner(&self) -> &D {
         &self.inner
+    }
+
+    /// The bytes on `device` held by pages of failed creations whose release the driver refused
+    /// (released again before later calls): memory the pool does not count.
+    pub fn orphaned_bytes(&self, device: i32) -> u64 {
+        let pages = self
+            .leftovers()
+            .iter()
+            .filter(|l| matches!(l, Leftover::Page(d, _) if *d == device))
+            .count() as u64;
+        pages * self.page(device).unwrap_or(0)
     }
 
     /// The page size where `device` maps only from an allocation's start and the pool's handles
@@ -63,7 +109,34 @@ impl<D: Driver> PageHandles<D> {
         slot.get().copied()
     }
 
-    fn table(&self) -> MutexGuard<'_, HashMap<PhysHandle, Box<[PhysHandle]>>> {
+    fn leftovers(&self) -> MutexGuard<'_, Vec<Leftover>> {
+        self.leftovers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Make good what earlier undos left; what the driver still refuses stays for next time.
+    fn settle(&self) {
+        let mut leftovers = self.leftovers();
+        if !leftovers.is_empty() {
+            leftovers.retain(|&left| match left {
+                Leftover::Page(device, page) => self.inner.vmm_release(device, page).is_err(),
+                Leftover::Mapping(device, at, size) => {
+                    self.inner.vmm_unmap(device, at, size).is_err()
+                }
+            });
+        }
+    }
+
+    /// Release `pages`, which the pool never knew; those the driver will not take back now are
+    /// released again later.
+    fn release_or_orphan(&self, device: i32, pages: &[PhysHandle]) {
+        for &page in pages {
+            if self.inner.vmm_release(device, page).is_err() {
+                self.leftovers().push(Leftover::Page(device, page));
+            }
+        }
+    }
+
+    fn table(&self) -> MutexGuard<'_, HashMap<PhysHandle, Pages>> {
         // The table is changed only by inserting or removing whole entries: a panic elsewhere
         // cannot leave one half made.
         self.handles.lock().unwrap_or_else(|e| e.into_inner())
@@ -88,17 +161,6 @@ impl<D: Driver> PageHandles<D> {
         }
         (0..size / page).try_for_each(|i| call(ptr + i * page, page))
     }
-}
-
-/// Release `pages`, each once, all of them even where one fails; the first failure is the answer.
-fn release_all<D: Driver>(inner: &D, device: i32, pages: &[PhysHandle]) -> DriverResult<()> {
-    let mut first: Option<DriverError> = None;
-    for &page in pages {
-        if let Err(e) = inner.vmm_release(device, page) {
-            first.get_or_insert(e);
-        }
-    }
-    first.map_or(Ok(()), Err)
 }
 
 impl<D: Driver> Driver for PageHandles<D> {
@@ -185,6 +247,7 @@ impl<D: Driver> Driver for PageHandles<D> {
     }
 
     fn vmm_free(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+        self.settle();
         self.inner.vmm_free(device, ptr, size)
     }
 
@@ -192,6 +255,21 @@ impl<D: Driver> Driver for PageHandles<D> {
         let Some(page) = self.page(device).filter(|&page| size > page) else {
             return self.inner.vmm_create(device, size);
         };
+        self.settle();
+        // Out of memory is answered before any page is made, as one cuMemCreate answers it: a
+        // creation that failed part way would otherwise make and release pages for nothing,
+        // and leave them with the driver where it also refuses their release.
+        let (free, _) = self.inner.mem_get_info(device)?;
+        if size > free {
+            return Err(DriverError {
+                call: "cuMemCreate",
+                code: CUDA_ERROR_OUT_OF_MEMORY,
+                name: "CUDA_ERROR_OUT_OF_MEMORY".to_string(),
+                description: format!(
+                    "{size} bytes asked for in pages of {page}, {free} free on the device"
+                ),
+            });
+        }
         let count = size.div_ceil(page);
         let mut pages = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
         for _ in 0..count {
@@ -199,24 +277,49 @@ impl<D: Driver> Driver for PageHandles<D> {
                 Ok(handle) => pages.push(handle),
                 Err(e) => {
                     // The pages made so far go back; the failure (out of memory, say) is the
-                    // pool's to handle as from one call. A failed release cannot be mended here.
-                    let _ = release_all(&self.inner, device, &pages);
+                    // pool's to handle as from one call. Those the driver will not take back
+                    // now are released again later.
+                    self.release_or_orphan(device, &pages);
                     return Err(e);
                 }
             }
         }
-        // The first page's handle names the whole: it is the driver's and no other live
-        // handle's, until the whole is released.
-        let id = pages[0];
-        self.table().insert(id, pages.into_boxed_slice());
+        // A name of its own, that no driver handle takes (a driver's handles are addresses or
+        // small counts): a page's handle could be the driver's again for another allocation
+        // once released, while the whole is still retried.
+        let id = COMPOSED | self.next.fetch_add(1, Ordering::Relaxed);
+        self.table()
+            .insert(id, pages.into_iter().map(Some).collect());
         Ok(id)
     }
 
     fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()> {
-        match self.table().remove(&handle) {
-            Some(pages) => release_all(&self.inner, device, &pages),
-            None => self.inner.vmm_release(device, handle),
+        self.settle();
+        let Some(mut pages) = self.table().remove(&handle) else {
+            return self.inner.vmm_release(device, handle);
+        };
+        // As one call: where the driver refuses a page, the handle stays for the pool to use or
+        // release again (the pool keeps a handle whose release failed), whole: the pages
+        // released before the refusal are made again (memory given up, whose contents nobody
+        // needs), now or, where the driver will not make them now, where the handle is mapped.
+        // Until then the driver holds less than the pool counts, never more.
+        for i in 0..pages.len() {
+            let Some(page) = pages[i] else { continue };
+            if let Err(e) = self.inner.vmm_release(device, page) {
+                if let Some(size) = self.page(device) {
+                    for slot in pages[..i].iter_mut() {
+                        match self.inner.vmm_create(device, size) {
+                            Ok(made) => *slot = Some(made),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                self.table().insert(handle, pages);
+                return Err(e);
+            }
+            pages[i] = None;
         }
+        Ok(())
     }
 
     fn vmm_map(
@@ -227,31 +330,50 @@ impl<D: Driver> Driver for PageHandles<D> {
         handle: PhysHandle,
         offset: u64,
     ) -> DriverResult<()> {
-        let page = self.page(device);
-        let run = page.and_then(|page| {
-            let table = self.table();
-            let pages = table.get(&handle)?;
-            let first = usize::try_from(offset / page).ok()?;
-            let count = usize::try_from(size / page).ok()?;
-            // A run past the handle's end, or not of whole pages, goes to the driver as asked,
-            // which refuses it as it would refuse it of any handle.
-            (offset % page == 0 && size % page == 0)
-                .then(|| {
-                    pages
-                        .get(first..first.checked_add(count)?)
-                        .map(<[_]>::to_vec)
-                })
-                .flatten()
-        });
-        let (Some(page), Some(run)) = (page, run) else {
+        let Some(page) = self.page(device) else {
             return self.inner.vmm_map(device, ptr, size, handle, offset);
+        };
+        self.settle();
+        let run = {
+            let mut table = self.table();
+            let Some(pages) = table.get_mut(&handle) else {
+                drop(table);
+                return self.inner.vmm_map(device, ptr, size, handle, offset);
+            };
+            let first = usize::try_from(offset / page).unwrap_or(usize::MAX);
+            let count = usize::try_from(size / page).unwrap_or(usize::MAX);
+            let len = pages.len() as u64 * page;
+            let run = (size > 0 && offset % page == 0 && size % page == 0)
+                .then(|| pages.get_mut(first..first.checked_add(count)?))
+                .flatten();
+            let Some(run) = run else {
+                // What the driver answers a run past a handle's end, or not of whole pages.
+                return Err(DriverError {
+                    call: "cuMemMap",
+                    code: CUDA_ERROR_INVALID_VALUE,
+                    name: "CUDA_ERROR_INVALID_VALUE".to_string(),
+                    description: format!(
+                        "{size} bytes from offset {offset} are not whole pages of a handle of \
+                         {len} bytes"
+                    ),
+                });
+            };
+            // Pages a failed release gave back are made again (rarely: under the table's lock).
+            for slot in run.iter_mut().filter(|slot| slot.is_none()) {
+                *slot = Some(self.inner.vmm_create(device, page)?);
+            }
+            run.iter().flatten().copied().collect::<Vec<_>>()
         };
         for (i, &part) in (0u64..).zip(&run) {
             if let Err(e) = self.inner.vmm_map(device, ptr + i * page, page, part, 0) {
                 // Undo what was mapped, page by page (each its own mapping); the range is left
-                // as it was found. A failed undo cannot be mended here.
+                // as it was found, or as it will be once the pages the driver will not unmap now
+                // are unmapped before the next mapping or address-range free.
                 for j in 0..i {
-                    let _ = self.inner.vmm_unmap(device, ptr + j * page, page);
+                    let at = ptr + j * page;
+                    if self.inner.vmm_unmap(device, at, page).is_err() {
+                        self.leftovers().push(Leftover::Mapping(device, at, page));
+                    }
                 }
                 return Err(e);
             }
@@ -384,12 +506,48 @@ mod tests {
         sim.clear_faults();
         assert_eq!((e.call, e.code), ("cuMemMap", 719));
         assert!(sim.mappings(0).is_empty());
+        // The same with the undo's unmap failing too: the stray page is unmapped before the
+        // next mapping.
+        sim.inject_faults("cuMemMap@2=719,cuMemUnmap@1=719")
+            .unwrap();
+        assert!(driver.vmm_map(0, va, 8 * MIB, handle, 0).is_err());
+        sim.clear_faults();
+        assert_eq!(sim.mappings(0).len(), 1);
         driver.vmm_map(0, va, 8 * MIB, handle, 0).unwrap();
         assert_eq!(sim.mappings(0).len(), 4);
         driver.vmm_unmap(0, va, 8 * MIB).unwrap();
-        driver.vmm_release(0, handle).unwrap();
         driver.vmm_free(0, va, 8 * MIB).unwrap();
+        // The third page's release fails: the handle stays, whole again (its first two pages
+        // made again), to be mapped or released the next time.
+        sim.inject_faults("cuMemRelease@3=719").unwrap();
+        let e = driver.vmm_release(0, handle).unwrap_err();
+        sim.clear_faults();
+        assert_eq!((e.call, e.code), ("cuMemRelease", 719));
+        assert_eq!(sim.used_bytes(0), 8 * MIB);
+        // The same with the pages not made again at once: they are made where it is mapped.
+        sim.inject_faults("cuMemRelease@3=719,cuMemCreate@1=2")
+            .unwrap();
+        assert!(driver.vmm_release(0, handle).is_err());
+        sim.clear_faults();
+        assert_eq!(sim.used_bytes(0), 4 * MIB);
+        let va = driver.vmm_reserve(0, 8 * MIB).unwrap();
+        driver.vmm_map(0, va, 8 * MIB, handle, 0).unwrap();
+        assert_eq!(sim.used_bytes(0), 8 * MIB);
+        driver.vmm_unmap(0, va, 8 * MIB).unwrap();
+        driver.vmm_free(0, va, 8 * MIB).unwrap();
+        driver.vmm_release(0, handle).unwrap();
         assert_eq!(sim.used_bytes(0), 0);
+        // A creation failing part way whose clean-up fails too: the page the driver would not
+        // take back is released before the next creation.
+        sim.inject_faults("cuMemCreate@3=2,cuMemRelease@2=719")
+            .unwrap();
+        assert!(driver.vmm_create(0, 8 * MIB).is_err());
+        sim.clear_faults();
+        assert_eq!(sim.used_bytes(0), 2 * MIB);
+        let handle = driver.vmm_create(0, 4 * MIB).unwrap();
+        assert_eq!(sim.used_bytes(0), 4 * MIB);
+        driver.vmm_release(0, handle).unwrap();
+        assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
     }
 
     #[test]
