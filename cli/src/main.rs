@@ -96,6 +96,12 @@ enum Command {
         /// amount, after what resmem's pool logged of its decisions while serving it.
         #[arg(long)]
         log: bool,
+        /// Replay as on the CUDA driver, whose cuMemMap maps only from an allocation's start:
+        /// resmem's page-granular handles made of one driver handle per 2 MiB page, as on a
+        /// GPU (the same decisions, more virtual-memory calls). By default the simulated
+        /// driver maps at offsets into an allocation, as the API's description allows.
+        #[arg(long)]
+        one_page_handles: bool,
     },
     /// Where the command finds devices, the pool's settings from RESMEM_CONF, and each
     /// device's total, driver-free and resmem-reusable memory (on the GPU if the CUDA driver
@@ -204,13 +210,14 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
             min_device,
             json,
             log,
+            one_page_handles,
         } => run_replay(
             &trace,
             policy,
             device_memory,
             device,
             plot.as_deref(),
-            (min_device, json, log),
+            (min_device, json, log, one_page_handles),
         ),
         Command::Info => info::run(env),
         Command::GenTrace { kind, all, output } => run_gen(kind, all, output),
@@ -287,7 +294,7 @@ fn run_replay(
     device_memory: Option<u64>,
     device: usize,
     plot_to: Option<&Path>,
-    (min_device, json, log): (bool, bool, bool),
+    (min_device, json, log, one_page_handles): (bool, bool, bool, bool),
 ) -> Result<(), String> {
     let trace = Trace::read(path, device)?;
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
@@ -321,7 +328,11 @@ fn run_replay(
                 .progress_chars("=> "),
         );
         bar.set_prefix(policy.name());
-        outcomes.push(replay::replay_logged(&trace, policy, memory, log, |n| {
+        let how = replay::How {
+            log,
+            one_page_handles,
+        };
+        outcomes.push(replay::replay_logged(&trace, policy, memory, how, |n| {
             bar.set_position(n)
         })?);
         bar.finish_and_clear();

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cuda_sim::{ledger, Call, CallTally, Sim};
+use resmem::driver::pages::PageHandles;
 use resmem::driver::sim::SimDriver;
 use resmem::error::rm_status;
 use resmem::pool::Layout;
@@ -179,21 +180,36 @@ pub fn replay(
     device_memory: u64,
     progress: impl FnMut(u64),
 ) -> Result<Outcome, String> {
-    replay_logged(trace, policy, device_memory, false, progress)
+    replay_logged(trace, policy, device_memory, How::default(), progress)
 }
 
-/// [`replay`]; with `log`, every operation after which the policy reserves a different amount
-/// (memory created or returned) is written to standard error, after what a resmem pool logged
-/// of its decisions while serving it.
+/// How [`replay_logged`] replays.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct How {
+    /// Every operation after which the policy reserves a different amount (memory created or
+    /// returned) is written to standard error, after what a resmem pool logged of its
+    /// decisions while serving it.
+    pub log: bool,
+    /// The simulated driver maps only from an allocation's start, as the CUDA driver does:
+    /// resmem's handles are made of one-page handles (`PageHandles`), as on a GPU.
+    pub one_page_handles: bool,
+}
+
+/// [`replay`], as `how` says.
 pub fn replay_logged(
     trace: &Trace,
     policy: Policy,
     device_memory: u64,
-    log: bool,
+    how: How,
     mut progress: impl FnMut(u64),
 ) -> Result<Outcome, String> {
+    let log = how.log;
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[device_memory])));
-    let driver = SimDriver::new(sim).map_err(|e| e.message)?;
+    if how.one_page_handles {
+        sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
+    }
+    // As resmem loads a driver (`runtime::build`).
+    let driver = PageHandles::new(SimDriver::new(sim).map_err(|e| e.message)?);
     let before = sim.driver_calls();
     let alloc = policy.build_logged(Arc::new(driver), log);
     let mut streams: HashMap<u64, u64> = HashMap::from([(0, 0)]);

@@ -350,3 +350,33 @@ fn a_snapshot_without_a_trace_is_refused() {
         )
     );
 }
+
+#[test]
+fn replay_with_one_page_handles_makes_the_same_decisions_in_a_call_per_page() {
+    // As on the CUDA driver, which maps only from an allocation's start: the default's peak is
+    // the same, and each of its handles is made of 2 MiB pages, a cuMemCreate each.
+    let figures = |extra: &[&str]| {
+        let mut args = vec![
+            "replay",
+            "traces/qwen3-4b-seed.jsonl",
+            "--policy",
+            "resmem",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = resmem(&args);
+        assert!(ok, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let o = &v["policies"][0];
+        (
+            o["peak_reserved"].as_u64().unwrap(),
+            o["creating_calls"].as_u64().unwrap(),
+        )
+    };
+    let (peak, calls) = figures(&[]);
+    let (pages_peak, pages_calls) = figures(&["--one-page-handles"]);
+    assert_eq!(pages_peak, peak);
+    assert_eq!(calls, 2);
+    // Nothing is returned in this trace: every page of the peak was created once.
+    assert_eq!(pages_calls, peak / (2 << 20));
+}
