@@ -361,7 +361,7 @@ fn second_failure_sweep(mode: Mode) {
     let code = codes::CUDA_ERROR_LAUNCH_FAILED;
     let (mut runs, mut injected, mut failed_ops) = (0u64, 0u64, 0u64);
     for (call, n) in clean_counts(mode) {
-        for nth in positions(mode, n) {
+        for nth in positions(mode, n, 8) {
             let first = Fault::once(call, nth, code);
             // Where the first failure fires: the clean-up calls made before that step and
             // by its end.
@@ -382,7 +382,7 @@ fn second_failure_sweep(mode: Mode) {
                 }
             }
             for (cleanup, before, after) in window {
-                for nth2 in positions(mode, after + 1 - before)
+                for nth2 in positions(mode, after + 1 - before, 4)
                     .into_iter()
                     .map(|k| before + k)
                 {
@@ -535,12 +535,12 @@ fn every_driver_call_failing_at_every_position_with_handles_of_one_page() {
 
 /// The positions at which a call made `n` times is failed: every one, but with handles of one
 /// page each (a call per 2 MiB page, thousands in this workload) the first and last eight and
-/// a spread of about 32 between them, so that the sweep runs in the time of the others.
-fn positions(mode: Mode, n: u64) -> Vec<u64> {
-    if mode != Mode::WholeHandles || n <= 48 {
+/// about `spread` between them, so that the sweep runs in about the time of the others.
+fn positions(mode: Mode, n: u64, spread: u64) -> Vec<u64> {
+    if mode != Mode::WholeHandles || n <= 16 + spread {
         return (1..=n).collect();
     }
-    let step = (n - 16).div_ceil(32);
+    let step = (n - 16).div_ceil(spread);
     (1..=8)
         .chain((9..=n - 8).step_by(step as usize))
         .chain(n - 7..=n)
@@ -581,7 +581,7 @@ fn sweep(mode: Mode) {
         } else {
             &[codes::CUDA_ERROR_LAUNCH_FAILED, codes::CUDA_ERROR_UNKNOWN]
         };
-        for nth in positions(mode, n) {
+        for nth in positions(mode, n, 32) {
             for &code in codes {
                 for fault in [
                     Fault::once(call, nth, code),
