@@ -137,8 +137,8 @@ impl<D: Driver> PageHandles<D> {
     }
 
     fn table(&self) -> MutexGuard<'_, HashMap<PhysHandle, Pages>> {
-        // The table is changed only by inserting or removing whole entries: a panic elsewhere
-        // cannot leave one half made.
+        // Each change to the table is whole (an entry inserted or removed, a page's slot set
+        // once its page is made): a panic elsewhere cannot leave one half made.
         self.handles.lock().unwrap_or_else(|e| e.into_inner())
     }
 
