@@ -19,7 +19,8 @@
 //! mapping that fails part way undoes what it made; a release that fails part way keeps the
 //! handle, whole (the pages it released made again, at once or where it is next mapped), as the
 //! pool keeps a handle whose release failed. What an undo cannot undo (the driver refusing that
-//! too) is made good before the next creation, release, mapping or address-range free.
+//! too) is made good before the next creation, release, mapping or address-range free, and when
+//! the wrapper is dropped.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,7 +51,7 @@ const COMPOSED: PhysHandle = 1 << 63;
 
 /// A driver whose handles are made of one-page handles where it maps only from an allocation's
 /// start (see the module's description).
-pub struct PageHandles<D> {
+pub struct PageHandles<D: Driver> {
     inner: D,
     /// Per device, the page size once the device was found to map only from an allocation's
     /// start (asked through [`Driver::vmm_granularity`], which the pool calls before it creates
@@ -160,6 +161,14 @@ impl<D: Driver> PageHandles<D> {
             }
         }
         (0..size / page).try_for_each(|i| call(ptr + i * page, page))
+    }
+}
+
+impl<D: Driver> Drop for PageHandles<D> {
+    fn drop(&mut self) {
+        // Pages and mappings an undo left are made good before the wrapper goes (the driver
+        // itself may stay loaded, and its memory with it).
+        self.settle();
     }
 }
 
