@@ -411,13 +411,10 @@ impl<D: Driver> Driver for PageHandles<D> {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use cuda_sim::{Call, Sim, VmmSetting};
 
     use super::*;
     use crate::driver::sim::SimDriver;
-    use crate::pool::{Pool, PoolConfig};
 
     const MIB: u64 = 1 << 20;
     const GIB: u64 = 1 << 30;
@@ -578,37 +575,5 @@ mod tests {
         driver.vmm_release(0, handle).unwrap();
         driver.vmm_free(0, va, 6 * MIB).unwrap();
         assert_eq!(sim.used_bytes(0), 0);
-    }
-
-    #[test]
-    fn the_pool_serves_1_gib_from_holes_on_a_driver_that_maps_only_from_the_start() {
-        // The 2 GiB case of the pool's tests (src/pool/tests/pages.rs), its driver mapping only
-        // from an allocation's start: the same memory, more calls.
-        let (driver, sim) = driver(2 * GIB, VmmSetting::StartOnly);
-        let pool = Pool::new(Arc::new(driver), PoolConfig::default());
-        assert!(pool.reuses_pages(0).unwrap());
-        assert_eq!(pool.warmup(0, 1536 * MIB).unwrap(), 1536 * MIB);
-        let blocks: Vec<u64> = (0..24)
-            .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
-            .collect();
-        for &p in blocks.iter().step_by(2) {
-            pool.release(p).unwrap();
-        }
-        let big = pool.reserve(0, GIB, 0).unwrap();
-        let s = pool.stats(0).unwrap();
-        assert_eq!((s.reserved_bytes, s.driver_allocs), (1792 * MIB, 2));
-        assert_eq!(sim.used_bytes(0), 1792 * MIB);
-        // 1,792 MiB in 896 pages, each created once; the new range maps 512 of them.
-        assert_eq!(sim.call_count(Call::MemCreate), 896);
-        assert_eq!(sim.mappings(0).len(), 768 + 512);
-        assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
-        pool.check().unwrap();
-        pool.release(big).unwrap();
-        for &p in blocks.iter().skip(1).step_by(2) {
-            pool.release(p).unwrap();
-        }
-        assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1792 * MIB);
-        assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
-        assert!(sim.mappings(0).is_empty());
     }
 }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use cuda_sim::Sim;
 
 use super::*;
+use crate::driver::pages::PageHandles;
 use crate::driver::sim::SimDriver;
 
 const MIB: u64 = 1 << 20;

@@ -1,6 +1,6 @@
 //! Page-granular reuse (the virtual-memory API): remapping cached pages, stitching free ranges
-//! between live blocks, borrowers and lenders, covers from free ranges, headroom, and the
-//! fallback to classic segments.
+//! between live blocks, borrowers and lenders, covers from free ranges, headroom, the fallback to
+//! classic segments, and a driver that maps only from an allocation's start (one-page handles).
 
 use super::*;
 
@@ -346,10 +346,9 @@ fn vmm_a_small_request_can_take_a_chunk_from_an_idle_large_segment() {
     assert_books(&pool, sim);
 }
 
-#[test]
-fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_device() {
-    let (pool, sim) = pool_with(&[2 * GIB], PoolConfig::default());
-    // A 1.5 GiB warm-up split into 24 blocks of 64 MiB, every other one released.
+/// A 1.5 GiB warm-up split into 24 blocks of 64 MiB, every other one released (768 MiB of holes
+/// between live blocks): the blocks, the released ones first in each pair.
+fn holes_of_a_warmup(pool: &Pool) -> Vec<u64> {
     assert_eq!(pool.warmup(0, 1536 * MIB).unwrap(), 1536 * MIB);
     let blocks: Vec<u64> = (0..24)
         .map(|_| pool.reserve(0, 64 * MIB, 0).unwrap())
@@ -357,6 +356,13 @@ fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_de
     for &p in blocks.iter().step_by(2) {
         pool.release(p).unwrap();
     }
+    blocks
+}
+
+#[test]
+fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_device() {
+    let (pool, sim) = pool_with(&[2 * GIB], PoolConfig::default());
+    let blocks = holes_of_a_warmup(&pool);
     let s = pool.stats(0).unwrap();
     assert_eq!(
         (s.reusable_bytes, s.largest_reusable_block),
@@ -388,6 +394,34 @@ fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_de
     }
     assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1536 * MIB);
     assert_nothing_held(sim);
+}
+
+#[test]
+fn the_same_on_a_driver_that_maps_only_from_an_allocations_start() {
+    // The CUDA driver's way: the pool's handles made of one-page handles (`PageHandles`); the
+    // same memory, more calls.
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB])));
+    sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
+    let driver = PageHandles::new(SimDriver::new(sim).unwrap());
+    let pool = Pool::new(Arc::new(driver), PoolConfig::default());
+    assert!(pool.reuses_pages(0).unwrap());
+    let blocks = holes_of_a_warmup(&pool);
+    let big = pool.reserve(0, GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (1792 * MIB, 2));
+    assert_eq!(sim.used_bytes(0), 1792 * MIB);
+    // 1,792 MiB in 896 pages, each created once; the new range maps 512 of them.
+    assert_eq!(sim.call_count(cuda_sim::Call::MemCreate), 896);
+    assert_eq!(sim.mappings(0).len(), 768 + 512);
+    assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
+    assert_books(&pool, sim);
+    pool.release(big).unwrap();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1792 * MIB);
+    assert_nothing_held(sim);
+    assert!(sim.mappings(0).is_empty());
 }
 
 #[test]
