@@ -217,7 +217,11 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
             device_memory,
             device,
             plot.as_deref(),
-            (min_device, json, log, one_page_handles),
+            (min_device, json),
+            replay::How {
+                log,
+                one_page_handles,
+            },
         ),
         Command::Info => info::run(env),
         Command::GenTrace { kind, all, output } => run_gen(kind, all, output),
@@ -294,7 +298,8 @@ fn run_replay(
     device_memory: Option<u64>,
     device: usize,
     plot_to: Option<&Path>,
-    (min_device, json, log, one_page_handles): (bool, bool, bool, bool),
+    (min_device, json): (bool, bool),
+    how: replay::How,
 ) -> Result<(), String> {
     let trace = Trace::read(path, device)?;
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
@@ -328,10 +333,6 @@ fn run_replay(
                 .progress_chars("=> "),
         );
         bar.set_prefix(policy.name());
-        let how = replay::How {
-            log,
-            one_page_handles,
-        };
         outcomes.push(replay::replay_logged(&trace, policy, memory, how, |n| {
             bar.set_position(n)
         })?);
