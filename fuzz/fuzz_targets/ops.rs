@@ -206,22 +206,18 @@ fuzz_target!(|data: &[u8]| {
             0..=11 => {
                 // A quarter of them while the stream, a created one, captures a graph: without
                 // waits, and the capture must end cleanly.
-                let captured = op >> 3 >= 9 && stream != 0;
-                if captured {
+                let result = if op >> 3 >= 9 && stream != 0 {
                     sim.stream_begin_capture(device, stream).unwrap();
-                }
-                let result = if captured {
-                    pool.reserve_no_wait(device, size(arg), stream)
-                } else {
-                    pool.reserve(device, size(arg), stream)
-                };
-                if captured {
+                    let result = pool.reserve_no_wait(device, size(arg), stream);
                     let ended = sim.stream_end_capture(device, stream);
                     assert!(
                         ended.is_ok(),
                         "a reserve during a capture waited: {ended:?}"
                     );
-                }
+                    result
+                } else {
+                    pool.reserve(device, size(arg), stream)
+                };
                 let result = result.map(|ptr| {
                     assert_eq!(ptr % 512, 0);
                     assert_eq!(sim.device_of(ptr), Some(device));
