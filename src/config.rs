@@ -28,6 +28,10 @@ pub struct Settings {
     pub record: Option<String>,
     /// `RESMEM_CONF`'s `share`, `share_count` and `share_wait_ms`.
     pub share: ShareConfig,
+    /// `RESMEM_CONF`'s `handle_part_mib`, in bytes: where the driver maps physical memory only
+    /// from an allocation's start (the CUDA driver), the pool's handles are made of parts of
+    /// this size, each lent only whole (`driver::pages`); 0, the default: a page each.
+    pub handle_part: u64,
 }
 
 /// Giving idle cache to other resmem processes on the same device (see [`crate::share`]).
@@ -64,6 +68,8 @@ pub struct Conf {
     pub record: Option<String>,
     /// See [`Settings::share`].
     pub share: ShareConfig,
+    /// See [`Settings::handle_part`].
+    pub handle_part: u64,
 }
 
 /// The driver library loaded when `RESMEM_CUDA_LIBRARY` is unset.
@@ -86,10 +92,14 @@ fn quote(text: &str) -> String {
 /// The keys `RESMEM_CONF` accepts, with what they take, for messages.
 const KEYS: &str = "release_before_grow:true|false, logging:true|false, vmm:true|false, \
                     preload_allocations:true|false, record:PATH, share:true|false, \
-                    share_count:true|false, share_wait_ms:<milliseconds, at most 60000>";
+                    share_count:true|false, share_wait_ms:<milliseconds, at most 60000>, \
+                    handle_part_mib:<MiB, at most 1024>";
 
 /// The longest `share_wait_ms` accepted: a minute.
 const SHARE_WAIT_MAX_MS: u64 = 60_000;
+
+/// The largest `handle_part_mib` accepted: a part of 1 GiB.
+const HANDLE_PART_MAX_MIB: u64 = 1024;
 
 impl Settings {
     /// Settings from the variables' values (`None`: unset).
@@ -120,6 +130,7 @@ impl Settings {
             preload_allocations: conf.preload_allocations,
             record: conf.record,
             share: conf.share,
+            handle_part: conf.handle_part,
         })
     }
 }
@@ -166,6 +177,21 @@ pub fn parse_conf(text: &str) -> Result<Conf, Error> {
                         quote(value)
                     ))
                 })?;
+            continue;
+        }
+        if key == "handle_part_mib" {
+            let mib = value
+                .parse::<u64>()
+                .ok()
+                .filter(|&mib| mib <= HANDLE_PART_MAX_MIB)
+                .ok_or_else(|| {
+                    Error::invalid_value(format!(
+                        "RESMEM_CONF: handle_part_mib:{} is not a number of MiB from 0 (a page \
+                         each, the default) to {HANDLE_PART_MAX_MIB}",
+                        quote(value)
+                    ))
+                })?;
+            config.handle_part = mib << 20;
             continue;
         }
         let slot = match key {
@@ -305,6 +331,34 @@ mod tests {
         }
         let e = parse_conf("share_wait_ms:5,share_wait_ms:6").unwrap_err();
         assert!(e.message.contains("given twice"), "{}", e.message);
+    }
+
+    #[test]
+    fn handles_are_made_of_pages_unless_larger_parts_are_asked_for() {
+        assert_eq!(
+            Settings::from_vars(None, None, None).unwrap().handle_part,
+            0
+        );
+        let s = Settings::from_vars(Some("sim"), None, Some("handle_part_mib:8")).unwrap();
+        assert_eq!(s.handle_part, 8 << 20);
+        assert_eq!(
+            parse_conf("handle_part_mib:1024").unwrap().handle_part,
+            1 << 30
+        );
+        assert_eq!(parse_conf("handle_part_mib: 0").unwrap().handle_part, 0);
+        for bad in [
+            "handle_part_mib:1025",
+            "handle_part_mib:-2",
+            "handle_part_mib:8MiB",
+        ] {
+            let e = parse_conf(bad).unwrap_err();
+            assert_eq!(e.status, RM_ERROR_INVALID_VALUE);
+            assert!(
+                e.message.contains("is not a number of MiB"),
+                "{}",
+                e.message
+            );
+        }
     }
 
     #[test]

@@ -106,10 +106,14 @@ pub fn var(name: &str) -> Option<String> {
 /// Build a pool from settings.
 pub fn build(settings: &Settings) -> Result<Pool, Error> {
     let driver: Arc<dyn Driver> = match &settings.driver {
-        DriverChoice::Cuda(library) => Arc::new(PageHandles::new(CudaDriver::load(library)?)),
-        DriverChoice::Sim => Arc::new(PageHandles::new(SimDriver::new(
-            cuda_sim::Sim::global_from(&var_os),
-        )?)),
+        DriverChoice::Cuda(library) => Arc::new(PageHandles::with_part(
+            CudaDriver::load(library)?,
+            settings.handle_part,
+        )),
+        DriverChoice::Sim => Arc::new(PageHandles::with_part(
+            SimDriver::new(cuda_sim::Sim::global_from(&var_os))?,
+            settings.handle_part,
+        )),
     };
     Ok(Pool::new(driver, settings.pool))
 }

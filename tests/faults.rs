@@ -84,7 +84,7 @@ const WORKLOAD: &[Step] = &[
 struct Run {
     /// Segments are stitched from physical chunks (`vmm:true`).
     stitched: bool,
-    /// Handles of one page each (`Mode::WholeHandles`).
+    /// Handles made of parts (`Mode::WholeHandles`, `Mode::Parts`).
     whole_only: bool,
     /// The driver the pool is given, for the pages it holds that the pool never knew.
     driver: Arc<PageHandles<SimDriver>>,
@@ -105,6 +105,15 @@ enum Mode {
     /// The default on a driver that maps only from an allocation's start, as the CUDA driver:
     /// handles of one page each (`PageHandles`).
     WholeHandles,
+    /// The same with handles of 6 MiB parts (`PageHandles::with_part`), each lent only whole.
+    Parts,
+}
+
+impl Mode {
+    /// Whether the driver maps only from an allocation's start, handles made of parts.
+    fn whole_only(self) -> bool {
+        matches!(self, Mode::WholeHandles | Mode::Parts)
+    }
 }
 
 impl Run {
@@ -124,10 +133,11 @@ impl Run {
     fn with_mode(mode: Mode, capacities: &[u64]) -> Run {
         let stitched = mode != Mode::Classic;
         let sim: &'static Sim = Box::leak(Box::new(Sim::new(capacities)));
-        if mode == Mode::WholeHandles {
+        if mode.whole_only() {
             sim.set_vmm(VmmSetting::StartOnly);
         }
-        let driver = Arc::new(PageHandles::new(SimDriver::new(sim).unwrap()));
+        let part = if mode == Mode::Parts { 6 * MIB } else { 0 };
+        let driver = Arc::new(PageHandles::with_part(SimDriver::new(sim).unwrap(), part));
         let streams = (0..capacities.len() as i32)
             .map(|d| {
                 vec![
@@ -143,7 +153,7 @@ impl Run {
         };
         Run {
             stitched,
-            whole_only: mode == Mode::WholeHandles,
+            whole_only: mode.whole_only(),
             driver: driver.clone(),
             pool: Pool::new(driver, config),
             sim,
@@ -355,6 +365,11 @@ fn a_failing_clean_up_after_every_failure_loses_nothing_with_handles_of_one_page
     second_failure_sweep(Mode::WholeHandles);
 }
 
+#[test]
+fn a_failing_clean_up_after_every_failure_loses_nothing_with_handles_of_larger_parts() {
+    second_failure_sweep(Mode::Parts);
+}
+
 /// Every failure of the first sweep (once), with each clean-up call made during the failing
 /// operation, and the next one, failing too.
 fn second_failure_sweep(mode: Mode) {
@@ -533,11 +548,16 @@ fn every_driver_call_failing_at_every_position_with_handles_of_one_page() {
     sweep(Mode::WholeHandles);
 }
 
+#[test]
+fn every_driver_call_failing_at_every_position_with_handles_of_larger_parts() {
+    sweep(Mode::Parts);
+}
+
 /// The positions at which a call made `n` times is failed: every one, but with handles of one
 /// page each (a call per 2 MiB page, thousands in this workload) the first and last eight and
 /// about `spread` between them, so that the sweep runs in about the time of the others.
 fn positions(mode: Mode, n: u64, spread: u64) -> Vec<u64> {
-    if mode != Mode::WholeHandles || n <= 16 + spread {
+    if !mode.whole_only() || n <= 16 + spread {
         return (1..=n).collect();
     }
     let step = (n - 16).div_ceil(spread);

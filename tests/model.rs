@@ -2,7 +2,7 @@
 //! devices and streams, with sizes from 1 byte to GiBs, checked after every step against a
 //! reference model of the live blocks and against the simulated driver's own books.
 //!
-//! `PROPTEST_CASES` sets the number of sequences (default 10000 per test, four tests, each sequence up to 80 operations);
+//! `PROPTEST_CASES` sets the number of sequences (default 10000 per test, six tests, each sequence up to 80 operations);
 //! a long run: `PROPTEST_CASES=200000 cargo test --release --test model`.
 
 use std::collections::BTreeMap;
@@ -168,14 +168,18 @@ fn segment_for(block: u64) -> u64 {
 }
 
 impl Model {
-    fn new(config: PoolConfig, front: bool, whole_only: bool) -> Model {
+    fn new(config: PoolConfig, front: bool, parts: Option<u64>) -> Model {
         let sim: &'static Sim = Box::leak(Box::new(Sim::new(&CAPACITIES)));
+        let whole_only = parts.is_some();
         if whole_only {
             sim.set_vmm(VmmSetting::StartOnly);
         }
-        // As resmem loads a driver: handles of one page each where it maps only from an
-        // allocation's start.
-        let driver = PageHandles::new(SimDriver::new(sim).expect("the simulator initialises"));
+        // As resmem loads a driver: handles of parts (one page each by default) where it maps
+        // only from an allocation's start.
+        let driver = PageHandles::with_part(
+            SimDriver::new(sim).expect("the simulator initialises"),
+            parts.unwrap_or(0),
+        );
         let streams = (0..CAPACITIES.len() as i32)
             .map(|d| {
                 let mut s = vec![0];
@@ -587,8 +591,9 @@ fn cases() -> u32 {
 }
 
 /// Run `cases()` random sequences against a pool with `config`, behind the front caches if
-/// `front`, on devices whose `cuMemMap` maps only from an allocation's start if `whole_only`.
-fn run_sequences(config: PoolConfig, front: bool, whole_only: bool) {
+/// `front`, on devices whose `cuMemMap` maps only from an allocation's start if `parts` (the
+/// size of the parts handles are made of, 0 for a page).
+fn run_sequences(config: PoolConfig, front: bool, parts: Option<u64>) {
     let runner_config = Config {
         cases: cases(),
         failure_persistence: None,
@@ -597,7 +602,7 @@ fn run_sequences(config: PoolConfig, front: bool, whole_only: bool) {
     let mut runner = TestRunner::new(runner_config);
     let result = runner.run(&prop::collection::vec(op(), 1..80), |ops| {
         SEQUENCES.fetch_add(1, Relaxed);
-        let mut model = Model::new(config, front, whole_only);
+        let mut model = Model::new(config, front, parts);
         for op in &ops {
             model.apply(op)?;
         }
@@ -642,21 +647,27 @@ fn run_sequences(config: PoolConfig, front: bool, whole_only: bool) {
 /// The default: page-granular reuse with the virtual-memory API.
 #[test]
 fn random_sequences_keep_the_books_exact() {
-    run_sequences(PoolConfig::default(), false, false);
+    run_sequences(PoolConfig::default(), false, None);
 }
 
 /// The default on a driver that maps only from an allocation's start, as the CUDA driver: the
 /// pool's handles made of one-page handles (`PageHandles`).
 #[test]
 fn random_sequences_keep_the_books_exact_with_handles_of_one_page() {
-    run_sequences(PoolConfig::default(), false, true);
+    run_sequences(PoolConfig::default(), false, Some(0));
+}
+
+/// The same with handles of 6 MiB parts, each lent only whole (`PageHandles::with_part`).
+#[test]
+fn random_sequences_keep_the_books_exact_with_handles_of_larger_parts() {
+    run_sequences(PoolConfig::default(), false, Some(6 * MIB));
 }
 
 /// The same through the front caches: released blocks wait in this thread's cache, counted as
 /// reusable, and go back to the pool before it would grow.
 #[test]
 fn random_sequences_through_the_front_caches_keep_the_books_exact() {
-    run_sequences(PoolConfig::default(), true, false);
+    run_sequences(PoolConfig::default(), true, None);
 }
 
 #[test]
@@ -667,7 +678,7 @@ fn random_sequences_keep_the_books_exact_with_classic_segments() {
             ..PoolConfig::default()
         },
         false,
-        false,
+        None,
     );
 }
 
@@ -680,6 +691,6 @@ fn random_sequences_keep_the_books_exact_without_release_before_grow() {
             ..PoolConfig::default()
         },
         false,
-        false,
+        None,
     );
 }

@@ -89,7 +89,10 @@ impl Environment {
                 _ => Ok(d),
             });
         match found {
-            Ok(driver) => Ok(Device::Gpu(Arc::new(PageHandles::new(driver)))),
+            Ok(driver) => Ok(Device::Gpu(Arc::new(PageHandles::with_part(
+                driver,
+                self.settings.handle_part,
+            )))),
             Err(why) if self.driver_given => Err(format!("RESMEM_DRIVER=cuda, but {why}")),
             Err(why) => Ok(Device::Simulated(format!("no GPU: {why}"))),
         }
@@ -101,6 +104,16 @@ pub fn device_memory(text: &str) -> Result<u64, String> {
     match cuda_sim::parse_devices(text)?.as_slice() {
         [one] => Ok(*one),
         _ => Err(format!("{text:?} is not one size; write e.g. 24GiB")),
+    }
+}
+
+/// A part size for `replay --handle-part`: a size of at most 1 GiB, as `handle_part_mib` takes.
+pub fn part_size(text: &str) -> Result<u64, String> {
+    match cuda_sim::parse_devices(text).as_deref() {
+        Ok([size]) if *size <= 1 << 30 => Ok(*size),
+        _ => Err(format!(
+            "{text:?} is not a size up to 1GiB; write e.g. 8MiB"
+        )),
     }
 }
 

@@ -58,7 +58,10 @@ pub fn run(env: &Environment) -> Result<(), String> {
             let sim = env.simulated(&env.sim_devices);
             let driver = SimDriver::new(sim).map_err(|e| e.message)?;
             let place = format!("simulated devices from CUDA_SIM_DEVICES ({why})");
-            (Arc::new(PageHandles::new(driver)), place)
+            (
+                Arc::new(PageHandles::with_part(driver, env.settings.handle_part)),
+                place,
+            )
         }
     };
     let pool = Pool::new(Arc::clone(&driver), env.settings.pool);
@@ -66,12 +69,13 @@ pub fn run(env: &Environment) -> Result<(), String> {
     println!("resmem {} on {place}", env!("CARGO_PKG_VERSION"));
     println!(
         "settings (RESMEM_CONF): release_before_grow {}, vmm {}, logging {}, \
-         preload_allocations {}, record {}",
+         preload_allocations {}, record {}, handle_part_mib {}",
         c.release_before_grow,
         c.vmm,
         c.logging,
         env.settings.preload_allocations,
-        env.settings.record.as_deref().unwrap_or("off")
+        env.settings.record.as_deref().unwrap_or("off"),
+        env.settings.handle_part >> 20
     );
     let mut rows = Vec::new();
     for device in 0..pool.device_count() {

@@ -100,8 +100,13 @@ enum Command {
         /// resmem's page-granular handles made of one driver handle per 2 MiB page, as on a
         /// GPU (the same decisions, more virtual-memory calls). By default the simulated
         /// driver maps at offsets into an allocation, as the API's description allows.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "handle_part")]
         one_page_handles: bool,
+        /// Replay as on the CUDA driver with resmem's handles made of parts of this size
+        /// (e.g. 8MiB, rounded up to a 2 MiB page), each lent only whole, as
+        /// RESMEM_CONF=handle_part_mib:N makes them: fewer calls, less cache lent.
+        #[arg(long, value_name = "SIZE", value_parser = env::part_size)]
+        handle_part: Option<u64>,
     },
     /// Where the command finds devices, the pool's settings from RESMEM_CONF, and each
     /// device's total, driver-free and resmem-reusable memory (on the GPU if the CUDA driver
@@ -211,6 +216,7 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
             json,
             log,
             one_page_handles,
+            handle_part,
         } => run_replay(
             &trace,
             policy,
@@ -220,7 +226,7 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
             (min_device, json),
             replay::How {
                 log,
-                one_page_handles,
+                handle_part: handle_part.or(one_page_handles.then_some(0)),
             },
         ),
         Command::Info => info::run(env),
@@ -255,8 +261,9 @@ fn run_demo(
             Some(d) => d.clone(),
             None => {
                 let sim = env.simulated(&[device_memory]);
-                Arc::new(PageHandles::new(
+                Arc::new(PageHandles::with_part(
                     SimDriver::new(sim).map_err(|e| e.message)?,
+                    env.settings.handle_part,
                 ))
             }
         };

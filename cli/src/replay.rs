@@ -190,9 +190,10 @@ pub struct How {
     /// returned) is written to standard error, after what a resmem pool logged of its
     /// decisions while serving it.
     pub log: bool,
-    /// The simulated driver maps only from an allocation's start, as the CUDA driver does:
-    /// resmem's handles are made of one-page handles (`PageHandles`), as on a GPU.
-    pub one_page_handles: bool,
+    /// `Some`: the simulated driver maps only from an allocation's start, as the CUDA driver
+    /// does, and resmem's handles are made of parts of this many bytes (`PageHandles`; 0: a
+    /// page each), as on a GPU. `None`: it maps at offsets into an allocation.
+    pub handle_part: Option<u64>,
 }
 
 /// [`replay`], as `how` says.
@@ -205,11 +206,14 @@ pub fn replay_logged(
 ) -> Result<Outcome, String> {
     let log = how.log;
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[device_memory])));
-    if how.one_page_handles {
+    if how.handle_part.is_some() {
         sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
     }
     // As resmem loads a driver (`runtime::build`).
-    let driver = PageHandles::new(SimDriver::new(sim).map_err(|e| e.message)?);
+    let driver = PageHandles::with_part(
+        SimDriver::new(sim).map_err(|e| e.message)?,
+        how.handle_part.unwrap_or(0),
+    );
     let before = sim.driver_calls();
     let alloc = policy.build_logged(Arc::new(driver), log);
     let mut streams: HashMap<u64, u64> = HashMap::from([(0, 0)]);

@@ -106,7 +106,7 @@ fn info_prints_a_table_of_the_configured_devices() {
         format!(
             "resmem {} on simulated devices from CUDA_SIM_DEVICES (RESMEM_DRIVER=sim)\n\
              settings (RESMEM_CONF): release_before_grow true, vmm true, logging false, \
-             preload_allocations false, record off\n\
+             preload_allocations false, record off, handle_part_mib 0\n\
              \n\
              device           total   driver free      reusable   reported free     reuse\n\
              0            24.00 GiB     24.00 GiB           0 B       24.00 GiB     pages\n\
@@ -188,7 +188,7 @@ fn every_subcommand_refuses_a_bad_environment_in_one_line() {
             "resmem: RESMEM_CONF: unknown key \"bogus\"; the keys are release_before_grow:true|false, \
              logging:true|false, vmm:true|false, preload_allocations:true|false, record:PATH, \
              share:true|false, share_count:true|false, share_wait_ms:<milliseconds, at most \
-             60000>\n",
+             60000>, handle_part_mib:<MiB, at most 1024>\n",
         ),
         (
             ("CUDA_SIM_VMM", "yes"),
@@ -379,4 +379,18 @@ fn replay_with_one_page_handles_makes_the_same_decisions_in_a_call_per_page() {
     assert_eq!(calls, 2);
     // Nothing is returned in this trace: every page of the peak was created once.
     assert_eq!(pages_calls, peak / (2 << 20));
+    // Parts of 8 MiB (7 MiB rounds up to them): a quarter of the calls, and 48 MiB more at the
+    // peak, the cache being lent only in whole parts.
+    for part in ["8MiB", "7MiB"] {
+        let (parts_peak, parts_calls) = figures(&["--handle-part", part]);
+        assert_eq!((parts_peak, parts_calls), (peak + (48 << 20), 1068));
+    }
+    let (ok, _, err) = resmem(&[
+        "replay",
+        "traces/qwen3-4b-seed.jsonl",
+        "--handle-part",
+        "2GiB",
+    ]);
+    assert!(!ok);
+    assert!(err.contains("\"2GiB\" is not a size up to 1GiB"), "{err}");
 }

@@ -167,14 +167,15 @@ fuzz_target!(|data: &[u8]| {
     sim.clear_faults();
     let first = data.first().copied().unwrap_or(0);
     // One input in two on a driver that maps only from an allocation's start, as the CUDA
-    // driver: the pool's handles made of one-page handles.
+    // driver: the pool's handles made of one-page handles, or (half of those) of 6 MiB parts.
     let whole = first & 16 != 0;
     sim.set_vmm(if whole {
         VmmSetting::StartOnly
     } else {
         VmmSetting::Full
     });
-    let driver = Arc::new(PageHandles::new(SimDriver::new(sim).unwrap()));
+    let part = if first & 32 != 0 { 6 << 20 } else { 0 };
+    let driver = Arc::new(PageHandles::with_part(SimDriver::new(sim).unwrap(), part));
     let pool = Pool::new(
         driver.clone(),
         PoolConfig {

@@ -126,6 +126,15 @@ pub trait Driver: Send + Sync {
         let _ = device;
         None
     }
+    /// Where `device` maps physical memory only from an allocation's start and the pool's
+    /// handles are made of *parts* (see [`pages::PageHandles`]): the size of each part but a
+    /// handle's last (the rest, no larger), a granularity multiple; any mapping of such a handle
+    /// covers whole parts. `None` (the default) where any granularity multiple of a handle maps
+    /// at any granularity offset into it.
+    fn vmm_part(&self, device: i32) -> Option<u64> {
+        let _ = device;
+        None
+    }
     /// Reserve `size` bytes of address space (`cuMemAddressReserve`).
     fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr>;
     /// Free a reserved address range with nothing mapped in it (`cuMemAddressFree`).

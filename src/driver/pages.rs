@@ -4,25 +4,31 @@
 //! (`cuMemMap` takes an offset). The CUDA driver's description of `cuMemMap` allows that, but its
 //! note on the offset says "currently must be zero", and the CUDA 13.0 driver on an H200 refuses
 //! any other offset (`scripts/gpu-check.sh`, 2026-12-04). [`PageHandles`] wraps such a driver so
-//! that the pool works unchanged: where the driver has the virtual-memory API but maps only from
-//! an allocation's start, each handle the pool creates is made of one driver handle per page, and
-//! mapping a run of the pool's handle at an offset maps each of those pages whole, from its start.
-//! A page mapped in two places at once is one whole handle mapped twice, which the driver allows.
+//! that the pool can still lend: where the driver has the virtual-memory API but maps only from
+//! an allocation's start, each handle the pool creates is made of *parts*, one driver handle each,
+//! and mapping a run of the pool's handle maps each of its parts whole, from its start. A part
+//! mapped in two places at once is one whole handle mapped twice, which the driver allows.
 //!
-//! The price is driver calls: one `cuMemCreate` and one `cuMemRelease` per page instead of per
-//! handle, and one `cuMemMap` per page mapped. Unmapping and setting access take one call for a
-//! run of mappings, as the driver allows; where it refuses a run, each page is asked for alone.
-//! On a driver that maps at offsets, or has no virtual-memory API, every call passes through.
+//! A part is one page unless the wrapper is made with larger ones ([`PageHandles::with_part`],
+//! `RESMEM_CONF=handle_part_mib:N`); the pool, told so ([`Driver::vmm_part`]), then lends a
+//! handle's memory only in whole parts. One page a part lends every free page, as on a driver
+//! that maps at offsets, at a `cuMemCreate` and a `cuMemRelease` per page; larger parts make
+//! fewer calls and lend less (BENCHMARKS.md, "On the CUDA driver": 8 MiB parts made a quarter of
+//! the calls and put 35 of 784 generated workloads over PyTorch's policy's peak, against 5). A
+//! handle no larger than a part is one driver handle. Unmapping and setting access take one call
+//! for a run of mappings, as the driver allows; where it refuses a run, each mapping is asked
+//! for alone. On a driver that maps at offsets, or has no virtual-memory API, every call passes
+//! through.
 //!
 //! Each call the pool makes stays one call to it, all or nothing where the driver allows:
-//! out of memory is answered before any page is made (from `cuMemGetInfo`); a creation or
+//! out of memory is answered before any part is made (from `cuMemGetInfo`); a creation or
 //! mapping that fails part way undoes what it made; a release that fails part way keeps the
-//! handle, whole (the pages it released made again, at once or where it is next mapped), as the
+//! handle, whole (the parts it released made again, at once or where it is next mapped), as the
 //! pool keeps a handle whose release failed. What an undo cannot undo (the driver refusing that
 //! too) is made good before the next creation, release, mapping or address-range free, and when
 //! the wrapper is dropped.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -34,53 +40,91 @@ use super::{
 /// What an undo left to make good later (see [`PageHandles::leftovers`]).
 #[derive(Clone, Copy, Debug)]
 enum Leftover {
-    /// A page of a failed creation, on a device, to release.
-    Page(i32, PhysHandle),
-    /// A page mapped by a failed mapping, on a device: its address and size, to unmap.
+    /// A part of a failed creation, on a device, of its size, to release.
+    Part(i32, PhysHandle, u64),
+    /// A part mapped by a failed mapping, on a device: its address and size, to unmap.
     Mapping(i32, DevicePtr, u64),
 }
 
-/// A handle made of pages: each page's driver handle, `None` where it was released.
-type Pages = Box<[Option<PhysHandle>]>;
+/// A handle made of parts.
+#[derive(Debug)]
+struct Composed {
+    /// Its size.
+    size: u64,
+    /// The size of each part but the last.
+    part: u64,
+    /// Each part's driver handle, in order; `None` where a release that failed part way
+    /// released it (made again when the handle is mapped there).
+    parts: Box<[Option<PhysHandle>]>,
+}
+
+impl Composed {
+    /// The size of part `i`.
+    fn len(&self, i: usize) -> u64 {
+        self.part.min(self.size - i as u64 * self.part)
+    }
+}
 
 /// `CUDA_ERROR_INVALID_VALUE`: what the driver answers a range it will not take in one call.
 const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 
-/// The top bit of the names of handles made of pages.
+/// The top bit of the names of handles made of parts.
 const COMPOSED: PhysHandle = 1 << 63;
 
-/// A driver whose handles are made of one-page handles where it maps only from an allocation's
-/// start (see the module's description).
+/// A driver whose handles are made of parts where it maps only from an allocation's start (see
+/// the module's description).
 pub struct PageHandles<D: Driver> {
     inner: D,
+    /// The size asked for each part (0: a page); rounded up to the device's page.
+    part: u64,
     /// Per device, the page size once the device was found to map only from an allocation's
     /// start (asked through [`Driver::vmm_granularity`], which the pool calls before it creates
     /// any physical memory).
     whole_only: Vec<OnceLock<u64>>,
-    /// The pool's handles made of pages, by the handle the pool was given: the device's driver
-    /// handles, one per page, in order (`None`: a page released by a release that failed part
-    /// way, made again when the handle is mapped there).
-    handles: Mutex<HashMap<PhysHandle, Pages>>,
+    /// The pool's handles made of parts, by the handle the pool was given.
+    handles: Mutex<HashMap<PhysHandle, Composed>>,
+    /// Every mapping made on a device that maps only from an allocation's start, by device and
+    /// address: its size (a part's, or a handle's of one part), for asking the driver mapping
+    /// by mapping where it refuses a run.
+    mapped: Mutex<BTreeMap<(i32, DevicePtr), u64>>,
     /// Cleared once the driver refused to unmap, or set access to, a run of several mappings in
-    /// one call: each page is then asked for alone.
+    /// one call: each mapping is then asked for alone.
     runs: AtomicBool,
     /// What undoing a call that failed part way could not undo, made good before each later
-    /// creation, release, mapping or address-range free: pages of a failed creation whose
-    /// release failed too (the pool never knew them), and pages of a failed mapping whose unmap
+    /// creation, release, mapping or address-range free: parts of a failed creation whose
+    /// release failed too (the pool never knew them), and parts of a failed mapping whose unmap
     /// failed too (the pool takes the range for unmapped).
     leftovers: Mutex<Vec<Leftover>>,
-    /// The next name for a handle made of pages (with [`COMPOSED`]).
+    /// The next name for a handle made of parts (with [`COMPOSED`]).
     next: AtomicU64,
 }
 
+/// The driver's answer to a mapping or range it will not take.
+fn invalid(call: &'static str, description: String) -> DriverError {
+    DriverError {
+        call,
+        code: CUDA_ERROR_INVALID_VALUE,
+        name: "CUDA_ERROR_INVALID_VALUE".to_string(),
+        description,
+    }
+}
+
 impl<D: Driver> PageHandles<D> {
-    /// Wrap `inner`; nothing is asked of it until the pool asks.
+    /// Wrap `inner`, handles made of one-page parts; nothing is asked of it until the pool asks.
     pub fn new(inner: D) -> PageHandles<D> {
+        PageHandles::with_part(inner, 0)
+    }
+
+    /// Wrap `inner`, handles made of parts of `part` bytes, rounded up to the device's page (0:
+    /// a page each).
+    pub fn with_part(inner: D, part: u64) -> PageHandles<D> {
         let devices = usize::try_from(inner.device_count()).unwrap_or(0);
         PageHandles {
             inner,
+            part,
             whole_only: (0..devices).map(|_| OnceLock::new()).collect(),
             handles: Mutex::new(HashMap::new()),
+            mapped: Mutex::new(BTreeMap::new()),
             runs: AtomicBool::new(true),
             leftovers: Mutex::new(Vec::new()),
             next: AtomicU64::new(1),
@@ -92,26 +136,43 @@ impl<D: Driver> PageHandles<D> {
         &self.inner
     }
 
-    /// The bytes on `device` held by pages of failed creations whose release the driver refused
+    /// The bytes on `device` held by parts of failed creations whose release the driver refused
     /// (released again before later calls): memory the pool does not count.
     pub fn orphaned_bytes(&self, device: i32) -> u64 {
-        let pages = self
-            .leftovers()
+        self.leftovers()
             .iter()
-            .filter(|l| matches!(l, Leftover::Page(d, _) if *d == device))
-            .count() as u64;
-        pages * self.page(device).unwrap_or(0)
+            .map(|l| match *l {
+                Leftover::Part(d, _, size) if d == device => size,
+                _ => 0,
+            })
+            .sum()
     }
 
     /// The page size where `device` maps only from an allocation's start and the pool's handles
-    /// on it are made of pages.
+    /// on it are made of parts.
     fn page(&self, device: i32) -> Option<u64> {
         let slot = self.whole_only.get(usize::try_from(device).ok()?)?;
         slot.get().copied()
     }
 
+    /// The size of the parts on `device` where its handles are made of parts.
+    fn part(&self, device: i32) -> Option<u64> {
+        let page = self.page(device)?;
+        Some(self.part.max(page).next_multiple_of(page))
+    }
+
     fn leftovers(&self) -> MutexGuard<'_, Vec<Leftover>> {
         self.leftovers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn table(&self) -> MutexGuard<'_, HashMap<PhysHandle, Composed>> {
+        // Each change to the table is whole (an entry inserted or removed, a part's slot set
+        // once its part is made): a panic elsewhere cannot leave one half made.
+        self.handles.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mapped(&self) -> MutexGuard<'_, BTreeMap<(i32, DevicePtr), u64>> {
+        self.mapped.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Make good what earlier undos left; what the driver still refuses stays for next time.
@@ -119,54 +180,96 @@ impl<D: Driver> PageHandles<D> {
         let mut leftovers = self.leftovers();
         if !leftovers.is_empty() {
             leftovers.retain(|&left| match left {
-                Leftover::Page(device, page) => self.inner.vmm_release(device, page).is_err(),
+                Leftover::Part(device, part, _) => self.inner.vmm_release(device, part).is_err(),
                 Leftover::Mapping(device, at, size) => {
-                    self.inner.vmm_unmap(device, at, size).is_err()
+                    let kept = self.inner.vmm_unmap(device, at, size).is_err();
+                    if !kept {
+                        self.mapped().remove(&(device, at));
+                    }
+                    kept
                 }
             });
         }
     }
 
-    /// Release `pages`, which the pool never knew; those the driver will not take back now are
-    /// released again later.
-    fn release_or_orphan(&self, device: i32, pages: &[PhysHandle]) {
-        for &page in pages {
-            if self.inner.vmm_release(device, page).is_err() {
-                self.leftovers().push(Leftover::Page(device, page));
+    /// Release `parts` (handle and size), which the pool never knew; those the driver will not
+    /// take back now are released again later.
+    fn release_or_orphan(&self, device: i32, parts: &[(PhysHandle, u64)]) {
+        for &(part, size) in parts {
+            if self.inner.vmm_release(device, part).is_err() {
+                self.leftovers().push(Leftover::Part(device, part, size));
             }
         }
     }
 
-    fn table(&self) -> MutexGuard<'_, HashMap<PhysHandle, Pages>> {
-        // Each change to the table is whole (an entry inserted or removed, a page's slot set
-        // once its page is made): a panic elsewhere cannot leave one half made.
-        self.handles.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Unmap, or set access to, `[ptr, ptr + size)` with `call`: one call for the run while the
-    /// driver takes runs, else (or once it refused one) a call per page.
-    fn per_run_or_page(
+    /// Map `size` bytes of the driver handle `part`, from its start, at `ptr`, and note the
+    /// mapping.
+    fn map_part(
         &self,
-        page: u64,
+        device: i32,
         ptr: DevicePtr,
         size: u64,
+        part: PhysHandle,
+    ) -> DriverResult<()> {
+        self.inner.vmm_map(device, ptr, size, part, 0)?;
+        self.mapped().insert((device, ptr), size);
+        Ok(())
+    }
+
+    /// Unmap, or set access to, `[ptr, ptr + size)` on `device` with `call`: one call for the
+    /// range while the driver takes runs, else (or once it refused one) a call per mapping in
+    /// it; `unmap` forgets the mappings unmapped.
+    fn per_run_or_mapping(
+        &self,
+        device: i32,
+        (ptr, size): (DevicePtr, u64),
+        unmap: bool,
         call: impl Fn(DevicePtr, u64) -> DriverResult<()>,
     ) -> DriverResult<()> {
-        if size > page && self.runs.load(Ordering::Relaxed) {
+        let inside: Vec<(DevicePtr, u64)> = self
+            .mapped()
+            .range((device, ptr)..(device, ptr.saturating_add(size)))
+            .map(|(&(_, at), &len)| (at, len))
+            .collect();
+        let forget = |mappings: &[(DevicePtr, u64)]| {
+            if unmap {
+                let mut mapped = self.mapped();
+                for (at, _) in mappings {
+                    mapped.remove(&(device, *at));
+                }
+            }
+        };
+        if inside.len() != 1 && self.runs.load(Ordering::Relaxed) {
             match call(ptr, size) {
-                Err(e) if e.code == CUDA_ERROR_INVALID_VALUE => {
+                Err(e) if e.code == CUDA_ERROR_INVALID_VALUE && inside.len() > 1 => {
                     self.runs.store(false, Ordering::Relaxed);
                 }
-                answer => return answer,
+                answer => {
+                    if answer.is_ok() {
+                        forget(&inside);
+                    }
+                    return answer;
+                }
             }
         }
-        (0..size / page).try_for_each(|i| call(ptr + i * page, page))
+        if inside.iter().map(|&(_, len)| len).sum::<u64>() != size {
+            // Not whole mappings made here: the driver's to judge.
+            return call(ptr, size);
+        }
+        for (i, &(at, len)) in inside.iter().enumerate() {
+            if let Err(e) = call(at, len) {
+                forget(&inside[..i]);
+                return Err(e);
+            }
+        }
+        forget(&inside);
+        Ok(())
     }
 }
 
 impl<D: Driver> Drop for PageHandles<D> {
     fn drop(&mut self) {
-        // Pages and mappings an undo left are made good before the wrapper goes (the driver
+        // Parts and mappings an undo left are made good before the wrapper goes (the driver
         // itself may stay loaded, and its memory with it).
         self.settle();
     }
@@ -247,8 +350,12 @@ impl<D: Driver> Driver for PageHandles<D> {
     }
 
     fn vmm_whole_granularity(&self, _device: i32) -> Option<u64> {
-        // Whole-only devices are made to look like devices that map at offsets.
+        // Whole-only devices are made to look like devices that map at offsets, in parts.
         None
+    }
+
+    fn vmm_part(&self, device: i32) -> Option<u64> {
+        self.part(device)
     }
 
     fn vmm_reserve(&self, device: i32, size: u64) -> DriverResult<DevicePtr> {
@@ -261,12 +368,15 @@ impl<D: Driver> Driver for PageHandles<D> {
     }
 
     fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle> {
-        let Some(page) = self.page(device).filter(|&page| size > page) else {
+        let Some(part) = self.part(device) else {
             return self.inner.vmm_create(device, size);
         };
+        if size <= part {
+            return self.inner.vmm_create(device, size);
+        }
         self.settle();
-        // Out of memory is answered before any page is made, as one cuMemCreate answers it: a
-        // creation that failed part way would otherwise make and release pages for nothing,
+        // Out of memory is answered before any part is made, as one cuMemCreate answers it: a
+        // creation that failed part way would otherwise make and release parts for nothing,
         // and leave them with the driver where it also refuses their release.
         let (free, _) = self.inner.mem_get_info(device)?;
         if size > free {
@@ -275,58 +385,60 @@ impl<D: Driver> Driver for PageHandles<D> {
                 code: CUDA_ERROR_OUT_OF_MEMORY,
                 name: "CUDA_ERROR_OUT_OF_MEMORY".to_string(),
                 description: format!(
-                    "{size} bytes asked for in pages of {page}, {free} free on the device"
+                    "{size} bytes asked for in parts of {part}, {free} free on the device"
                 ),
             });
         }
-        let count = size.div_ceil(page);
-        let mut pages = Vec::with_capacity(usize::try_from(count).unwrap_or(0));
-        for _ in 0..count {
-            match self.inner.vmm_create(device, page) {
-                Ok(handle) => pages.push(handle),
+        let mut made = Vec::with_capacity(usize::try_from(size.div_ceil(part)).unwrap_or(0));
+        let mut at = 0;
+        while at < size {
+            let len = part.min(size - at);
+            match self.inner.vmm_create(device, len) {
+                Ok(handle) => made.push((handle, len)),
                 Err(e) => {
-                    // The pages made so far go back; the failure (out of memory, say) is the
+                    // The parts made so far go back; the failure (out of memory, say) is the
                     // pool's to handle as from one call. Those the driver will not take back
                     // now are released again later.
-                    self.release_or_orphan(device, &pages);
+                    self.release_or_orphan(device, &made);
                     return Err(e);
                 }
             }
+            at += len;
         }
         // A name of its own, that no driver handle takes (a driver's handles are addresses or
-        // small counts): a page's handle could be the driver's again for another allocation
+        // small counts): a part's handle could be the driver's again for another allocation
         // once released, while the whole is still retried.
         let id = COMPOSED | self.next.fetch_add(1, Ordering::Relaxed);
-        self.table()
-            .insert(id, pages.into_iter().map(Some).collect());
+        let parts = made.into_iter().map(|(handle, _)| Some(handle)).collect();
+        self.table().insert(id, Composed { size, part, parts });
         Ok(id)
     }
 
     fn vmm_release(&self, device: i32, handle: PhysHandle) -> DriverResult<()> {
         self.settle();
-        let Some(mut pages) = self.table().remove(&handle) else {
+        let Some(mut composed) = self.table().remove(&handle) else {
             return self.inner.vmm_release(device, handle);
         };
-        // As one call: where the driver refuses a page, the handle stays for the pool to use or
-        // release again (the pool keeps a handle whose release failed), whole: the pages
+        // As one call: where the driver refuses a part, the handle stays for the pool to use or
+        // release again (the pool keeps a handle whose release failed), whole: the parts
         // released before the refusal are made again (memory given up, whose contents nobody
         // needs), now or, where the driver will not make them now, where the handle is mapped.
         // Until then the driver holds less than the pool counts, never more.
-        for i in 0..pages.len() {
-            let Some(page) = pages[i] else { continue };
-            if let Err(e) = self.inner.vmm_release(device, page) {
-                if let Some(size) = self.page(device) {
-                    for slot in pages[..i].iter_mut() {
-                        match self.inner.vmm_create(device, size) {
-                            Ok(made) => *slot = Some(made),
-                            Err(_) => break,
-                        }
+        for i in 0..composed.parts.len() {
+            let Some(part) = composed.parts[i] else {
+                continue;
+            };
+            if let Err(e) = self.inner.vmm_release(device, part) {
+                for j in 0..i {
+                    match self.inner.vmm_create(device, composed.len(j)) {
+                        Ok(made) => composed.parts[j] = Some(made),
+                        Err(_) => break,
                     }
                 }
-                self.table().insert(handle, pages);
+                self.table().insert(handle, composed);
                 return Err(e);
             }
-            pages[i] = None;
+            composed.parts[i] = None;
         }
         Ok(())
     }
@@ -339,73 +451,84 @@ impl<D: Driver> Driver for PageHandles<D> {
         handle: PhysHandle,
         offset: u64,
     ) -> DriverResult<()> {
-        let Some(page) = self.page(device) else {
+        if self.page(device).is_none() {
             return self.inner.vmm_map(device, ptr, size, handle, offset);
-        };
+        }
         self.settle();
         let run = {
             let mut table = self.table();
-            let Some(pages) = table.get_mut(&handle) else {
+            let Some(composed) = table.get_mut(&handle) else {
                 drop(table);
-                return self.inner.vmm_map(device, ptr, size, handle, offset);
+                if offset != 0 {
+                    return self.inner.vmm_map(device, ptr, size, handle, offset);
+                }
+                return self.map_part(device, ptr, size, handle);
             };
-            let first = usize::try_from(offset / page).unwrap_or(usize::MAX);
-            let count = usize::try_from(size / page).unwrap_or(usize::MAX);
-            let len = pages.len() as u64 * page;
-            let run = (size > 0 && offset % page == 0 && size % page == 0)
-                .then(|| pages.get_mut(first..first.checked_add(count)?))
-                .flatten();
-            let Some(run) = run else {
-                // What the driver answers a run past a handle's end, or not of whole pages.
-                return Err(DriverError {
-                    call: "cuMemMap",
-                    code: CUDA_ERROR_INVALID_VALUE,
-                    name: "CUDA_ERROR_INVALID_VALUE".to_string(),
-                    description: format!(
-                        "{size} bytes from offset {offset} are not whole pages of a handle of \
-                         {len} bytes"
+            let (part, whole) = (composed.part, composed.size);
+            let end = offset.checked_add(size).filter(|&end| end <= whole);
+            let first = usize::try_from(offset / part).unwrap_or(usize::MAX);
+            let fits = end.is_some_and(|end| {
+                size > 0 && offset % part == 0 && (end % part == 0 || end == whole)
+            });
+            if !fits {
+                // What the driver answers a run past a handle's end, or not of whole parts.
+                return Err(invalid(
+                    "cuMemMap",
+                    format!(
+                        "{size} bytes from offset {offset} are not whole parts of {part} bytes \
+                         of a handle of {whole} bytes"
                     ),
-                });
-            };
-            // Pages a failed release gave back are made again (rarely: under the table's lock).
-            for slot in run.iter_mut().filter(|slot| slot.is_none()) {
-                *slot = Some(self.inner.vmm_create(device, page)?);
+                ));
             }
-            run.iter().flatten().copied().collect::<Vec<_>>()
+            let count = usize::try_from(size.div_ceil(part)).unwrap_or(usize::MAX);
+            // Parts a failed release gave back are made again (rarely: under the table's lock).
+            for i in first..first + count {
+                if composed.parts[i].is_none() {
+                    composed.parts[i] = Some(self.inner.vmm_create(device, composed.len(i))?);
+                }
+            }
+            (first..first + count)
+                .map(|i| (composed.parts[i].expect("made above"), composed.len(i)))
+                .collect::<Vec<_>>()
         };
-        for (i, &part) in (0u64..).zip(&run) {
-            if let Err(e) = self.inner.vmm_map(device, ptr + i * page, page, part, 0) {
-                // Undo what was mapped, page by page (each its own mapping); the range is left
-                // as it was found, or as it will be once the pages the driver will not unmap now
-                // are unmapped before the next mapping or address-range free.
-                for j in 0..i {
-                    let at = ptr + j * page;
-                    if self.inner.vmm_unmap(device, at, page).is_err() {
-                        self.leftovers().push(Leftover::Mapping(device, at, page));
+        let mut at = ptr;
+        for (i, &(part, len)) in run.iter().enumerate() {
+            if let Err(e) = self.map_part(device, at, len, part) {
+                // Undo what was mapped, part by part (each its own mapping); the range is left
+                // as it was found, or as it will be once the parts the driver will not unmap
+                // now are unmapped before the next mapping or address-range free.
+                let mut back = ptr;
+                for &(_, len) in &run[..i] {
+                    if self.inner.vmm_unmap(device, back, len).is_ok() {
+                        self.mapped().remove(&(device, back));
+                    } else {
+                        self.leftovers().push(Leftover::Mapping(device, back, len));
                     }
+                    back += len;
                 }
                 return Err(e);
             }
+            at += len;
         }
         Ok(())
     }
 
     fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        match self.page(device) {
-            Some(page) if size % page == 0 => {
-                self.per_run_or_page(page, ptr, size, |p, s| self.inner.vmm_unmap(device, p, s))
-            }
-            _ => self.inner.vmm_unmap(device, ptr, size),
+        if self.page(device).is_none() {
+            return self.inner.vmm_unmap(device, ptr, size);
         }
+        self.per_run_or_mapping(device, (ptr, size), true, |p, s| {
+            self.inner.vmm_unmap(device, p, s)
+        })
     }
 
     fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        match self.page(device) {
-            Some(page) if size % page == 0 => self.per_run_or_page(page, ptr, size, |p, s| {
-                self.inner.vmm_set_access(device, p, s)
-            }),
-            _ => self.inner.vmm_set_access(device, ptr, size),
+        if self.page(device).is_none() {
+            return self.inner.vmm_set_access(device, ptr, size);
         }
+        self.per_run_or_mapping(device, (ptr, size), false, |p, s| {
+            self.inner.vmm_set_access(device, p, s)
+        })
     }
 }
 
@@ -557,7 +680,67 @@ mod tests {
     }
 
     #[test]
-    fn a_driver_that_refuses_a_run_is_asked_page_by_page_from_then_on() {
+    fn handles_of_larger_parts_map_only_whole_parts() {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
+        sim.set_vmm(VmmSetting::StartOnly);
+        // 5 MiB parts are 6 MiB ones, a page being 2 MiB.
+        let driver = PageHandles::with_part(SimDriver::new(sim).unwrap(), 5 * MIB);
+        assert_eq!(
+            driver.vmm_part(0),
+            None,
+            "not known before the granularity is asked"
+        );
+        assert_eq!(driver.vmm_granularity(0), Some(2 * MIB));
+        assert_eq!(driver.vmm_part(0), Some(6 * MIB));
+        // 16 MiB: parts of 6, 6 and 4 MiB; 6 MiB or less: one driver handle.
+        let handle = driver.vmm_create(0, 16 * MIB).unwrap();
+        let small = driver.vmm_create(0, 6 * MIB).unwrap();
+        assert_eq!(sim.physical_allocations(0), 4);
+        let va = driver.vmm_reserve(0, 32 * MIB).unwrap();
+        // The last two parts, then the first: whole parts map, each part its own mapping.
+        driver.vmm_map(0, va, 10 * MIB, handle, 6 * MIB).unwrap();
+        driver
+            .vmm_map(0, va + 10 * MIB, 6 * MIB, handle, 0)
+            .unwrap();
+        driver.vmm_map(0, va + 16 * MIB, 6 * MIB, small, 0).unwrap();
+        assert_eq!(sim.mappings(0).len(), 4);
+        // Part of a part, or from inside one, is refused, and nothing is mapped.
+        let b = driver.vmm_reserve(0, 8 * MIB).unwrap();
+        for (size, offset) in [(8 * MIB, 0), (4 * MIB, 2 * MIB), (2 * MIB, 14 * MIB)] {
+            let e = driver.vmm_map(0, b, size, handle, offset).unwrap_err();
+            assert_eq!(
+                (e.call, e.code),
+                ("cuMemMap", CUDA_ERROR_INVALID_VALUE),
+                "{e}"
+            );
+        }
+        assert_eq!(sim.mappings(0).len(), 4);
+        // Access refused for the run: the driver is asked mapping by mapping, each whole.
+        sim.inject_faults("cuMemSetAccess@1=1").unwrap();
+        driver.vmm_set_access(0, va, 22 * MIB).unwrap();
+        sim.clear_faults();
+        assert_eq!(sim.call_count(Call::MemSetAccess), 1 + 4);
+        assert_eq!(sim.is_accessible(va + 22 * MIB - 1), Some(true));
+        // A release refused at the last part: the first two are made again, 6 MiB each.
+        sim.inject_faults("cuMemRelease@3=719").unwrap();
+        assert!(driver.vmm_release(0, handle).is_err());
+        sim.clear_faults();
+        assert_eq!(sim.used_bytes(0), 22 * MIB + 12 * MIB);
+        driver.vmm_unmap(0, va, 22 * MIB).unwrap();
+        assert_eq!(
+            sim.call_count(Call::MemUnmap),
+            4,
+            "mapping by mapping from then on"
+        );
+        driver.vmm_release(0, handle).unwrap();
+        driver.vmm_release(0, small).unwrap();
+        driver.vmm_free(0, va, 32 * MIB).unwrap();
+        driver.vmm_free(0, b, 8 * MIB).unwrap();
+        assert_eq!((sim.used_bytes(0), sim.physical_allocations(0)), (0, 0));
+    }
+
+    #[test]
+    fn a_driver_that_refuses_a_run_is_asked_mapping_by_mapping_from_then_on() {
         let (driver, sim) = driver(GIB, VmmSetting::StartOnly);
         assert!(driver.vmm_granularity(0).is_some());
         let handle = driver.vmm_create(0, 6 * MIB).unwrap();

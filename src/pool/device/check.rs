@@ -3,7 +3,8 @@
 //!
 //! What holds: blocks tile their segment with exact links; free and parked neighbours are
 //! merged; the bins hold exactly the free blocks, and the address map exactly the live and
-//! parked blocks; runs tile each stitched segment (from its lead); each lent run is a hole in
+//! parked blocks; runs tile each stitched segment (from its lead), each whole parts of its
+//! handle, as spare pages are (`phys.rs`); each lent run is a hole in
 //! its lender, the holes are exactly the lent bytes and exactly the indexed holes; no byte of a
 //! handle has two owners (blocks that are not holes, through their runs, and spare pages); each
 //! segment's borrowers are exactly the segments it lent runs to; the address chunks hold exactly
@@ -303,8 +304,8 @@ impl DevicePool {
         Ok(())
     }
 
-    /// Check the books of stitched segments: runs tile each segment; every lent run's pages are
-    /// a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
+    /// Check the books of stitched segments: runs tile each segment, each whole parts of its
+    /// handle; every lent run's pages are a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
     fn check_stitched(&self) -> std::result::Result<(), String> {
         self.phys.check()?;
         let (mut lent, mut holes, mut owned, mut hole_blocks) = (0u64, 0u64, 0u64, 0usize);
@@ -315,6 +316,12 @@ impl DevicePool {
                     return Err(format!(
                         "segment {:#x}: runs do not tile it with held handles",
                         s.base
+                    ));
+                }
+                if self.phys.whole_parts(r.pages) != Some(r.pages) {
+                    return Err(format!(
+                        "segment {:#x}: a run of {:?} is not whole parts of its handle",
+                        s.base, r.pages
                     ));
                 }
                 // A fragment's first bytes are its lender's, outside this segment's blocks.

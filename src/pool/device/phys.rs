@@ -9,6 +9,10 @@
 //! handle whose pages are all spare, and which no stuck range maps, has no mapping left, and
 //! only such a handle goes back to the driver.
 //!
+//! Where the driver maps a handle only in *parts* (`Driver::vmm_part`: the CUDA driver, through
+//! `driver/pages.rs`), only whole parts are lent or spare: every piece taken from a handle
+//! starts where one of its parts starts and ends where one ends ([`Phys::whole_parts`]).
+//!
 //! The handles are kept by handle, and the unused ones (all pages spare) in a set of their own,
 //! largest first, so that a lookup, a change and finding the next handle to return each take
 //! O(log n) however many handles are held.
@@ -66,6 +70,8 @@ pub(crate) struct Phys {
     held: BTreeMap<PhysHandle, Held>,
     /// The held handles whose pages are all spare, as (size, handle), largest first.
     unused: BTreeSet<(Reverse<u64>, PhysHandle)>,
+    /// Where handles map only in parts: the size of each part but a handle's last.
+    part: Option<u64>,
 }
 
 impl Phys {
@@ -77,6 +83,34 @@ impl Phys {
         };
         let before = self.held.insert(handle, fresh);
         debug_assert!(before.is_none(), "handle {handle:#x} held twice");
+    }
+
+    /// Handles map only in whole parts of `part` bytes (`Driver::vmm_part`), the last part of
+    /// a handle the rest; `None`: any pages of a handle map.
+    pub(crate) fn split(&mut self, part: Option<u64>) {
+        self.part = part;
+    }
+
+    /// The size of `handle`'s parts but its last, where handles map only in parts.
+    pub(crate) fn part(&self, handle: PhysHandle) -> Option<u64> {
+        self.part.filter(|_| self.held.contains_key(&handle))
+    }
+
+    /// The whole parts of its handle within `pages`, or `pages` where any pages map; `None`
+    /// where it holds no whole part.
+    pub(crate) fn whole_parts(&self, pages: Pages) -> Option<Pages> {
+        let Some(part) = self.part(pages.handle) else {
+            return Some(pages);
+        };
+        let size = self.held[&pages.handle].size;
+        let end = pages.offset + pages.size;
+        let start = pages.offset.next_multiple_of(part);
+        let end = if end == size { end } else { end / part * part };
+        (start < end).then(|| Pages {
+            offset: start,
+            size: end - start,
+            ..pages
+        })
     }
 
     /// Bytes held in all handles.
@@ -206,6 +240,18 @@ impl Phys {
                         handle, h.spare, h.size
                     ));
                 }
+                let pages = Pages {
+                    handle,
+                    offset: o,
+                    size: s,
+                };
+                if self.whole_parts(pages) != Some(pages) {
+                    return Err(format!(
+                        "handle {handle:#x}: spare pages {o:#x}+{s:#x} are not whole parts of \
+                         {:?} bytes",
+                        self.part(handle)
+                    ));
+                }
                 end = o + s;
             }
         }
@@ -250,6 +296,38 @@ mod tests {
             ]
         );
         assert_eq!(Pages::mappings([]).count(), 0);
+    }
+
+    #[test]
+    fn where_handles_map_in_parts_only_whole_parts_are_pieces() {
+        let mut phys = Phys::default();
+        phys.add(1, 20 * MIB);
+        assert_eq!(phys.part(1), None);
+        assert_eq!(
+            phys.whole_parts(pages(1, 2 * MIB, 4 * MIB)),
+            Some(pages(1, 2 * MIB, 4 * MIB))
+        );
+        // 6 MiB parts: 0-6, 6-12, 12-18 and the last, 18-20.
+        phys.split(Some(6 * MIB));
+        assert_eq!(phys.part(1), Some(6 * MIB));
+        assert_eq!(phys.part(2), None, "not held");
+        assert_eq!(
+            phys.whole_parts(pages(1, 2 * MIB, 16 * MIB)),
+            Some(pages(1, 6 * MIB, 12 * MIB))
+        );
+        // The last part is whole where the piece reaches the handle's end.
+        assert_eq!(
+            phys.whole_parts(pages(1, 14 * MIB, 6 * MIB)),
+            Some(pages(1, 18 * MIB, 2 * MIB))
+        );
+        // Inside one part, or across a boundary without a whole part: nothing.
+        assert_eq!(phys.whole_parts(pages(1, 2 * MIB, 4 * MIB)), None);
+        assert_eq!(phys.whole_parts(pages(1, 4 * MIB, 6 * MIB)), None);
+        // Spare pages that are not whole parts break the books.
+        phys.give(pages(1, 0, 6 * MIB));
+        phys.check().unwrap();
+        phys.give(pages(1, 8 * MIB, 2 * MIB));
+        assert!(phys.check().unwrap_err().contains("not whole parts"));
     }
 
     #[test]

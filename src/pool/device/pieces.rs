@@ -33,10 +33,14 @@ pub(super) struct Piece {
     /// For a fragment (see [`DevicePool::fragment`]): the bytes of its page before the free
     /// tail, the lender's, which the new range maps but never hands out; 0 for whole pages.
     pub(super) skip: u64,
+    /// The size of its handle's parts (the granularity where a handle maps in any pages): a
+    /// piece is cut only at the end of one (see `phys.rs`).
+    pub(super) unit: u64,
 }
 
 /// Choose spare pieces for `need` bytes, largest first, at most `most`; the last piece taken
-/// is cut to what is still needed (from its start). The rest comes from [`choose_lent`].
+/// is cut to what is still needed (from its start, to the end of a part of its handle: the
+/// pieces may hold more than `need`). The rest comes from [`choose_lent`].
 pub(super) fn choose_spare(spare: &[Piece], need: u64, most: usize) -> Vec<Piece> {
     let mut spare = spare.to_vec();
     spare.sort_by_key(|p| std::cmp::Reverse(p.pages.size));
@@ -53,9 +57,9 @@ pub(super) fn choose_spare(spare: &[Piece], need: u64, most: usize) -> Vec<Piece
 
 /// Add to `chosen` (the spare pieces) lendable pieces for the rest of `need` bytes: the
 /// smallest that covers the rest alone, else the largest first; at most `most` in all. The last
-/// piece taken is cut to what is still needed (from its start).
+/// piece taken is cut to what is still needed (from its start, to the end of a part).
 pub(super) fn choose_lent(chosen: &mut Vec<Piece>, lendable: &[Piece], need: u64, most: usize) {
-    let mut left = need - chosen.iter().map(|p| p.pages.size).sum::<u64>();
+    let mut left = need.saturating_sub(chosen.iter().map(|p| p.pages.size).sum::<u64>());
     let mut lendable = lendable.to_vec();
     lendable.sort_by_key(|p| (p.pages.size, p.lender));
     while left > 0 && chosen.len() < most && !lendable.is_empty() {
@@ -68,9 +72,14 @@ pub(super) fn choose_lent(chosen: &mut Vec<Piece>, lendable: &[Piece], need: u64
     }
 }
 
-/// Add `piece` to `chosen`, cut to `left` bytes, and count it off `left`.
+/// Add `piece` to `chosen`, cut to `left` bytes rounded up to the end of a part, and count it
+/// off `left`.
 fn take(piece: &Piece, left: &mut u64, chosen: &mut Vec<Piece>) {
-    let size = piece.pages.size.min(*left);
+    let Pages { offset, size, .. } = piece.pages;
+    let end = (offset + size.min(*left))
+        .next_multiple_of(piece.unit)
+        .min(offset + size);
+    let size = end - offset;
     chosen.push(Piece {
         pages: Pages {
             size,
@@ -78,7 +87,7 @@ fn take(piece: &Piece, left: &mut u64, chosen: &mut Vec<Piece>) {
         },
         ..*piece
     });
-    *left -= size;
+    *left = left.saturating_sub(size);
 }
 
 /// Whether a range only partly covered by the cache (`have` of `size` bytes) should still be
@@ -116,10 +125,11 @@ impl DevicePool {
                 lender: None,
                 block: BlockId::NIL,
                 skip: 0,
+                unit: self.phys.part(pages.handle).unwrap_or(granularity),
             })
             .collect();
         let mut chosen = choose_spare(&spare, size, most);
-        let left = size - chosen.iter().map(|p| p.pages.size).sum::<u64>();
+        let left = size.saturating_sub(chosen.iter().map(|p| p.pages.size).sum::<u64>());
         let lendable = self.lendable(granularity, left, most - chosen.len(), most);
         choose_lent(&mut chosen, &lendable, size, most);
         chosen
@@ -249,15 +259,24 @@ impl DevicePool {
                 if !s.stitched || b.ptr == page || page < s.base || !fits || !smaller {
                     continue;
                 }
-                // Runs are whole pages: the page lies in one.
+                // Runs are whole pages: the page lies in one. Where handles map in parts, only
+                // a part of one page is a fragment.
                 let Some((_, pages)) = s.pages(page, page + granularity).next() else {
                     continue;
                 };
+                if self
+                    .phys
+                    .part(pages.handle)
+                    .is_some_and(|part| part > granularity)
+                {
+                    continue;
+                }
                 best = Some(Piece {
                     pages,
                     lender: Some((b.segment, page)),
                     block: id,
                     skip: b.ptr - page,
+                    unit: granularity,
                 });
             }
         }
@@ -265,7 +284,8 @@ impl DevicePool {
     }
 
     /// The granularity-aligned interior of free block `id`, split along its segment's runs, as
-    /// pieces to lend, added to `out`; none where its segment is not stitched.
+    /// pieces to lend (the whole parts of their handles in it), added to `out`; none where its
+    /// segment is not stitched.
     fn pieces_of(&self, id: BlockId, granularity: u64, out: &mut Vec<Piece>) {
         let b = &self.blocks[id];
         let seg = b.segment;
@@ -281,11 +301,15 @@ impl DevicePool {
         if end <= start {
             return;
         }
-        out.extend(s.pages(start, end).map(|(at, pages)| Piece {
-            pages,
-            lender: Some((seg, at)),
-            block: id,
-            skip: 0,
+        out.extend(s.pages(start, end).filter_map(|(at, pages)| {
+            let whole = self.phys.whole_parts(pages)?;
+            Some(Piece {
+                pages: whole,
+                lender: Some((seg, at + whole.offset - pages.offset)),
+                block: id,
+                skip: 0,
+                unit: self.phys.part(pages.handle).unwrap_or(granularity),
+            })
         }));
     }
 }
@@ -316,6 +340,7 @@ mod tests {
             },
             lender: None,
             skip: 0,
+            unit: 2 * MIB,
         }
     }
 
@@ -329,6 +354,7 @@ mod tests {
             },
             lender: Some((SegId::at(usize::from(seg)), ptr)),
             skip: 0,
+            unit: 2 * MIB,
         }
     }
 

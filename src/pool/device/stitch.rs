@@ -129,7 +129,11 @@ impl DevicePool {
                 .then(|| cx.driver.vmm_granularity(self.device))
             {
                 None => VmmMode::Off,
-                Some(Some(granularity)) => VmmMode::On(granularity),
+                Some(Some(granularity)) => {
+                    // Where the driver maps a handle only in parts, only whole parts are lent.
+                    self.phys.split(cx.driver.vmm_part(self.device));
+                    VmmMode::On(granularity)
+                }
                 Some(None) => {
                     self.log(format_args!(
                         "the driver or device lacks the virtual-memory API, or maps no memory \
@@ -358,6 +362,7 @@ impl DevicePool {
                 lender: None,
                 block: BlockId::NIL,
                 skip: 0,
+                unit: self.phys.part(handle).unwrap_or(granularity),
             });
             if let Some(base) = mapped_at {
                 // Mapped and accessible already, with the cached pages before it.

@@ -1,6 +1,7 @@
 //! Page-granular reuse (the virtual-memory API): remapping cached pages, stitching free ranges
 //! between live blocks, borrowers and lenders, covers from free ranges, headroom, the fallback to
-//! classic segments, and a driver that maps only from an allocation's start (one-page handles).
+//! classic segments, and a driver that maps only from an allocation's start (handles of one-page
+//! parts, or larger ones).
 
 use super::*;
 
@@ -420,6 +421,38 @@ fn the_same_on_a_driver_that_maps_only_from_an_allocations_start() {
         pool.release(p).unwrap();
     }
     assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1792 * MIB);
+    assert_nothing_held(sim);
+    assert!(sim.mappings(0).is_empty());
+}
+
+#[test]
+fn with_handles_of_larger_parts_only_whole_parts_are_lent() {
+    // The same driver, the pool's handles made of 24 MiB parts (`with_part`): the warm-up's
+    // 1,536 MiB is 64 parts, and each 64 MiB hole holds two whole parts (48 MiB; a hole starts
+    // 0, 8 or 16 MiB before a part's start). So the 1 GiB takes 576 MiB of the cache and
+    // creates the 448 MiB it lacks (19 parts, the last 16 MiB), within the device.
+    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB])));
+    sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
+    let driver = PageHandles::with_part(SimDriver::new(sim).unwrap(), 24 * MIB);
+    let pool = Pool::new(Arc::new(driver), PoolConfig::default());
+    let blocks = holes_of_a_warmup(&pool);
+    assert_eq!(sim.call_count(cuda_sim::Call::MemCreate), 64);
+    let big = pool.reserve(0, GIB, 0).unwrap();
+    let s = pool.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.driver_allocs), (1984 * MIB, 2));
+    assert_eq!(sim.used_bytes(0), 1984 * MIB);
+    assert_eq!(sim.call_count(cuda_sim::Call::MemCreate), 64 + 19);
+    // The warm-up's 64 parts where they were, 24 of them again in the new range, and 19 new.
+    assert_eq!(sim.mappings(0).len(), 64 + 24 + 19);
+    assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
+    assert_books(&pool, sim);
+    // Taken apart, the lent parts fill their holes again; all of it goes back.
+    pool.release(big).unwrap();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_books(&pool, sim);
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1984 * MIB);
     assert_nothing_held(sim);
     assert!(sim.mappings(0).is_empty());
 }
