@@ -294,7 +294,7 @@ impl Drop for OffsetsBack<'_> {
 }
 
 #[test]
-fn a_driver_that_maps_only_from_an_allocations_start_gets_handles_of_one_page() {
+fn a_driver_that_maps_only_from_an_allocations_start_gets_handles_of_pages_or_parts() {
     let _serial = one_at_a_time();
     let library = library();
     let Some(hooks) = SimHooks::find(&library) else {
@@ -331,6 +331,39 @@ fn a_driver_that_maps_only_from_an_allocations_start_gets_handles_of_one_page() 
     pool.release(p).unwrap();
     assert_eq!(pool.free_reusable(None).unwrap(), reserved);
     assert_eq!(hooks.used(), used);
+    // Every other 4 MiB block of a 64 MiB warm-up released: with handles of pages a 32 MiB
+    // request maps the eight holes again, creating nothing; with 8 MiB parts
+    // (`handle_part_mib:8`) each hole is half a part, which is not lent: it creates.
+    for (part, reserved, allocs) in [(0, 64 * MIB, 1), (8 * MIB, 96 * MIB, 2)] {
+        let driver = Arc::new(PageHandles::with_part(
+            CudaDriver::load(&library).expect("load the driver library"),
+            part,
+        ));
+        let pool = Pool::new(driver.clone(), PoolConfig::default());
+        assert_eq!(pool.warmup(0, 64 * MIB).unwrap(), 64 * MIB);
+        assert_eq!(driver.vmm_part(0), Some(part.max(2 * MIB)));
+        let blocks: Vec<u64> = (0..16)
+            .map(|_| pool.reserve(0, 4 * MIB, 0).unwrap())
+            .collect();
+        for &b in blocks.iter().step_by(2) {
+            pool.release(b).unwrap();
+        }
+        let big = pool.reserve(0, 32 * MIB, 0).unwrap();
+        let s = pool.stats(0).unwrap();
+        assert_eq!(
+            (s.reserved_bytes, s.driver_allocs),
+            (reserved, allocs),
+            "{part}"
+        );
+        assert_eq!(hooks.used(), used + reserved);
+        pool.check().unwrap();
+        pool.release(big).unwrap();
+        for &b in blocks.iter().skip(1).step_by(2) {
+            pool.release(b).unwrap();
+        }
+        assert_eq!(pool.free_reusable(None).unwrap(), reserved);
+        assert_eq!(hooks.used(), used);
+    }
     // A driver that maps at offsets is found to: its handles are the pool's.
     hooks.refuse_map_offsets(false);
     let driver = loaded(&library);
