@@ -22,7 +22,9 @@
 #   5. the cost of each driver call the pool makes, by size (benches/c/driver_costs.c: the figures
 #      behind `resmem replay`'s estimated driver time), cache-hit pairs through libresmem.so
 #      from 1 and 2 threads beside glibc (benches/c/pairs.c, `pairs quick`), and misses from 1,
-#      2, 4 and 8 threads each on its own stream (`pairs streams`).
+#      2, 4 and 8 threads each on its own stream (`pairs streams`);
+#   6. the trade of handles of larger parts (RESMEM_CONF=handle_part_mib:32): resmem demo, and
+#      the four loads of step 1 under resmem, with their load times, beside step 1's pages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -80,5 +82,14 @@ echo "== cache-hit pairs (ns per pair per thread: wall, CPU)"
 RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY=libcuda.so.1 step 60 "$bundle/pairs" quick
 echo "== misses: 128 MiB pairs from 1, 2, 4 and 8 threads, a stream each (the device's shards)"
 RESMEM_DRIVER=cuda RESMEM_CUDA_LIBRARY=libcuda.so.1 step 60 "$bundle/pairs" streams
+echo "== handles of 32 MiB parts (RESMEM_CONF=handle_part_mib:32)"
+RESMEM_CONF=handle_part_mib:32 step 60 "$bundle/resmem" demo --loads 2
+if python3 -c "import torch" 2>/dev/null; then
+  model=$(mktemp -d)
+  step 120 python3 "$bundle/python/tests/test_torch_gpu.py" make "$model"
+  RESMEM_CONF=handle_part_mib:32 RESMEM_LIBRARY=$lib PYTHONPATH=$pypath \
+    step 180 python3 "$bundle/python/tests/test_torch_gpu.py" resmem "$model"
+  rm -rf "$model"
+fi
 echo "== gpu-check: $([ $status -eq 0 ] && echo passed || echo FAILED)"
 exit $status
