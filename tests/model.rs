@@ -2,8 +2,9 @@
 //! devices and streams, with sizes from 1 byte to GiBs, checked after every step against a
 //! reference model of the live blocks and against the simulated driver's own books.
 //!
-//! `PROPTEST_CASES` sets the number of sequences (default 10000 per test, six tests, each sequence up to 80 operations);
-//! a long run: `PROPTEST_CASES=200000 cargo test --release --test model`.
+//! `PROPTEST_CASES` sets the number of sequences (default 10000 per test, six tests, each
+//! sequence up to 80 operations); a long run: `PROPTEST_CASES=200000 cargo test --release --test
+//! model`.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -4,13 +4,13 @@
 //! What holds: blocks tile their segment with exact links; free and parked neighbours are
 //! merged; the bins hold exactly the free blocks, and the address map exactly the live and
 //! parked blocks; runs tile each stitched segment (from its lead), each whole parts of its
-//! handle, as spare pages are (`phys.rs`); each lent run is a hole in
-//! its lender, the holes are exactly the lent bytes and exactly the indexed holes; no byte of a
-//! handle has two owners (blocks that are not holes, through their runs, and spare pages); each
-//! segment's borrowers are exactly the segments it lent runs to; the address chunks hold exactly
-//! the segments' ranges and their free ranges; owned plus spare bytes equal the handles' bytes;
-//! the unused index holds exactly the handles with every page spare; and the figures equal
-//! what the blocks say. Across shards, `Pool::check` adds that the span map counts exactly the
+//! handle, as spare pages are (`phys.rs`); each lent run is a hole in its lender, the holes
+//! are exactly the lent bytes and exactly the indexed holes; no byte of a handle has two owners
+//! (blocks that are not holes, through their runs, and spare pages); each segment's borrowers
+//! are exactly the segments it lent runs to; the address chunks hold exactly the segments'
+//! ranges and their free ranges; owned plus spare bytes equal the handles' bytes; the unused
+//! index holds exactly the handles with every page spare; and the figures equal what the
+//! blocks say. Across shards, `Pool::check` adds that the span map counts exactly the
 //! segments of every device and that each device's reserved figure is its shards' sum.
 
 use super::*;
@@ -305,7 +305,8 @@ impl DevicePool {
     }
 
     /// Check the books of stitched segments: runs tile each segment, each whole parts of its
-    /// handle; every lent run's pages are a hole in its lender; holes are exactly the lent pages; memory held equals the handles.
+    /// handle; every lent run's pages are a hole in its lender; holes are exactly the lent
+    /// pages; memory held equals the handles.
     fn check_stitched(&self) -> std::result::Result<(), String> {
         self.phys.check()?;
         let (mut lent, mut holes, mut owned, mut hole_blocks) = (0u64, 0u64, 0u64, 0usize);
