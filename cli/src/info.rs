@@ -21,8 +21,9 @@ pub struct Row {
     pub driver_free: u64,
     /// What this process's pool holds unused.
     pub reusable: u64,
-    /// How cached memory is reused: `pages` (page-granular, with the virtual-memory API) or
-    /// `segments` (classic).
+    /// How cached memory is reused: `pages` (page-granular, with the virtual-memory API),
+    /// `parts` (the same in parts of `handle_part_mib`, where the driver maps only from an
+    /// allocation's start) or `segments` (classic).
     pub reuse: &'static str,
 }
 
@@ -82,18 +83,28 @@ pub fn run(env: &Environment) -> Result<(), String> {
         let (driver_free, total) = driver.mem_get_info(device).map_err(|e| e.to_string())?;
         let s = pool.stats(device).map_err(|e| e.message)?;
         let pages = pool.reuses_pages(device).map_err(|e| e.message)?;
+        // Asked once the pool has asked the driver whether it maps pages.
+        let parts = driver
+            .vmm_part(device)
+            .zip(driver.vmm_granularity(device))
+            .is_some_and(|(part, page)| part > page);
         rows.push(Row {
             device,
             total,
             driver_free,
             reusable: s.reusable_bytes,
-            reuse: if pages { "pages" } else { "segments" },
+            reuse: match (pages, parts) {
+                (true, true) => "parts",
+                (true, false) => "pages",
+                (false, _) => "segments",
+            },
         });
     }
     print!("\n{}", table(&rows));
     println!(
-        "\nreuse: pages (cached memory mapped again page by page, with the virtual-memory API) \
-         or segments (classic: vmm:false, or a driver without the API)"
+        "\nreuse: pages (cached memory mapped again page by page, with the virtual-memory API), \
+         parts (the same in parts of handle_part_mib, where the driver maps only from an \
+         allocation's start) or segments (classic: vmm:false, or a driver without the API)"
     );
     Ok(())
 }

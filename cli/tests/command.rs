@@ -113,32 +113,37 @@ fn info_prints_a_table_of_the_configured_devices() {
              1            80.00 GiB     80.00 GiB           0 B       80.00 GiB     pages\n\
              \n\
              reuse: pages (cached memory mapped again page by page, with the virtual-memory \
-             API) or segments (classic: vmm:false, or a driver without the API)\n",
+             API), parts (the same in parts of handle_part_mib, where the driver maps only from \
+             an allocation's start) or segments (classic: vmm:false, or a driver without the \
+             API)\n",
             env!("CARGO_PKG_VERSION")
         )
     );
     // Stitching turned off, or devices without the virtual-memory API: segments. Devices whose
     // cuMemMap maps only from an allocation's start, as the CUDA driver's: pages, of handles of
-    // one page each.
-    for (var, value, reuse) in [
-        ("RESMEM_CONF", "vmm:false", "segments"),
-        ("CUDA_SIM_VMM", "0", "segments"),
-        ("CUDA_SIM_VMM", "offset0", "   pages"),
-    ] {
-        let (code, out, err) = resmem_with(
-            &["info"],
+    // one page each, or parts where handle_part_mib asks for more (on other devices, pages).
+    for (vars, reuse) in [
+        (&[("RESMEM_CONF", "vmm:false")][..], "segments"),
+        (&[("CUDA_SIM_VMM", "0")], "segments"),
+        (&[("CUDA_SIM_VMM", "offset0")], "   pages"),
+        (
             &[
-                ("RESMEM_DRIVER", "sim"),
-                ("CUDA_SIM_DEVICES", "24GiB"),
-                (var, value),
+                ("CUDA_SIM_VMM", "offset0"),
+                ("RESMEM_CONF", "handle_part_mib:8"),
             ],
-        );
+            "   parts",
+        ),
+        (&[("RESMEM_CONF", "handle_part_mib:8")], "   pages"),
+    ] {
+        let mut env = vec![("RESMEM_DRIVER", "sim"), ("CUDA_SIM_DEVICES", "24GiB")];
+        env.extend_from_slice(vars);
+        let (code, out, err) = resmem_with(&["info"], &env);
         assert_eq!(code, 0, "{err}");
         assert!(
             out.contains(&format!(
                 "\n0            24.00 GiB     24.00 GiB           0 B       24.00 GiB  {reuse}\n"
             )),
-            "{var}={value}: {out}"
+            "{vars:?}: {out}"
         );
     }
 }
