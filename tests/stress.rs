@@ -23,7 +23,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use cuda_sim::Sim;
+use cuda_sim::{Sim, VmmSetting};
+use resmem::driver::pages::PageHandles;
 use resmem::driver::sim::SimDriver;
 use resmem::{rm_status, Front, Pool, PoolConfig};
 
@@ -89,7 +90,15 @@ fn eight_threads_exchanging_blocks_keep_the_books_exact_with_stitching() {
 }
 
 fn eight_threads(stitched: bool) {
-    eight_threads_over(stitched, Arc::new);
+    eight_threads_over(stitched, None, Arc::new);
+}
+
+/// The default on a driver that maps only from an allocation's start (the CUDA driver's way),
+/// the pool's handles made of 6 MiB parts (`PageHandles::with_part`): threads mapping and
+/// unmapping parts at once.
+#[test]
+fn eight_threads_exchanging_blocks_keep_the_books_exact_with_handles_of_parts() {
+    eight_threads_over(true, Some(6 << 20), Arc::new);
 }
 
 /// The same through the front caches (the C API's path): blocks released by another thread go
@@ -97,16 +106,26 @@ fn eight_threads(stitched: bool) {
 /// other threads hit.
 #[test]
 fn eight_threads_exchanging_blocks_through_the_front_caches_keep_the_books_exact() {
-    eight_threads_over(false, |pool| Arc::new(Front::new(pool)));
+    eight_threads_over(false, None, |pool| Arc::new(Front::new(pool)));
 }
 
-fn eight_threads_over<P: Under + 'static>(stitched: bool, wrap: impl FnOnce(Pool) -> Arc<P>) {
+/// Eight threads on a pool (stitched or classic; `parts`: on a driver that maps only from an
+/// allocation's start, handles made of parts of that size), wrapped by `wrap`.
+fn eight_threads_over<P: Under + 'static>(
+    stitched: bool,
+    parts: Option<u64>,
+    wrap: impl FnOnce(Pool) -> Arc<P>,
+) {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[16 * GIB, 16 * GIB])));
+    if parts.is_some() {
+        sim.set_vmm(VmmSetting::StartOnly);
+    }
     let config = PoolConfig {
         vmm: stitched,
         ..PoolConfig::default()
     };
-    let pool = wrap(Pool::new(Arc::new(SimDriver::new(sim).unwrap()), config));
+    let driver = PageHandles::with_part(SimDriver::new(sim).unwrap(), parts.unwrap_or(0));
+    let pool = wrap(Pool::new(Arc::new(driver), config));
     let streams: Arc<Vec<Vec<u64>>> = Arc::new(
         (0..DEVICES)
             .map(|d| {
@@ -269,13 +288,16 @@ fn eight_threads_over<P: Under + 'static>(stitched: bool, wrap: impl FnOnce(Pool
         assert_eq!(s.reusable_bytes, s.reserved_bytes);
         allocs += s.driver_allocs;
     }
-    assert_driver_agrees(&*pool, sim);
+    if parts.is_none() {
+        assert_driver_agrees(&*pool, sim);
+    }
     pool.free_reusable(None).unwrap();
     assert_returned(&*pool, sim);
     eprintln!(
-        "stress{}: {THREADS} threads, {} operations, {} blocks released by another thread, \
+        "stress{}{}: {THREADS} threads, {} operations, {} blocks released by another thread, \
          {allocs} driver allocations",
         if stitched { " (stitched)" } else { "" },
+        if parts.is_some() { " (parts)" } else { "" },
         done.load(Relaxed),
         foreign_releases.load(Relaxed)
     );
