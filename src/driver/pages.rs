@@ -254,7 +254,11 @@ impl<D: Driver> PageHandles<D> {
         }
         if inside.iter().map(|&(_, len)| len).sum::<u64>() != size {
             // Not whole mappings made here: the driver's to judge.
-            return call(ptr, size);
+            let answer = call(ptr, size);
+            if answer.is_ok() {
+                forget(&inside);
+            }
+            return answer;
         }
         for (i, &(at, len)) in inside.iter().enumerate() {
             if let Err(e) = call(at, len) {
