@@ -14,6 +14,7 @@ Fragmentation is 1 - peak requested bytes / peak reserved bytes, for every polic
     scripts/policy-check.py                       # snapshots from ../shared/real-snapshots
     scripts/policy-check.py SNAPSHOT_DIR          # another folder of *.pickle
     scripts/policy-check.py --markdown            # the table for BENCHMARKS.md
+    scripts/policy-check.py --handle-part 2MiB    # as on the CUDA driver (pages, or larger parts)
 
 It builds the command (release) first, prints one block per trace, and exits 1 if any trace
 fails a criterion. It is a measurement, not a test.
@@ -27,11 +28,14 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESMEM = ROOT / "target" / "release" / "resmem"
 GIB = 1 << 30
+# More arguments for every replay: `--handle-part SIZE` replays as on the CUDA driver.
+REPLAY_ARGS = []
 
 
 def replay(path, policy):
     out = subprocess.run(
-        [str(RESMEM), "replay", str(path), "--policy", policy, "--min-device", "--json"],
+        [str(RESMEM), "replay", str(path), "--policy", policy, "--min-device", "--json",
+         *REPLAY_ARGS],
         cwd=ROOT, check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
 
@@ -117,7 +121,12 @@ def main():
                         help="a folder of PyTorch memory snapshots (*.pickle)")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables")
     parser.add_argument("--no-build", action="store_true", help="use target/release/resmem as is")
+    parser.add_argument("--handle-part", metavar="SIZE",
+                        help="replay as on the CUDA driver, resmem's handles made of parts of "
+                        "SIZE (2MiB: a page each, the default there)")
     args = parser.parse_args()
+    if args.handle_part:
+        REPLAY_ARGS.extend(["--handle-part", args.handle_part])
     if not args.no_build:
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT, check=True)
     paths = sorted((ROOT / "traces").glob("*.jsonl"))

@@ -9,6 +9,7 @@ PyTorch's, fragmentation at most half of PyTorch's where that exceeds 5%).
     scripts/policy-sweep.py --seeds 12 --base 5000 --markdown
     scripts/policy-sweep.py --resmem /tmp/old/target/release/resmem   # another build
     scripts/policy-sweep.py --front              # the default behind the C library's front caches
+    scripts/policy-sweep.py --handle-part 8MiB   # as on the CUDA driver, handles of 8 MiB parts
 
 The families (all on a 512 GiB device, so that the replays do not diverge at capacity; the
 smallest device each policy needs is found by bisection to 32 MiB):
@@ -286,7 +287,12 @@ def main():
     parser.add_argument("--front", action="store_true",
                         help="judge the default behind the C library's front caches "
                         "(resmem-front) instead of the pool alone")
+    parser.add_argument("--handle-part", metavar="SIZE",
+                        help="replay as on the CUDA driver, resmem's handles made of parts of "
+                        "SIZE (2MiB: a page each, the default there)")
     args = parser.parse_args()
+    if args.handle_part:
+        policy_check.REPLAY_ARGS.extend(["--handle-part", args.handle_part])
     if args.resmem:
         policy_check.RESMEM = pathlib.Path(args.resmem).resolve()
     elif not args.no_build:

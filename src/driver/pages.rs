@@ -13,9 +13,9 @@
 //! `RESMEM_CONF=handle_part_mib:N`); the pool, told so ([`Driver::vmm_part`]), then lends a
 //! handle's memory only in whole parts. One page a part lends every free page, as on a driver
 //! that maps at offsets, at a `cuMemCreate` and a `cuMemRelease` per page; larger parts make
-//! fewer calls and lend less (BENCHMARKS.md, "On the CUDA driver": 8 MiB parts made a quarter of
-//! the calls and put 35 of 784 generated workloads over PyTorch's policy's peak, against 5). A
-//! handle no larger than a part is one driver handle. Unmapping and setting access take one call
+//! fewer calls and lend less (BENCHMARKS.md, "Handles of larger parts": 8 MiB parts made a
+//! quarter of the calls and put 3 of 96 generated workloads over PyTorch's policy's peak,
+//! against none). A handle no larger than a part is one driver handle. Unmapping and setting access take one call
 //! for a run of mappings, as the driver allows; where it refuses a run, each mapping is asked
 //! for alone. On a driver that maps at offsets, or has no virtual-memory API, every call passes
 //! through.
