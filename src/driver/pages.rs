@@ -216,45 +216,58 @@ impl<D: Driver> PageHandles<D> {
         Ok(())
     }
 
-    /// Unmap, or set access to, `[ptr, ptr + size)` on `device` with `call`: one call for the
-    /// range while the driver takes runs, else (or once it refused one) a call per mapping in
-    /// it; `unmap` forgets the mappings unmapped.
+    /// The mappings made here in `[ptr, ptr + size)` on `device`, as (address, size).
+    fn mappings_in(&self, device: i32, (ptr, size): (DevicePtr, u64)) -> Vec<(DevicePtr, u64)> {
+        self.mapped()
+            .range((device, ptr)..(device, ptr.saturating_add(size)))
+            .map(|(&(_, at), &len)| (at, len))
+            .collect()
+    }
+
+    /// Forget `mappings` on `device`, unmapped.
+    fn forget(&self, device: i32, mappings: &[(DevicePtr, u64)]) {
+        let mut mapped = self.mapped();
+        for (at, _) in mappings {
+            mapped.remove(&(device, *at));
+        }
+    }
+
+    /// Unmap, or set access to, `range` on `device` with `call`: one call for the range while
+    /// the driver takes runs, else (or once it refused a run of several mappings) a call per
+    /// mapping in it; `unmap` forgets the mappings unmapped. The record of mappings is read only
+    /// where a refusal or an unmap needs it.
     fn per_run_or_mapping(
         &self,
         device: i32,
-        (ptr, size): (DevicePtr, u64),
+        range: (DevicePtr, u64),
         unmap: bool,
         call: impl Fn(DevicePtr, u64) -> DriverResult<()>,
     ) -> DriverResult<()> {
-        let inside: Vec<(DevicePtr, u64)> = self
-            .mapped()
-            .range((device, ptr)..(device, ptr.saturating_add(size)))
-            .map(|(&(_, at), &len)| (at, len))
-            .collect();
         let forget = |mappings: &[(DevicePtr, u64)]| {
             if unmap {
-                let mut mapped = self.mapped();
-                for (at, _) in mappings {
-                    mapped.remove(&(device, *at));
-                }
+                self.forget(device, mappings);
             }
         };
-        if inside.len() != 1 && self.runs.load(Ordering::Relaxed) {
-            match call(ptr, size) {
-                Err(e) if e.code == CUDA_ERROR_INVALID_VALUE && inside.len() > 1 => {
+        if self.runs.load(Ordering::Relaxed) {
+            match call(range.0, range.1) {
+                Err(e)
+                    if e.code == CUDA_ERROR_INVALID_VALUE
+                        && self.mappings_in(device, range).len() > 1 =>
+                {
                     self.runs.store(false, Ordering::Relaxed);
                 }
                 answer => {
-                    if answer.is_ok() {
-                        forget(&inside);
+                    if answer.is_ok() && unmap {
+                        self.forget(device, &self.mappings_in(device, range));
                     }
                     return answer;
                 }
             }
         }
-        if inside.iter().map(|&(_, len)| len).sum::<u64>() != size {
+        let inside = self.mappings_in(device, range);
+        if inside.iter().map(|&(_, len)| len).sum::<u64>() != range.1 {
             // Not whole mappings made here: the driver's to judge.
-            let answer = call(ptr, size);
+            let answer = call(range.0, range.1);
             if answer.is_ok() {
                 forget(&inside);
             }
