@@ -397,14 +397,32 @@ fn the_default_serves_1_gib_from_768_mib_of_holes_and_512_mib_free_on_a_2_gib_de
     assert_nothing_held(sim);
 }
 
-#[test]
-fn the_same_on_a_driver_that_maps_only_from_an_allocations_start() {
-    // The CUDA driver's way: the pool's handles made of one-page handles (`PageHandles`); the
-    // same memory, more calls.
+/// The default pool on a 2 GiB device whose driver maps only from an allocation's start (the
+/// CUDA driver's way), its handles made of parts of `part` bytes (`PageHandles`; 0: a page).
+fn whole_only_pool(part: u64) -> (Pool, &'static Sim) {
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB])));
     sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
-    let driver = PageHandles::new(SimDriver::new(sim).unwrap());
-    let pool = Pool::new(Arc::new(driver), PoolConfig::default());
+    let driver = PageHandles::with_part(SimDriver::new(sim).unwrap(), part);
+    (Pool::new(Arc::new(driver), PoolConfig::default()), sim)
+}
+
+/// Release the 1 GiB range `big` and the warm-up's other blocks: all `reserved` bytes go back,
+/// and no mapping stays.
+fn return_all(pool: &Pool, sim: &Sim, big: u64, blocks: &[u64], reserved: u64) {
+    pool.release(big).unwrap();
+    for &p in blocks.iter().skip(1).step_by(2) {
+        pool.release(p).unwrap();
+    }
+    assert_books(pool, sim);
+    assert_eq!(pool.free_reusable(Some(0)).unwrap(), reserved);
+    assert_nothing_held(sim);
+    assert!(sim.mappings(0).is_empty());
+}
+
+#[test]
+fn the_same_on_a_driver_that_maps_only_from_an_allocations_start() {
+    // The pool's handles made of one-page handles: the same memory, more calls.
+    let (pool, sim) = whole_only_pool(0);
     assert!(pool.reuses_pages(0).unwrap());
     let blocks = holes_of_a_warmup(&pool);
     let big = pool.reserve(0, GIB, 0).unwrap();
@@ -416,13 +434,7 @@ fn the_same_on_a_driver_that_maps_only_from_an_allocations_start() {
     assert_eq!(sim.mappings(0).len(), 768 + 512);
     assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
     assert_books(&pool, sim);
-    pool.release(big).unwrap();
-    for &p in blocks.iter().skip(1).step_by(2) {
-        pool.release(p).unwrap();
-    }
-    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1792 * MIB);
-    assert_nothing_held(sim);
-    assert!(sim.mappings(0).is_empty());
+    return_all(&pool, sim, big, &blocks, 1792 * MIB);
 }
 
 #[test]
@@ -431,10 +443,7 @@ fn with_handles_of_larger_parts_only_whole_parts_are_lent() {
     // 1,536 MiB is 64 parts, and each 64 MiB hole holds two whole parts (48 MiB; a hole starts
     // 0, 8 or 16 MiB before a part's start). So the 1 GiB takes 576 MiB of the cache and
     // creates the 448 MiB it lacks (19 parts, the last 16 MiB), within the device.
-    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[2 * GIB])));
-    sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
-    let driver = PageHandles::with_part(SimDriver::new(sim).unwrap(), 24 * MIB);
-    let pool = Pool::new(Arc::new(driver), PoolConfig::default());
+    let (pool, sim) = whole_only_pool(24 * MIB);
     let blocks = holes_of_a_warmup(&pool);
     assert_eq!(sim.call_count(cuda_sim::Call::MemCreate), 64);
     let big = pool.reserve(0, GIB, 0).unwrap();
@@ -447,14 +456,7 @@ fn with_handles_of_larger_parts_only_whole_parts_are_lent() {
     assert_eq!(sim.is_accessible(big + GIB - 1), Some(true));
     assert_books(&pool, sim);
     // Taken apart, the lent parts fill their holes again; all of it goes back.
-    pool.release(big).unwrap();
-    for &p in blocks.iter().skip(1).step_by(2) {
-        pool.release(p).unwrap();
-    }
-    assert_books(&pool, sim);
-    assert_eq!(pool.free_reusable(Some(0)).unwrap(), 1984 * MIB);
-    assert_nothing_held(sim);
-    assert!(sim.mappings(0).is_empty());
+    return_all(&pool, sim, big, &blocks, 1984 * MIB);
 }
 
 #[test]
