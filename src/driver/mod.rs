@@ -120,8 +120,8 @@ pub trait Driver: Send + Sync {
     fn vmm_granularity(&self, device: i32) -> Option<u64>;
     /// The allocation granularity where `device` has the virtual-memory API but the driver maps
     /// memory only from an allocation's start (so [`Driver::vmm_granularity`] says `None`):
-    /// [`pages::PageHandles`] then makes the pool's handles of one-page handles. `None`
-    /// elsewhere, and by default.
+    /// [`pages::PageHandles`] then makes the pool's handles of parts, one driver handle each
+    /// (a page each by default). `None` elsewhere, and by default.
     fn vmm_whole_granularity(&self, device: i32) -> Option<u64> {
         let _ = device;
         None
