@@ -38,7 +38,7 @@ for line in open(path):
 print(f"`scripts/bench-misses.sh`, {runs} runs; date {datetime.date.today()}; {platform.machine()}, "
       "simulated devices through `libcuda_sim.so` (80 GiB each). CPU ns per pair per thread, "
       "minimum / median over the runs; with more threads than the 2 CPUs, threads take turns on "
-      "a CPU, which CPU time leaves out. A device has 4 shards: 8 streams share them.\n")
+      "a CPU, which CPU time leaves out. A device has 16 shards: each stream moves to its own.\n")
 print("| library | case | 1 thread | 2 threads | 4 threads | 8 threads | 2 / 1 | 4 / 1 | 8 / 1 |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 names = {"stream_pair": "one device, a stream per thread", "device_pair": "a device per thread"}

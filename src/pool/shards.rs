@@ -35,10 +35,18 @@ use super::device::DevicePool;
 use crate::driver::StreamHandle;
 
 /// Shards per device: streams whose misses may run at once without waiting on each other.
-pub const SHARDS: usize = 4;
+/// Sixteen, so that a host's worker threads, each on a stream of its own, each miss on a lock
+/// of their own: with four, 8 threads on 8 streams of an H200 host took 4,902 ns a pair of
+/// 128 MiB blocks against 190 with 4 threads, streams meeting on each lock (on a 2-CPU machine,
+/// 4 threads' wall time a pair: a median of 422 ns with four, 218 with sixteen, the bound of two
+/// CPUs taking turns; BENCHMARKS.md). A shard no stream moved to costs its empty books alone
+/// (1,280 bytes), and streams move only where their calls meet.
+pub const SHARDS: usize = 16;
 
-/// Buckets per device that streams hash into; a bucket moves to another shard as a whole.
-const BUCKETS: usize = 64;
+/// Buckets per device that streams hash into; a bucket moves to another shard as a whole, so
+/// two streams in one bucket always share a shard. 1,024, so that few do: 8 streams share a
+/// bucket with a probability of 2.7% (37% among 64).
+const BUCKETS: usize = 1024;
 
 /// One shard: a device pool behind its own lock, on cache lines of its own (two shards' locks
 /// on one line would make their threads wait on each other's writes).
@@ -206,6 +214,25 @@ mod tests {
         }
         assert_eq!(b.opened(), SHARDS);
         assert!(seen[1..].iter().all(|&n| n > 0), "{seen:?}");
+    }
+
+    #[test]
+    fn fifteen_streams_made_one_after_another_each_take_a_shard_of_their_own() {
+        // Stream handles are the driver's heap pointers, a fixed stride apart when made one
+        // after another: each stride tried puts fifteen streams in fifteen buckets, so that
+        // each moves to a shard no other stream of the device uses.
+        for stride in [0x10, 0x40, 0x60, 0x100, 0x1000, 0x10000] {
+            let b = Binding::default();
+            for i in 0..SHARDS as u64 - 1 {
+                let stream = 0x5600_1234_5000 + i * stride;
+                assert_eq!(
+                    b.move_contended(stream, 0),
+                    Some(i as usize + 1),
+                    "{stride:#x}"
+                );
+            }
+            assert_eq!(b.opened(), SHARDS);
+        }
     }
 
     #[test]
