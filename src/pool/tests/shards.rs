@@ -113,6 +113,49 @@ fn a_stream_whose_shard_is_held_moves_to_its_own_and_the_books_stay_one_devices(
 }
 
 #[test]
+fn once_every_shard_is_open_a_moving_stream_shares_one_and_each_stream_keeps_its_cache() {
+    for config in [classic(), PoolConfig::default()] {
+        let (pool, sim) = pool_with(&[4 * GIB], config);
+        let stream = |i: u64| 0x7f00_0001_0000 + i * 0x1000;
+        // Stream 0 stays on shard 0 with memory of its own; fifteen more, contending, open the
+        // other fifteen shards, one each.
+        let mut live = vec![pool.reserve(0, 30 * MIB, stream(0)).unwrap()];
+        for i in 1..SHARDS as u64 {
+            live.push(reserve_against_held_shard(&pool, 0, 30 * MIB, stream(i)));
+            assert_eq!(pool.bindings[0].shard(stream(i)), i as usize);
+        }
+        assert_eq!(pool.bindings[0].opened(), SHARDS);
+        // One more moves to a shard picked by its bucket, which another stream already uses.
+        let late = stream(SHARDS as u64);
+        live.push(reserve_against_held_shard(&pool, 0, 30 * MIB, late));
+        let shard = pool.bindings[0].shard(late);
+        assert!((1..SHARDS).contains(&shard), "{shard}");
+        assert_eq!(pool.bindings[0].opened(), SHARDS);
+        let s = pool.stats(0).unwrap();
+        assert_eq!(s.allocated_bytes, (SHARDS as u64 + 1) * 30 * MIB);
+        assert_eq!(s.segments, SHARDS as u64 + 1);
+        assert_books(&pool, sim);
+        // In the shared shard each stream's cache serves it alone: released, the late stream's
+        // block comes back to it, and the other stream's request is served beside it.
+        let mine = live.pop().unwrap();
+        pool.release(mine).unwrap();
+        assert_eq!(pool.reserve(0, 30 * MIB, late).unwrap(), mine);
+        let other = pool.reserve(0, 30 * MIB, stream(shard as u64)).unwrap();
+        assert_ne!(other, mine);
+        live.extend([mine, other]);
+        assert_books(&pool, sim);
+        for p in live {
+            pool.release(p).unwrap();
+        }
+        let (free, total) = pool.mem_get_info(0).unwrap();
+        assert_eq!(free, total, "every shard's cache is free");
+        pool.free_reusable(Some(0)).unwrap();
+        assert_nothing_held(sim);
+        assert_books(&pool, sim);
+    }
+}
+
+#[test]
 fn out_of_memory_in_a_shard_takes_the_other_shards_idle_cache() {
     for config in [classic(), PoolConfig::default()] {
         let (pool, sim) = pool_with(&[GIB], config);
