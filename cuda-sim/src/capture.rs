@@ -131,7 +131,7 @@ impl Sim {
     /// `cuStreamIsCapturing`: the stream's `CUstreamCaptureStatus` ([`CAPTURE_STATUS_NONE`],
     /// [`CAPTURE_STATUS_ACTIVE`] or [`CAPTURE_STATUS_INVALIDATED`]).
     pub fn stream_is_capturing(&self, dev: i32, stream: u64) -> CuResult<u32> {
-        let st = self.call(Call::StreamIsCapturing)?;
+        let mut st = self.call(Call::StreamIsCapturing)?;
         let key = st.stream_key(dev, stream)?;
         Ok(match st.captures.0.get(&key) {
             None => CAPTURE_STATUS_NONE,

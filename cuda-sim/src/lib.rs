@@ -58,6 +58,7 @@ pub use faults::{Call, Fault};
 pub use ledger::CallTally;
 use ledger::Ledger;
 use streams::{EventState, StreamKey, StreamState};
+pub use streams::{CU_STREAM_LEGACY, CU_STREAM_PER_THREAD};
 pub use vmm::{VmmSetting, ATTRIBUTE_VMM_SUPPORTED, GRANULARITY};
 
 /// Device memory is accounted in pages of this many bytes (2 MiB): every

@@ -4,12 +4,32 @@
 use crate::codes::*;
 use crate::{Call, CuError, CuResult, Sim, State};
 
-/// Identifies a stream inside the simulator: a device's default stream or a
-/// created stream by its handle.
+/// Identifies a stream inside the simulator: a device's default stream, a
+/// created stream by its handle, or a host thread's per-thread default stream
+/// of a device (by the thread's number, [`thread_number`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) enum StreamKey {
     Default(i32),
     Created(u64),
+    PerThread(i32, u64),
+}
+
+/// `CU_STREAM_LEGACY`: the default stream, by its other name.
+pub const CU_STREAM_LEGACY: u64 = 0x1;
+
+/// `CU_STREAM_PER_THREAD`: the calling host thread's own default stream of the
+/// device, one per thread, made at its first use as the driver makes it.
+pub const CU_STREAM_PER_THREAD: u64 = 0x2;
+
+/// A number for the calling host thread, unique in the process and never
+/// reused: which per-thread default stream `CU_STREAM_PER_THREAD` names.
+fn thread_number() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static NUMBER: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    NUMBER.with(|n| *n)
 }
 
 /// "Stream `.0` has completed at least its first `.1` work items": the
@@ -69,16 +89,25 @@ impl State {
     /// The device of stream `key`, if it is known.
     pub(crate) fn key_device(&self, key: StreamKey) -> Option<i32> {
         match key {
-            StreamKey::Default(dev) => Some(dev),
+            StreamKey::Default(dev) | StreamKey::PerThread(dev, _) => Some(dev),
             StreamKey::Created(_) => self.streams.get(&key).map(|s| s.device),
         }
     }
 
-    /// Resolves `stream` (0: `dev`'s default stream) to a live stream of `dev`.
-    pub(crate) fn stream_key(&self, dev: i32, stream: u64) -> CuResult<StreamKey> {
+    /// Resolves `stream` (0 or `CU_STREAM_LEGACY`: `dev`'s default stream;
+    /// `CU_STREAM_PER_THREAD`: the calling thread's, made at its first use) to
+    /// a live stream of `dev`.
+    pub(crate) fn stream_key(&mut self, dev: i32, stream: u64) -> CuResult<StreamKey> {
         self.device(dev)?;
-        if stream == 0 {
+        if stream == 0 || stream == CU_STREAM_LEGACY {
             return Ok(StreamKey::Default(dev));
+        }
+        if stream == CU_STREAM_PER_THREAD {
+            let key = StreamKey::PerThread(dev, thread_number());
+            self.streams
+                .entry(key)
+                .or_insert_with(|| StreamState::new(dev));
+            return Ok(key);
         }
         let key = StreamKey::Created(stream);
         match self.streams.get(&key) {
@@ -363,7 +392,7 @@ impl Sim {
 
     /// The number of incomplete work items on the stream (not a CUDA call).
     pub fn pending_work(&self, dev: i32, stream: u64) -> CuResult<u64> {
-        let st = self.lock();
+        let mut st = self.lock();
         let key = st.stream_key(dev, stream)?;
         let s = &st.streams[&key];
         Ok(s.enqueued - s.completed)

@@ -747,3 +747,36 @@ fn a_delayed_call_takes_its_time_without_holding_the_other_calls() {
     sim.set_delay(Call::CtxSynchronize, Duration::ZERO);
     assert!(sim.set_delays("cuCtxSynchronize=soon").is_err());
 }
+
+#[test]
+fn the_legacy_handle_is_the_default_stream_and_the_per_thread_handle_each_threads_own() {
+    let s = sim(&[4 * PAGE]);
+    s.init().unwrap();
+    s.enqueue_work(0, CU_STREAM_LEGACY).unwrap();
+    assert_eq!(s.pending_work(0, 0).unwrap(), 1, "one stream, two names");
+    s.enqueue_work(0, CU_STREAM_PER_THREAD).unwrap();
+    assert_eq!(s.pending_work(0, CU_STREAM_PER_THREAD).unwrap(), 1);
+    assert_eq!(s.pending_work(0, 0).unwrap(), 1, "not the default stream");
+    let e = s.event_create(0).unwrap();
+    s.event_record(0, e, CU_STREAM_PER_THREAD).unwrap();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            // Another thread's per-thread stream: none of the first thread's work.
+            assert_eq!(s.pending_work(0, CU_STREAM_PER_THREAD).unwrap(), 0);
+            // Made to wait for the first thread's event, its work completes that work first.
+            s.stream_wait_event(0, CU_STREAM_PER_THREAD, e).unwrap();
+            s.enqueue_work(0, CU_STREAM_PER_THREAD).unwrap();
+            s.complete_work(0, CU_STREAM_PER_THREAD).unwrap();
+        });
+    });
+    assert_eq!(s.pending_work(0, CU_STREAM_PER_THREAD).unwrap(), 0);
+    assert_eq!(
+        s.pending_work(0, 0).unwrap(),
+        1,
+        "the default stream's work is its own"
+    );
+    assert_eq!(
+        err(s.pending_work(1, CU_STREAM_PER_THREAD)),
+        CUDA_ERROR_INVALID_DEVICE
+    );
+}

@@ -190,10 +190,14 @@ fn current_device() -> Result<CUdevice, CUresult> {
 /// default stream (handle 0), anything else must be a live stream.
 fn resolve_stream(stream: CUstream) -> Result<(CUdevice, u64), CUresult> {
     initialized()?;
-    if stream.is_null() {
-        return Ok((current_device()?, 0));
-    }
     let handle = stream as usize as u64;
+    // The NULL stream, `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD` are the current context's.
+    if matches!(
+        handle,
+        0 | sim::CU_STREAM_LEGACY | sim::CU_STREAM_PER_THREAD
+    ) {
+        return Ok((current_device()?, handle));
+    }
     let dev = sim()
         .stream_device(handle)
         .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
