@@ -150,7 +150,10 @@ enum rm_status rm_mem_get_info(int device, size_t *free_bytes, size_t *total_byt
 
 /**
  * Reserve a block of at least `size` bytes on `device`, 512-byte aligned, for use on `stream`
- * (a `CUstream`; NULL is the default stream). `size` 0 succeeds with `*out_ptr = NULL`.
+ * (a `CUstream`; NULL is the default stream, and so is `CU_STREAM_LEGACY`;
+ * `CU_STREAM_PER_THREAD`, `cudaStreamPerThread`, is the calling thread's own default stream: a
+ * block reserved and released on it is reused at once by the same thread, by another thread
+ * only after the device's work). `size` 0 succeeds with `*out_ptr = NULL`.
  *
  * Order of attempts: a cached block on this stream (best fit); an idle cached segment of
  * another stream, ordered after that stream's work; a new segment, returning idle cached

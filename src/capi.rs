@@ -157,6 +157,13 @@ fn past_hit<R>(f: impl FnOnce(&'static Front, &tls::Thread) -> Option<R>) -> Opt
     outcome.ok().flatten()
 }
 
+/// The pool's name for a stream a caller passed (`driver::per_thread`): `CU_STREAM_LEGACY` is
+/// the NULL stream, `CU_STREAM_PER_THREAD` the calling thread's own default stream.
+#[inline(always)]
+pub(crate) fn stream_key(stream: *mut c_void) -> u64 {
+    crate::driver::per_thread::key(stream as u64)
+}
+
 /// The callers of the hit paths, for their `SITE` parameter: each gets its own copy of the
 /// panic catch's inner function, which the compiler inlines where it has one caller and calls
 /// where two share it (a call, with the arguments passed through the stack).
@@ -174,7 +181,7 @@ pub(crate) fn reserve_hit<const SITE: u8>(
     size: u64,
     stream: *mut c_void,
 ) -> Option<DevicePtr> {
-    hit(|front| front.reserve_hit(device, size, stream as u64))
+    hit(|front| front.reserve_hit(device, size, stream_key(stream)))
 }
 
 /// [`reserve_hit`] of a key its home bin does not hold (see [`Front::reserve_probed`]), where
@@ -182,7 +189,7 @@ pub(crate) fn reserve_hit<const SITE: u8>(
 #[cold]
 #[inline(never)]
 pub(crate) fn reserve_probed(device: c_int, size: u64, stream: *mut c_void) -> Option<DevicePtr> {
-    past_hit(|front, t| front.reserve_probed(t, device, size, stream as u64))
+    past_hit(|front, t| front.reserve_probed(t, device, size, stream_key(stream)))
 }
 
 /// Whether `ptr` was released into the calling thread's front cache on the hit path (see
@@ -285,7 +292,10 @@ pub unsafe extern "C" fn rm_mem_get_info(
 }
 
 /// Reserve a block of at least `size` bytes on `device`, 512-byte aligned, for use on `stream`
-/// (a `CUstream`; NULL is the default stream). `size` 0 succeeds with `*out_ptr = NULL`.
+/// (a `CUstream`; NULL is the default stream, and so is `CU_STREAM_LEGACY`;
+/// `CU_STREAM_PER_THREAD`, `cudaStreamPerThread`, is the calling thread's own default stream: a
+/// block reserved and released on it is reused at once by the same thread, by another thread
+/// only after the device's work). `size` 0 succeeds with `*out_ptr = NULL`.
 ///
 /// Order of attempts: a cached block on this stream (best fit); an idle cached segment of
 /// another stream, ordered after that stream's work; a new segment, returning idle cached
@@ -371,8 +381,9 @@ unsafe fn reserve_full(
         }
         // SAFETY: checked non-null; valid by the caller's contract.
         unsafe { write_out(out_ptr, std::ptr::null_mut()) };
-        let outcome = reserve(device, size_arg(size), stream as u64);
-        record::reserved(device, size_arg(size), stream as u64, &outcome);
+        let stream = stream_key(stream);
+        let outcome = reserve(device, size_arg(size), stream);
+        record::reserved(device, size_arg(size), stream, &outcome);
         let ptr = outcome?;
         // SAFETY: as above.
         unsafe { write_out(out_ptr, ptr as *mut c_void) };
@@ -452,8 +463,9 @@ pub unsafe extern "C" fn rm_record_stream(ptr: *mut c_void, stream: *mut c_void)
             ));
         }
         let pool = pool()?;
-        record::record_stream(ptr as DevicePtr, stream as u64, || {
-            pool.record_stream(ptr as DevicePtr, stream as u64)
+        let stream = stream_key(stream);
+        record::record_stream(ptr as DevicePtr, stream, || {
+            pool.record_stream(ptr as DevicePtr, stream)
         })
     })
 }

@@ -63,8 +63,9 @@ fn malloc_call(size: ssize_t, device: c_int, stream: *mut c_void) -> *mut c_void
                 "size {size} is negative; pass the number of bytes to allocate"
             ))
         })?;
-        let outcome = crate::runtime::reserve(device, size, stream as u64);
-        record::reserved(device, size, stream as u64, &outcome);
+        let stream = crate::capi::stream_key(stream);
+        let outcome = crate::runtime::reserve(device, size, stream);
+        record::reserved(device, size, stream, &outcome);
         ptr = outcome?;
         Ok(())
     });
@@ -164,8 +165,9 @@ pub unsafe extern "C" fn rm_torch_record_stream(ptr: *mut c_void, stream: *mut c
             ));
         }
         let pool = pool()?;
-        record::record_stream(ptr as DevicePtr, stream as u64, || {
-            pool.record_stream(ptr as DevicePtr, stream as u64)
+        let stream = crate::capi::stream_key(stream);
+        record::record_stream(ptr as DevicePtr, stream, || {
+            pool.record_stream(ptr as DevicePtr, stream)
         })
     });
 }

@@ -15,7 +15,7 @@ use std::time::Instant;
 use common::hooks::SimHooks;
 use resmem::driver::cuda::CudaDriver;
 use resmem::driver::pages::PageHandles;
-use resmem::driver::Driver;
+use resmem::driver::{per_thread, Driver};
 use resmem::{Pool, PoolConfig};
 
 const MIB: u64 = 1 << 20;
@@ -96,6 +96,22 @@ fn extra(library: &str) -> Extra {
 }
 
 impl Extra {
+    /// `f` with the device's primary context current on the calling thread, as the driver's
+    /// special stream handles need.
+    fn in_context<T>(&self, f: impl FnOnce() -> T) -> T {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; the context is pushed and popped around `f`.
+        unsafe {
+            assert_eq!((self.primary_ctx_retain)(&mut ctx, 0), 0);
+            assert_eq!((self.ctx_push)(ctx), 0);
+        }
+        let done = f();
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: as above.
+        unsafe { assert_eq!((self.ctx_pop)((&mut popped as *mut *mut c_void).cast()), 0) };
+        done
+    }
+
     fn stream(&self) -> u64 {
         let mut ctx = std::ptr::null_mut();
         let mut stream = std::ptr::null_mut();
@@ -229,6 +245,68 @@ fn the_pool_works_through_the_loaded_driver() {
     if simulated {
         assert_eq!(pool.mem_get_info(0).unwrap(), (free0, total));
     }
+}
+
+#[test]
+fn each_threads_per_thread_stream_is_a_stream_of_its_own_through_the_loaded_driver() {
+    let _serial = one_at_a_time();
+    let library = library();
+    let pool = Pool::new(loaded(&library), PoolConfig::default());
+    let x = extra(&library);
+    let (to_first, first_rx) = std::sync::mpsc::channel::<()>();
+    let (from_first, first) = std::sync::mpsc::channel::<c_int>();
+    let (pool, x) = (&pool, &x);
+    std::thread::scope(|scope| {
+        let first_thread = scope.spawn(move || {
+            // This thread's per-thread stream, by its key: its block comes back at once.
+            let mine = per_thread::key(per_thread::CU_STREAM_PER_THREAD);
+            let a = pool.reserve(0, 8 * MIB, mine).unwrap();
+            if let Some(sim) = &x.sim {
+                let queued = x.in_context(|| sim.enqueue(per_thread::CU_STREAM_PER_THREAD));
+                assert_eq!(queued, 0);
+            }
+            pool.release(a).unwrap();
+            assert_eq!(pool.reserve(0, 8 * MIB, mine).unwrap(), a);
+            pool.release(a).unwrap();
+            from_first.send(0).unwrap();
+            first_rx.recv().unwrap();
+            // SAFETY: the per-thread stream's handle, with a context current.
+            let query = x.sim.as_ref().map_or(0, |_| {
+                x.in_context(|| unsafe { (x.stream_query)(2 as *mut c_void) })
+            });
+            from_first.send(query).unwrap();
+            a
+        });
+        first.recv().unwrap();
+        // Another thread's: the idle segment moves to it only after the device's work (no
+        // handle names the first thread's stream here, so the pool waits for the device).
+        let b = scope
+            .spawn(move || {
+                pool.reserve(
+                    0,
+                    8 * MIB,
+                    per_thread::key(per_thread::CU_STREAM_PER_THREAD),
+                )
+                .unwrap()
+            })
+            .join()
+            .unwrap();
+        to_first.send(()).unwrap();
+        assert_eq!(first.recv().unwrap(), 0, "the first thread's work is done");
+        assert_eq!(first_thread.join().unwrap(), b, "the idle segment moved");
+        // A block used on a third thread's per-thread stream (record_stream) is released with
+        // an event recorded there.
+        scope.spawn(move || {
+            let c = pool.reserve(0, 4096, 0).unwrap();
+            pool.record_stream(c, per_thread::key(per_thread::CU_STREAM_PER_THREAD))
+                .unwrap();
+            pool.release(c).unwrap();
+            pool.release(b).unwrap();
+        });
+    });
+    pool.check().unwrap();
+    pool.free_reusable(None).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 0);
 }
 
 #[test]

@@ -10,7 +10,9 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
 use std::sync::OnceLock;
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle};
+use super::{
+    per_thread, DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle,
+};
 use crate::error::{rm_status, Error};
 
 type CUresult = c_int;
@@ -586,6 +588,7 @@ impl Driver for CudaDriver {
         event: EventHandle,
         stream: StreamHandle,
     ) -> DriverResult<()> {
+        let stream = per_thread::handle("cuEventRecord", stream)?;
         // SAFETY: handles are the driver's own, passed back unchanged.
         self.in_context(device, "cuEventRecord", |t| unsafe {
             (t.event_record)(event as CUevent, stream as CUstream)
@@ -620,6 +623,7 @@ impl Driver for CudaDriver {
         stream: StreamHandle,
         event: EventHandle,
     ) -> DriverResult<()> {
+        let stream = per_thread::handle("cuStreamWaitEvent", stream)?;
         // SAFETY: handles are the driver's own; flags must be 0.
         self.in_context(device, "cuStreamWaitEvent", |t| unsafe {
             (t.stream_wait_event)(stream as CUstream, event as CUevent, 0)

@@ -11,10 +11,13 @@
 //! into new ranges.
 //!
 //! Handles cross the trait as plain integers: a stream or event is the driver's opaque handle
-//! (`CUstream`, `CUevent`) as a `u64`, with `0` meaning the default stream.
+//! (`CUstream`, `CUevent`) as a `u64`, with `0` meaning the default stream, or, for a thread's
+//! per-thread default stream, the pool's key for it, which each implementation turns into the
+//! handle the driver takes ([`per_thread`]).
 
 pub mod cuda;
 pub mod pages;
+pub mod per_thread;
 pub mod sim;
 
 use std::fmt;

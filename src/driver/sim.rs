@@ -3,7 +3,9 @@
 
 use cuda_sim::{CuError, Sim};
 
-use super::{DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle};
+use super::{
+    per_thread, DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle,
+};
 use crate::error::{rm_status, Error};
 
 /// The simulated devices as a [`Driver`].
@@ -104,6 +106,7 @@ impl Driver for SimDriver {
         event: EventHandle,
         stream: StreamHandle,
     ) -> DriverResult<()> {
+        let stream = per_thread::handle("cuEventRecord", stream)?;
         self.sim
             .event_record(device, event, stream)
             .map_err(fail("cuEventRecord"))
@@ -125,6 +128,7 @@ impl Driver for SimDriver {
         stream: StreamHandle,
         event: EventHandle,
     ) -> DriverResult<()> {
+        let stream = per_thread::handle("cuStreamWaitEvent", stream)?;
         self.sim
             .stream_wait_event(device, stream, event)
             .map_err(fail("cuStreamWaitEvent"))

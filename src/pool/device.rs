@@ -469,8 +469,9 @@ impl DevicePool {
                 match self.record_event(cx, stream) {
                     Ok(event) => events.push(event),
                     Err(_) => {
-                        // The driver rejects the stream (destroyed, or of another device): wait
-                        // for all work on every device instead, and the block is free at once.
+                        // The driver rejects the stream (destroyed, of another device, or another
+                        // thread's per-thread stream): wait for all work on every device
+                        // instead, and the block is free at once.
                         self.spare_events.append(&mut events);
                         if let Err(err) = self.synchronize_all(cx) {
                             self.shared.insert(id, streams);

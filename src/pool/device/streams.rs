@@ -195,7 +195,8 @@ impl DevicePool {
     }
 
     /// Order work queued on `to` from now on after the work queued so far on `from`. If the
-    /// driver cannot (a destroyed stream, say), wait for the whole device instead.
+    /// driver cannot (a destroyed stream, say, or another thread's per-thread stream), wait for
+    /// the whole device instead.
     pub(super) fn order_after(
         &mut self,
         cx: &Context<'_>,
