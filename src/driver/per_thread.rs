@@ -32,13 +32,13 @@ const PER_THREAD: StreamHandle = 1 << 63;
 const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 
 /// The calling thread's per-thread stream key: its number, unique in the process, with the top
-/// bit set.
+/// bit set (number 0, no thread's, where the thread's storage is already gone as it exits).
 fn own_key() -> StreamHandle {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     thread_local! {
         static KEY: StreamHandle = PER_THREAD | NEXT.fetch_add(1, Ordering::Relaxed);
     }
-    KEY.with(|k| *k)
+    KEY.try_with(|k| *k).unwrap_or(PER_THREAD)
 }
 
 /// The pool's name for the stream a caller passed: `0` for `CU_STREAM_LEGACY`, the calling
