@@ -14,7 +14,8 @@
 #      resmem.torch.pool() through torch.cuda.MemPool (empty_cache, out-of-memory as
 #      torch.cuda.OutOfMemoryError, frees across devices);
 #   2. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
-#      reuse ordered by events, record_stream, free_reusable, a cache-hit pair timing, and a
+#      reuse ordered by events, record_stream, free_reusable, a cache-hit pair timing, each
+#      thread's per-thread default stream (cudaStreamPerThread) as a stream of its own, and a
 #      1 GiB range made from 32 cached 32 MiB segments with the virtual-memory API (timed);
 #   3. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,
 #      with classic segments and with RESMEM_CONF=vmm:true;
