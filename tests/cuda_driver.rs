@@ -96,8 +96,8 @@ fn extra(library: &str) -> Extra {
 }
 
 impl Extra {
-    /// `f` with the device's primary context current on the calling thread, as the driver's
-    /// special stream handles need.
+    /// `f` with the device's primary context current on the calling thread, as creating a
+    /// stream and the driver's special stream handles need.
     fn in_context<T>(&self, f: impl FnOnce() -> T) -> T {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: valid out-pointers; the context is pushed and popped around `f`.
@@ -113,16 +113,9 @@ impl Extra {
     }
 
     fn stream(&self) -> u64 {
-        let mut ctx = std::ptr::null_mut();
         let mut stream = std::ptr::null_mut();
-        // SAFETY: valid out-pointers; the context is pushed and popped around the creation.
-        unsafe {
-            assert_eq!((self.primary_ctx_retain)(&mut ctx, 0), 0);
-            assert_eq!((self.ctx_push)(ctx), 0);
-            assert_eq!((self.stream_create)(&mut stream, 1), 0);
-            let mut popped = std::ptr::null_mut();
-            assert_eq!((self.ctx_pop)((&mut popped as *mut *mut c_void).cast()), 0);
-        }
+        // SAFETY: a valid out-pointer, with the context current.
+        self.in_context(|| unsafe { assert_eq!((self.stream_create)(&mut stream, 1), 0) });
         stream as u64
     }
 }
