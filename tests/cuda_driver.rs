@@ -470,7 +470,7 @@ fn whole_handles_map_twice_and_runs_take_one_call() {
     driver.vmm_map(0, run, page, handles[0], 0).unwrap();
     driver.vmm_map(0, run + page, page, handles[1], 0).unwrap();
     let mapped_twice = driver.vmm_map(0, twice, page, handles[0], 0);
-    let access = driver.vmm_set_access(0, run, 2 * page);
+    let access = driver.vmm_set_access(0, run, 2 * page, &[]);
     let unmap = driver.vmm_unmap(0, run, 2 * page);
     if unmap.is_err() {
         driver.vmm_unmap(0, run, page).unwrap();

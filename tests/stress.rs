@@ -473,6 +473,44 @@ fn a_device_growing_while_another_frees_keeps_its_block_known() {
     }
 }
 
+/// A device becomes a peer of another while that one maps a range without its lock: device 1
+/// serves its first request inside device 0's `cuMemCreate` for a new range, after device 0's
+/// ranges were walked for the new peer and before the new range is booked. The range is mapped
+/// with the peers the pass saw (none), and given device 1 as it is booked.
+#[test]
+fn a_range_mapped_while_a_peer_joins_gives_it_access_once_booked() {
+    let (sim, driver, pool) = hooked_pool(true);
+    let first = pool.reserve(0, 64 * MIB, 0).unwrap();
+    let joined: Arc<Mutex<Option<u64>>> = Arc::default();
+    {
+        let (pool, joined) = (Arc::downgrade(&pool), joined.clone());
+        *driver.watch.on_create.lock().unwrap() = Some(Box::new(move || {
+            let pool = pool.upgrade().unwrap();
+            *joined.lock().unwrap() = Some(pool.reserve(1, 64 * MIB, 0).unwrap());
+        }));
+    }
+    let grown = pool.reserve(0, 512 * MIB, 0).unwrap();
+    let joined = joined
+        .lock()
+        .unwrap()
+        .expect("device 1 served a request inside device 0's creation");
+    for (ptr, size) in [(first, 64 * MIB), (grown, 512 * MIB), (joined, 64 * MIB)] {
+        for from in [0, 1] {
+            assert_eq!(
+                sim.accessible_from(ptr + size - 1, from),
+                Some(true),
+                "{ptr:#x} from device {from}"
+            );
+        }
+    }
+    pool.check().unwrap();
+    for ptr in [first, grown, joined] {
+        pool.release(ptr).unwrap();
+    }
+    pool.free_reusable(None).unwrap();
+    assert_returned(&*pool, sim);
+}
+
 /// Another thread reserves and releases on device 0 (under the device's lock, as every miss)
 /// inside a call of `driver`'s hook `hook`, and has done so within 20 s (else it was blocked
 /// behind the lock): the bytes the pool reserved then, or what went wrong.

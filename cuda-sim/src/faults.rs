@@ -85,6 +85,7 @@ driver_calls! {
     GetErrorName = "cuGetErrorName",
     GetErrorString = "cuGetErrorString",
     DeviceGetAttribute = "cuDeviceGetAttribute",
+    DeviceCanAccessPeer = "cuDeviceCanAccessPeer",
     MemGetAllocationGranularity = "cuMemGetAllocationGranularity",
     MemAddressReserve = "cuMemAddressReserve",
     MemAddressFree = "cuMemAddressFree",

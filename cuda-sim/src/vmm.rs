@@ -18,6 +18,14 @@ pub const GRANULARITY: u64 = PAGE;
 /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
 pub const ATTRIBUTE_VMM_SUPPORTED: i32 = 102;
 
+/// `dev`'s bit in a mapping's access set (devices past the 64th are never given access).
+fn device_bit(dev: i32) -> u64 {
+    u32::try_from(dev)
+        .ok()
+        .and_then(|d| 1u64.checked_shl(d))
+        .unwrap_or(0)
+}
+
 /// Reserved address ranges start here, away from `cuMemAlloc`'s device windows.
 const VA_BASE: u64 = 0x5000_0000_0000;
 /// The size of the reservable address space.
@@ -37,7 +45,8 @@ struct Physical {
 struct Mapping {
     size: u64,
     handle: u64,
-    accessible: bool,
+    /// The devices given read-write access, a bit each (device `d`: bit `d`).
+    access: u64,
 }
 
 #[derive(Debug)]
@@ -54,6 +63,8 @@ pub(crate) struct VmmState {
     /// Whether `cuMemMap` maps memory from an offset into an allocation; if not, only from its
     /// start (the driver API's note on the parameter: "currently must be zero").
     offsets: bool,
+    /// Whether devices can use each other's memory (`cuDeviceCanAccessPeer`).
+    peers: bool,
     next_handle: u64,
     handles: HashMap<u64, Physical>,
     ranges: BTreeMap<u64, Range>,
@@ -66,6 +77,7 @@ impl VmmState {
         VmmState {
             supported: true,
             offsets: true,
+            peers: true,
             next_handle: FIRST_HANDLE,
             handles: HashMap::new(),
             ranges: BTreeMap::new(),
@@ -105,11 +117,12 @@ impl VmmState {
         Ok((base, found))
     }
 
-    /// The device and accessibility of the mapping containing `ptr`.
-    pub(crate) fn mapping_at(&self, ptr: u64) -> Option<(i32, bool)> {
+    /// The device of the memory mapped at `ptr`, and the devices given access to it (a bit
+    /// each).
+    pub(crate) fn mapping_at(&self, ptr: u64) -> Option<(i32, u64)> {
         let (_, range) = self.ranges.range(..=ptr).next_back()?;
         let (&addr, map) = range.maps.range(..=ptr).next_back()?;
-        (ptr < addr + map.size).then(|| (self.handles[&map.handle].device, map.accessible))
+        (ptr < addr + map.size).then(|| (self.handles[&map.handle].device, map.access))
     }
 }
 
@@ -321,7 +334,7 @@ impl Sim {
             Mapping {
                 size,
                 handle,
-                accessible: false,
+                access: 0,
             },
         );
         st.vmm.handles.get_mut(&handle).expect("known").mappings += 1;
@@ -351,26 +364,71 @@ impl Sim {
         Ok(())
     }
 
-    /// `cuMemSetAccess` (read-write for `dev`): `[ptr, ptr + size)` must be exactly a run of
+    /// `cuMemSetAccess` with one descriptor (read-write for `dev`, which may be another
+    /// device than the memory's, as for a peer): `[ptr, ptr + size)` must be exactly a run of
     /// whole mappings.
     pub fn mem_set_access(&self, ptr: u64, size: u64, dev: i32) -> CuResult<()> {
+        self.mem_set_access_for(ptr, size, &[dev])
+    }
+
+    /// `cuMemSetAccess` with a descriptor for each of `devs` (one call): every device named
+    /// must exist, or none is given access.
+    pub fn mem_set_access_for(&self, ptr: u64, size: u64, devs: &[i32]) -> CuResult<()> {
         let mut st = self.call(Call::MemSetAccess)?;
-        st.vmm_check(Some(dev))?;
+        st.vmm_check(None)?;
+        if devs.is_empty() {
+            return Err(CuError(CUDA_ERROR_INVALID_VALUE));
+        }
+        let mut access = 0;
+        for &dev in devs {
+            st.device(dev)?;
+            access |= device_bit(dev);
+        }
         let (base, addrs) = st.vmm.whole_mappings(ptr, size)?;
         let range = st.vmm.ranges.get_mut(&base).expect("range found");
         for addr in addrs {
-            range.maps.get_mut(&addr).expect("mapping found").accessible = true;
+            range.maps.get_mut(&addr).expect("mapping found").access |= access;
         }
         Ok(())
     }
 
-    /// Whether `ptr` is mapped, and if so whether access to it was set (for tests).
+    /// Whether `ptr` is mapped, and if so whether the device whose memory it is was given
+    /// access to it (for tests).
     pub fn is_accessible(&self, ptr: u64) -> Option<bool> {
-        self.lock().vmm.mapping_at(ptr).map(|(_, a)| a)
+        self.lock()
+            .vmm
+            .mapping_at(ptr)
+            .map(|(dev, access)| access & device_bit(dev) != 0)
+    }
+
+    /// Whether `ptr` is mapped, and if so whether `dev` (the memory's device or a peer) was
+    /// given access to it (for tests).
+    pub fn accessible_from(&self, ptr: u64, dev: i32) -> Option<bool> {
+        self.lock()
+            .vmm
+            .mapping_at(ptr)
+            .map(|(_, access)| access & device_bit(dev) != 0)
+    }
+
+    /// `cuDeviceCanAccessPeer`: whether `dev`'s kernels can use memory of `peer`, another
+    /// device. Every pair of simulated devices can, unless [`Sim::set_peer_access`] said not.
+    pub fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool> {
+        let st = self.call(Call::DeviceCanAccessPeer)?;
+        st.check_init()?;
+        st.device(dev)?;
+        st.device(peer)?;
+        Ok(dev != peer && st.vmm.peers)
+    }
+
+    /// Whether the simulated devices can use each other's memory (`cuDeviceCanAccessPeer`);
+    /// they can unless this says not.
+    pub fn set_peer_access(&self, on: bool) {
+        self.lock().vmm.peers = on;
     }
 
     /// The address ranges `dev`'s kernels could use now, in order, adjacent ones merged: its
-    /// `cuMemAlloc` allocations and the mappings of its physical memory with access set.
+    /// `cuMemAlloc` allocations and the mappings (of its physical memory, or a peer's) to which
+    /// it was given access.
     pub fn accessible_ranges(&self, dev: i32) -> Vec<(u64, u64)> {
         let st = self.lock();
         let mut ranges: Vec<(u64, u64)> = Vec::new();
@@ -379,7 +437,7 @@ impl Sim {
         }
         for range in st.vmm.ranges.values() {
             for (&addr, map) in &range.maps {
-                if map.accessible && st.vmm.handles[&map.handle].device == dev {
+                if map.access & device_bit(dev) != 0 {
                     ranges.push((addr, map.size));
                 }
             }
@@ -584,6 +642,39 @@ mod tests {
         assert_eq!(sim.mem_create(0, 3 * MIB), Err(invalid));
         assert_eq!(sim.mem_address_reserve(3 * MIB, 0), Err(invalid));
         assert_eq!(sim.mem_address_reserve(2 * MIB, 3 * MIB), Err(invalid));
+    }
+
+    #[test]
+    fn access_is_given_to_each_device_named_and_peers_can_be_refused() {
+        let sim = Sim::new(&[64 * MIB, 64 * MIB, 64 * MIB]);
+        sim.init().unwrap();
+        let h = sim.mem_create(1, 4 * MIB).unwrap();
+        let va = sim.mem_address_reserve(4 * MIB, 0).unwrap();
+        sim.mem_map(va, 4 * MIB, 0, h).unwrap();
+        // Access for a peer is not access for the memory's own device.
+        sim.mem_set_access(va, 4 * MIB, 0).unwrap();
+        assert_eq!(sim.accessible_from(va, 0), Some(true));
+        assert_eq!(sim.is_accessible(va), Some(false));
+        assert_eq!(sim.accessible_ranges(1), vec![]);
+        assert_eq!(sim.accessible_ranges(0), vec![(va, 4 * MIB)]);
+        sim.mem_set_access(va, 4 * MIB, 1).unwrap();
+        assert_eq!(sim.is_accessible(va + 4 * MIB - 1), Some(true));
+        assert_eq!(sim.accessible_from(va, 2), Some(false));
+        assert_eq!(sim.accessible_from(va + 4 * MIB, 0), None);
+        assert_eq!(sim.device_can_access_peer(0, 2), Ok(true));
+        assert_eq!(
+            sim.device_can_access_peer(1, 1),
+            Ok(false),
+            "not its own peer"
+        );
+        assert_eq!(
+            sim.device_can_access_peer(0, 3),
+            Err(err(CUDA_ERROR_INVALID_DEVICE))
+        );
+        sim.set_peer_access(false);
+        assert_eq!(sim.device_can_access_peer(0, 2), Ok(false));
+        sim.mem_unmap(va, 4 * MIB).unwrap();
+        sim.mem_release(h).unwrap();
     }
 
     #[test]

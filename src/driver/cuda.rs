@@ -119,6 +119,13 @@ driver_table! {
     }
 }
 
+driver_table! {
+    /// Whether one device can use another's memory, asked before giving peers access to it.
+    PeerTable {
+    can_access_peer = "cuDeviceCanAccessPeer"(*mut c_int, CUdevice, CUdevice);
+    }
+}
+
 /// `CUmemLocation`.
 #[repr(C)]
 struct MemLocation {
@@ -179,6 +186,12 @@ pub fn uuid_symbols() -> &'static [&'static str] {
     UuidTable::SYMBOLS
 }
 
+/// The name of the function that says whether one device can use another's memory, needed
+/// only to give peers access to the pool's mapped memory.
+pub fn peer_symbols() -> &'static [&'static str] {
+    PeerTable::SYMBOLS
+}
+
 /// The CUDA driver, loaded from a shared library.
 pub struct CudaDriver {
     library: String,
@@ -187,6 +200,8 @@ pub struct CudaDriver {
     vmm: Option<VmmTable>,
     /// `cuDeviceGetUuid`, if the library exports it.
     uuid: Option<UuidTable>,
+    /// `cuDeviceCanAccessPeer`, if the library exports it.
+    peer: Option<PeerTable>,
     version: c_int,
     devices: Vec<CUdevice>,
     /// Each device's primary context, retained on first use.
@@ -236,11 +251,14 @@ impl CudaDriver {
         let vmm = unsafe { VmmTable::resolve(handle) }.ok();
         // SAFETY: as for the table above.
         let uuid = unsafe { UuidTable::resolve(handle) }.ok();
+        // SAFETY: as for the table above.
+        let peer = unsafe { PeerTable::resolve(handle) }.ok();
         let mut driver = CudaDriver {
             library: library.to_string(),
             table,
             vmm,
             uuid,
+            peer,
             version: 0,
             devices: Vec::new(),
             contexts: Vec::new(),
@@ -702,19 +720,54 @@ impl Driver for CudaDriver {
         })
     }
 
-    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
-        let dev = self.devices.get(device as usize).copied().unwrap_or(device);
-        let desc = MemAccessDesc {
+    fn vmm_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        peers: &[i32],
+    ) -> DriverResult<()> {
+        let desc = |device: i32| MemAccessDesc {
             location: MemLocation {
                 kind: CU_MEM_LOCATION_TYPE_DEVICE,
-                id: dev,
+                id: self.devices.get(device as usize).copied().unwrap_or(device),
             },
             flags: CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: one valid descriptor for a run of whole mappings.
+        let descs: Vec<MemAccessDesc> = std::iter::once(device)
+            .chain(peers.iter().copied())
+            .map(desc)
+            .collect();
+        // SAFETY: `descs.len()` valid descriptors for a run of whole mappings.
         self.vmm_call(device, "cuMemSetAccess", |v| unsafe {
-            (v.set_access)(ptr, size as usize, &desc, 1)
+            (v.set_access)(ptr, size as usize, descs.as_ptr(), descs.len())
         })
+    }
+
+    fn can_access_peer(&self, device: i32, peer: i32) -> DriverResult<bool> {
+        let call = "cuDeviceCanAccessPeer";
+        let Some(table) = &self.peer else {
+            return Ok(false);
+        };
+        let ordinal = |d: i32| {
+            usize::try_from(d)
+                .ok()
+                .and_then(|d| self.devices.get(d).copied())
+                .ok_or_else(|| DriverError {
+                    call,
+                    code: 101,
+                    name: "CUDA_ERROR_INVALID_DEVICE".to_string(),
+                    description: "invalid device ordinal".to_string(),
+                })
+        };
+        let (dev, peer) = (ordinal(device)?, ordinal(peer)?);
+        let mut can: c_int = 0;
+        // SAFETY: the out-pointer is valid for an int; both devices came from cuDeviceGet; the
+        // call needs no current context.
+        self.check(call, unsafe {
+            (table.can_access_peer)(&mut can, dev, peer)
+        })?;
+        Ok(can != 0)
     }
 }
 
@@ -748,5 +801,6 @@ mod tests {
         assert_eq!(optional_symbols().len(), 9);
         assert!(optional_symbols().contains(&"cuMemMap"));
         assert_eq!(uuid_symbols(), ["cuDeviceGetUuid"]);
+        assert_eq!(peer_symbols(), ["cuDeviceCanAccessPeer"]);
     }
 }

@@ -158,6 +158,20 @@ pub trait Driver: Send + Sync {
     ) -> DriverResult<()>;
     /// Unmap `[ptr, ptr + size)` (`cuMemUnmap`).
     fn vmm_unmap(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()>;
-    /// Give `device` read-write access to `[ptr, ptr + size)` (`cuMemSetAccess`).
-    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()>;
+    /// Give `device`, and each of `peers` (other devices), read-write access to `[ptr, ptr +
+    /// size)`, a run of whole mappings of `device`'s memory (`cuMemSetAccess`, one descriptor
+    /// each).
+    fn vmm_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        peers: &[i32],
+    ) -> DriverResult<()>;
+    /// Whether `device`'s kernels can use memory of `peer`, another device
+    /// (`cuDeviceCanAccessPeer`). A driver that cannot tell says no (the default).
+    fn can_access_peer(&self, device: i32, peer: i32) -> DriverResult<bool> {
+        let _ = (device, peer);
+        Ok(false)
+    }
 }

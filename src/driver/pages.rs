@@ -539,13 +539,23 @@ impl<D: Driver> Driver for PageHandles<D> {
         })
     }
 
-    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+    fn vmm_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        peers: &[i32],
+    ) -> DriverResult<()> {
         if self.page(device).is_none() {
-            return self.inner.vmm_set_access(device, ptr, size);
+            return self.inner.vmm_set_access(device, ptr, size, peers);
         }
         self.per_run_or_mapping(device, (ptr, size), false, |p, s| {
-            self.inner.vmm_set_access(device, p, s)
+            self.inner.vmm_set_access(device, p, s, peers)
         })
+    }
+
+    fn can_access_peer(&self, device: i32, peer: i32) -> DriverResult<bool> {
+        self.inner.can_access_peer(device, peer)
     }
 }
 
@@ -583,7 +593,7 @@ mod tests {
         let handle = driver.vmm_create(0, 8 * MIB).unwrap();
         let va = driver.vmm_reserve(0, 4 * MIB).unwrap();
         driver.vmm_map(0, va, 4 * MIB, handle, 2 * MIB).unwrap();
-        driver.vmm_set_access(0, va, 4 * MIB).unwrap();
+        driver.vmm_set_access(0, va, 4 * MIB, &[]).unwrap();
         driver.vmm_unmap(0, va, 4 * MIB).unwrap();
         driver.vmm_release(0, handle).unwrap();
         driver.vmm_free(0, va, 4 * MIB).unwrap();
@@ -608,7 +618,7 @@ mod tests {
         );
         driver.vmm_map(0, a, 4 * MIB, handle, 2 * MIB).unwrap();
         driver.vmm_map(0, b, 4 * MIB, handle, 0).unwrap();
-        driver.vmm_set_access(0, a, 4 * MIB).unwrap();
+        driver.vmm_set_access(0, a, 4 * MIB, &[]).unwrap();
         assert_eq!(sim.is_accessible(a + 3 * MIB), Some(true));
         assert_eq!(sim.is_accessible(b), Some(false));
         assert_eq!(sim.mappings(0).len(), 4);
@@ -734,7 +744,7 @@ mod tests {
         assert_eq!(sim.mappings(0).len(), 4);
         // Access refused for the run: the driver is asked mapping by mapping, each whole.
         sim.inject_faults("cuMemSetAccess@1=1").unwrap();
-        driver.vmm_set_access(0, va, 22 * MIB).unwrap();
+        driver.vmm_set_access(0, va, 22 * MIB, &[]).unwrap();
         sim.clear_faults();
         assert_eq!(sim.call_count(Call::MemSetAccess), 1 + 4);
         assert_eq!(sim.is_accessible(va + 22 * MIB - 1), Some(true));
@@ -765,7 +775,7 @@ mod tests {
         driver.vmm_map(0, va, 6 * MIB, handle, 0).unwrap();
         let before = calls(sim);
         sim.inject_faults("cuMemSetAccess@1=1").unwrap();
-        driver.vmm_set_access(0, va, 6 * MIB).unwrap();
+        driver.vmm_set_access(0, va, 6 * MIB, &[]).unwrap();
         sim.clear_faults();
         assert_eq!(sim.is_accessible(va + 5 * MIB), Some(true));
         driver.vmm_unmap(0, va, 6 * MIB).unwrap();

@@ -190,9 +190,24 @@ impl Driver for SimDriver {
         self.sim.mem_unmap(ptr, size).map_err(fail("cuMemUnmap"))
     }
 
-    fn vmm_set_access(&self, device: i32, ptr: DevicePtr, size: u64) -> DriverResult<()> {
+    fn vmm_set_access(
+        &self,
+        device: i32,
+        ptr: DevicePtr,
+        size: u64,
+        peers: &[i32],
+    ) -> DriverResult<()> {
+        let devices: Vec<i32> = std::iter::once(device)
+            .chain(peers.iter().copied())
+            .collect();
         self.sim
-            .mem_set_access(ptr, size, device)
+            .mem_set_access_for(ptr, size, &devices)
             .map_err(fail("cuMemSetAccess"))
+    }
+
+    fn can_access_peer(&self, device: i32, peer: i32) -> DriverResult<bool> {
+        self.sim
+            .device_can_access_peer(device, peer)
+            .map_err(fail("cuDeviceCanAccessPeer"))
     }
 }

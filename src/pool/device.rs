@@ -55,6 +55,7 @@ use super::stats::{Stats, WholeDevice};
 use super::{Context, PoolConfig};
 use addresses::Addresses;
 use headroom::Headroom;
+use peers::peer_list;
 use phys::{Pages, Phys};
 use stitch::{Run, VmmMode};
 use unstitch::Stuck;
@@ -67,6 +68,7 @@ mod growth;
 mod headroom;
 mod layout;
 mod parking;
+mod peers;
 mod phys;
 mod pieces;
 mod placement;
@@ -112,6 +114,9 @@ struct Segment {
     /// `stitch.rs`): the bytes of that page before `base`, the other segment's. Its mapping
     /// starts `lead` bytes before `base`; 0 for every other segment.
     lead: u64,
+    /// For a stitched segment: the other devices its mapping gives access to, a bit each
+    /// (`device/peers.rs`).
+    granted: u64,
 }
 
 impl Segment {
@@ -238,6 +243,9 @@ pub struct DevicePool {
     /// The handles of cached pages that ranges in flight map without the lock, once per page
     /// run: not released meanwhile, whatever becomes of the ranges they are cached in.
     pinned: Vec<PhysHandle>,
+    /// The peers the last stitched range mapped gave access to, a bit each: what its segment
+    /// is booked with (`device/peers.rs`).
+    mapped_for: u64,
     /// What sizes the headroom of the next stitched creation (`headroom.rs`).
     headroom: Headroom,
     /// Blocks released so far (each release counts one, and stamps its segment).
@@ -305,6 +313,7 @@ impl DevicePool {
             lending: Vec::new(),
             mapping: Vec::new(),
             pinned: Vec::new(),
+            mapped_for: 0,
             headroom: Headroom::default(),
             releases: 0,
             settled: 0,

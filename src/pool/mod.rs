@@ -52,6 +52,7 @@ pub(crate) mod device;
 pub(crate) mod hash;
 pub(crate) mod ids;
 pub mod layout;
+mod peers;
 #[cfg(feature = "hold-probe")]
 mod probe;
 mod shards;
@@ -429,7 +430,7 @@ impl Pool {
         let books = Books::new(guard, &self.shards[index]);
         let err = match self.unlocked_growth(index, books, self.context(index), f) {
             Err(err) if err.is_out_of_memory() && waits == Waits::Allowed => err,
-            done => return done,
+            done => return self.introduced(index / SHARDS, done),
         };
         if self.free_other_shards(index)? == 0 {
             return Err(err);
@@ -437,7 +438,8 @@ impl Pool {
         // Tried again, the request counts as failed only if the second try fails.
         let (mut books, cx) = self.lock_shard(index);
         books.forgive_oom();
-        self.unlocked_growth(index, books, cx, f)
+        let done = self.unlocked_growth(index, books, cx, f);
+        self.introduced(index / SHARDS, done)
     }
 
     /// Return the idle cache of the shards of shard `index`'s device other than it; the bytes
@@ -495,7 +497,9 @@ impl Pool {
         }
         let (index, guard) = self.lock_stream(device, stream)?;
         let mut books = Books::new(guard, &self.shards[index]);
-        books.reserve_cached(&self.context(index), size, stream, waits)
+        let done = books.reserve_cached(&self.context(index), size, stream, waits);
+        drop(books);
+        self.introduced(index / SHARDS, done)
     }
 
     /// Give a block back to the pool. `0` is accepted and does nothing.

@@ -1,7 +1,7 @@
 //! The pool's figures for one device, kept exact at every moment: byte counts and peaks are
 //! updated with every change, event counters with every event.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// A device's figures; the Rust twin of `rm_stats`, field for field.
@@ -123,6 +123,11 @@ pub(crate) struct WholeDevice {
     /// The cap in bytes; `NO_LIMIT` where there is none.
     limit: AtomicU64,
     claims: Mutex<()>,
+    /// The other devices given access to the device's mapped memory, a bit each (device `d`:
+    /// bit `d`; see `pool/peers.rs`).
+    peers: AtomicU64,
+    /// Whether the device has served a request (then its peers are known, `pool/peers.rs`).
+    introduced: AtomicBool,
 }
 
 /// [`WholeDevice`]'s `limit` where no cap is set.
@@ -135,6 +140,8 @@ impl Default for WholeDevice {
             peak: AtomicU64::new(0),
             limit: AtomicU64::new(NO_LIMIT),
             claims: Mutex::new(()),
+            peers: AtomicU64::new(0),
+            introduced: AtomicBool::new(false),
         }
     }
 }
@@ -178,6 +185,29 @@ impl WholeDevice {
         let _claiming = self.claiming();
         self.limit
             .store(limit.unwrap_or(NO_LIMIT), Ordering::Release);
+    }
+
+    /// The devices given access to the device's mapped memory, a bit each.
+    pub(crate) fn peers(&self) -> u64 {
+        self.peers.load(Ordering::SeqCst)
+    }
+
+    /// Give `peers` (bits) access to the device's mapped memory from now on: whether any was
+    /// new. Ranges mapped before need access set too (`Pool::introduce`).
+    pub(crate) fn add_peers(&self, peers: u64) -> bool {
+        self.peers.fetch_or(peers, Ordering::SeqCst) & peers != peers
+    }
+
+    /// Mark the device as serving requests: whether it was not yet (the caller then introduces
+    /// it to the devices that were).
+    pub(crate) fn introduce(&self) -> bool {
+        !self.introduced.swap(true, Ordering::SeqCst)
+    }
+
+    /// Whether the device has served a request (read by every reserve past the front caches).
+    #[inline]
+    pub(crate) fn introduced(&self) -> bool {
+        self.introduced.load(Ordering::SeqCst)
     }
 
     /// Set the peak to what the device reserves now (and never below it: a shard that grew

@@ -103,7 +103,10 @@ impl<W: Watch> Driver for Spy<W> {
     fn vmm_unmap(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
         self.watched("cuMemUnmap", d, |s| s.vmm_unmap(d, p, size))
     }
-    fn vmm_set_access(&self, d: i32, p: DevicePtr, size: u64) -> DriverResult<()> {
-        self.watched("cuMemSetAccess", d, |s| s.vmm_set_access(d, p, size))
+    fn vmm_set_access(&self, d: i32, p: DevicePtr, size: u64, peers: &[i32]) -> DriverResult<()> {
+        self.watched("cuMemSetAccess", d, |s| s.vmm_set_access(d, p, size, peers))
+    }
+    fn can_access_peer(&self, d: i32, peer: i32) -> DriverResult<bool> {
+        self.watched("cuDeviceCanAccessPeer", d, |s| s.can_access_peer(d, peer))
     }
 }

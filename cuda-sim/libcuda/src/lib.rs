@@ -920,6 +920,25 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
     })
 }
 
+/// `cuDeviceCanAccessPeer`: 1 where `dev`'s kernels can use memory of `peer` (every pair of
+/// distinct simulated devices), else 0.
+///
+/// # Safety
+/// `can_access` is NULL or valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(
+    can_access: *mut c_int,
+    dev: CUdevice,
+    peer: CUdevice,
+) -> CUresult {
+    guard(|| {
+        non_null(can_access)?;
+        let can = cu(sim().device_can_access_peer(dev, peer))?;
+        // SAFETY: the caller's contract on `can_access`.
+        unsafe { write_out(can_access, c_int::from(can)) }
+    })
+}
+
 /// `cuMemGetAllocationGranularity`: 2 MiB, minimum and recommended.
 ///
 /// # Safety
@@ -1054,15 +1073,16 @@ pub unsafe extern "C" fn cuMemSetAccess(
         }
         // SAFETY: non-null with `count` elements by the caller's contract.
         let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        let mut devs = Vec::with_capacity(count);
         for d in descs {
             if d.location.kind != CU_MEM_LOCATION_TYPE_DEVICE
                 || d.flags != CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            cu(sim().mem_set_access(ptr, size as u64, d.location.id))?;
+            devs.push(d.location.id);
         }
-        Ok(())
+        cu(sim().mem_set_access_for(ptr, size as u64, &devs))
     })
 }
 
@@ -1100,6 +1120,16 @@ pub unsafe extern "C" fn cudasim_complete_work(stream: CUstream) -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cudasim_used_bytes(dev: c_int) -> u64 {
     catch_unwind(|| sim().used_bytes(dev)).unwrap_or(0)
+}
+
+/// Test-only (not CUDA): 1 where `ptr` is mapped with access given to `dev` (the memory's
+/// own device or a peer), 0 where it is mapped without, -1 where nothing is mapped there.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_accessible_from(ptr: CUdeviceptr, dev: c_int) -> c_int {
+    catch_unwind(|| sim().accessible_from(ptr, dev).map_or(-1, c_int::from)).unwrap_or(-1)
 }
 
 /// Test-only (not CUDA): the number of live allocations on `dev`; 0 for an

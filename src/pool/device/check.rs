@@ -7,7 +7,8 @@
 //! handle, as spare pages are (`phys.rs`); each lent run is a hole in its lender, the holes
 //! are exactly the lent bytes and exactly the indexed holes; no byte of a handle has two owners
 //! (blocks that are not holes, through their runs, and spare pages); each segment's borrowers
-//! are exactly the segments it lent runs to; the address chunks hold exactly the segments'
+//! are exactly the segments it lent runs to, and the devices each was given access to are peers
+//! of the device; the address chunks hold exactly the segments'
 //! ranges and their free ranges; owned plus spare bytes equal the handles' bytes; the unused
 //! index holds exactly the handles with every page spare; and the figures equal what the
 //! blocks say. Across shards, `Pool::check` adds that the span map counts exactly the
@@ -352,6 +353,12 @@ impl DevicePool {
             }
             if at != s.lead + s.size {
                 return Err(format!("segment {:#x}: runs do not cover it", s.base));
+            }
+            if s.granted & !self.whole_device.peers() != 0 {
+                return Err(format!(
+                    "segment {:#x}: access given to devices {:#x}, not all peers",
+                    s.base, s.granted
+                ));
             }
             let mut id = s.first;
             while id != BlockId::NIL {

@@ -159,6 +159,9 @@ pub struct Plan {
     /// Whether the reserve that deferred it may wait (not during a graph capture): where not,
     /// memory made meanwhile past a lowered cap returns no cache.
     waits: Waits,
+    /// For a range: the other devices given access to it, a bit each (the device's peers as
+    /// the pass saw them, `device/peers.rs`).
+    peers: u64,
 }
 
 impl Plan {
@@ -222,7 +225,7 @@ impl Plan {
             call = "cuMemSetAccess";
             left.failed = "setting access to a new segment";
             leftover = Some(left);
-            driver.vmm_set_access(device, base, left.mapped)?;
+            driver.vmm_set_access(device, base, left.mapped, &peer_list(self.peers))?;
             leftover = None;
             Ok(match handle {
                 Some(handle) => Fresh::Range(handle, base),
@@ -468,6 +471,7 @@ impl DevicePool {
             driver_info: (0, self.driver_total),
             unmaps,
             waits: self.waits,
+            peers: 0,
         });
     }
 
@@ -496,6 +500,7 @@ impl DevicePool {
             driver_info: (driver_free, self.driver_total),
             unmaps: Deferred::default(),
             waits: self.waits,
+            peers: self.whole_device.peers(),
         };
         if matches!(backing, Backing::Range | Backing::Mapping) {
             plan.pages = self.mapping.clone();
@@ -544,6 +549,7 @@ impl DevicePool {
         if plan.backing == backing && plan.bytes == bytes && (plan.base.is_none() || same_pages()) {
             // The range maps them in its own order: the range's runs follow it.
             self.mapping.clone_from(&plan.pages);
+            self.mapped_for = plan.peers;
             return Some(p);
         }
         self.book_fresh(cx, p);

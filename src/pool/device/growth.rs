@@ -39,7 +39,9 @@ impl DevicePool {
         if self.stitching(cx) {
             let (base, runs, lead) = self.stitch_growth(cx, (segment, requested), mode, free)?;
             let size = runs.iter().map(|r| r.pages.size).sum::<u64>() - lead;
-            return Ok(self.install_segment(cx, (base + lead, size, lead), class, stream, runs));
+            let id = self.install_segment(cx, (base + lead, size, lead), class, stream, runs);
+            self.book_granted(cx, self.blocks[id].segment);
+            return Ok(id);
         }
         let backing = Backing::Segment(class, stream);
         let Fresh::Segment(ptr) = self.obtain(cx, segment, requested, mode, free, backing)? else {

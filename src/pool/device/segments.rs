@@ -31,6 +31,7 @@ impl DevicePool {
                     stitched: false,
                     released: 0,
                     lead: 0,
+                    granted: 0,
                 });
                 // Room for every segment to be forgotten (see `Blocks::insert`).
                 self.vacant_segments
@@ -66,6 +67,7 @@ impl DevicePool {
             stitched,
             released: 0,
             lead,
+            granted: 0,
         };
         self.bin_insert(slot, class, id);
         self.mark_idle(seg);

@@ -55,6 +55,7 @@
 //! mapped in it, which are not released meanwhile) and retried by `free_reusable`.
 
 use super::addresses;
+use super::peers::peer_list;
 use super::phys::Pages;
 use super::pieces::{partial_pays, Piece};
 use super::{Backing, BlockId, Context, DevicePool, Fresh, Grow, SegId, State};
@@ -497,10 +498,11 @@ impl DevicePool {
             }
             mapped += pages.size;
         }
+        let peers = self.whole_device.peers();
         if result.is_ok() {
             result = cx
                 .driver
-                .vmm_set_access(device, base, size)
+                .vmm_set_access(device, base, size, &peer_list(peers))
                 .map_err(|e| Error::driver("setting access to a new segment", &e));
         }
         if let Err(err) = result {
@@ -508,6 +510,7 @@ impl DevicePool {
             self.abandon_range(cx, base, size, mapped, handles);
             return Err(err);
         }
+        self.mapped_for = peers;
         Ok(base)
     }
 

@@ -7,6 +7,7 @@
 //! - `streams`: streams and events (`record_stream`, pending blocks, cross-stream reuse);
 //! - `limits`: memory caps and out-of-memory;
 //! - `pages`: page-granular reuse with the virtual-memory API (the `vmm_*` tests);
+//! - `peers`: devices given access to each other's mapped memory;
 //! - `fragments`: ranges that start in the free tail of a live block's page;
 //! - `returning`: returning memory (`free_reusable`, `trim`, the sweep's batches);
 //! - `pointers`: bad pointers and devices, and finding a pointer's device;
@@ -28,6 +29,7 @@ mod figures;
 mod fragments;
 mod limits;
 mod pages;
+mod peers;
 mod placement;
 mod pointers;
 mod returning;
