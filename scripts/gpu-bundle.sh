@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build what scripts/gpu-check.sh runs into one folder (default target/gpu-bundle): the release
-# library, the cuda_driver test binary, the C examples and the C benchmarks (benches/c: the pair
+# library, the cuda_driver and peer_access test binaries, the C examples and the C benchmarks (benches/c: the pair
 # benchmark and the per-call driver costs), linked to find libresmem next to them,
 # and the Python package (libresmem_torch.so compiled into it) with python/tests/test_torch_gpu.py
 # and test_torch_pool_gpu.py (they use lib/libresmem.so.0).
@@ -10,13 +10,15 @@ out=${1:-target/gpu-bundle}
 mkdir -p "$out/lib"
 cargo build --release -p resmem --lib
 cargo build --release -p resmem-cli --bins
-test_bin=$(cargo test --release --test cuda_driver --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json,sys
+for test in cuda_driver peer_access; do
+  test_bin=$(cargo test --release --test "$test" --no-run --message-format=json 2>/dev/null |
+    TEST=$test python3 -c 'import json,os,sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda_driver" and m.get("executable"):
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == os.environ["TEST"] and m.get("executable"):
         print(m["executable"])')
-cp "$test_bin" "$out/cuda_driver"
+  cp "$test_bin" "$out/$test"
+done
 cp target/release/resmem "$out/resmem"
 rm -f "$out/lib/libresmem.so.0"
 cp target/release/libresmem.so "$out/lib/libresmem.so.0"

@@ -16,7 +16,8 @@
 #   2. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
 #      reuse ordered by events, record_stream, free_reusable, a cache-hit pair timing, each
 #      thread's per-thread default stream (cudaStreamPerThread) as a stream of its own, and a
-#      1 GiB range made from 32 cached 32 MiB segments with the virtual-memory API (timed);
+#      1 GiB range made from 32 cached 32 MiB segments with the virtual-memory API (timed); and
+#      (tests/peer_access.rs, on two GPUs or more) devices given access to each other's ranges;
 #   3. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,
 #      with classic segments and with RESMEM_CONF=vmm:true;
 #   4. resmem info, and resmem demo on the GPU under both policies;
@@ -68,6 +69,8 @@ else
 fi
 echo "== the pool through the real driver"
 RESMEM_TEST_CUDA_LIBRARY=libcuda.so.1 step 180 "$bundle/cuda_driver" --nocapture --test-threads=1
+echo "== devices given access to each other's ranges (two GPUs or more; else it says so)"
+RESMEM_TEST_CUDA_LIBRARY=libcuda.so.1 step 60 "$bundle/peer_access" --nocapture
 for conf in "" "vmm:true"; do
   for program in quickstart loader errors; do
     echo "== c_examples/$program${conf:+ with RESMEM_CONF=$conf}"

@@ -445,6 +445,12 @@ fn hooked_pool(stitched: bool) -> (&'static Sim, Arc<Hooked>, Arc<Pool>) {
 fn a_device_growing_while_another_frees_keeps_its_block_known() {
     for stitched in [false, true] {
         let (sim, driver, pool) = hooked_pool(stitched);
+        // Device 1 served a request before (and holds nothing now): the reserve inside device
+        // 0's free below is not its first, which would give device 0's ranges access to it
+        // (`pool/peers.rs`) under device 0's lock, held by this thread during the free.
+        let first = pool.reserve(1, 64 * MIB, 0).unwrap();
+        pool.release(first).unwrap();
+        pool.free_reusable(Some(1)).unwrap();
         let freed = pool.reserve(0, 64 * MIB, 0).unwrap();
         pool.release(freed).unwrap();
         let grown: Arc<Mutex<Option<u64>>> = Arc::default();

@@ -55,7 +55,6 @@ use super::stats::{Stats, WholeDevice};
 use super::{Context, PoolConfig};
 use addresses::Addresses;
 use headroom::Headroom;
-use peers::peer_list;
 use phys::{Pages, Phys};
 use stitch::{Run, VmmMode};
 use unstitch::Stuck;

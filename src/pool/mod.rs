@@ -25,8 +25,9 @@
 //! 1. at most one shard mutex at a time: calls over a device's shards ([`Pool::free_reusable`],
 //!    [`Pool::set_memory_limit`], the figures, a reserve returning the other shards' cache) and
 //!    over every device take them one after the other, releasing each before the next (and
-//!    `free_reusable` releases it between batches of its work too), and so does a release whose
-//!    shard the span map cannot tell;
+//!    `free_reusable` releases it between batches of its work too), and so do a release whose
+//!    shard the span map cannot tell and a device's first reserve, once it holds none, giving
+//!    the other devices' ranges access to it (`peers.rs`);
 //! 2. the span map and each shard's published commitment are written with atomic operations
 //!    while its mutex is held and read without a lock; under a cap, a shard checks the cap and
 //!    publishes its claim of room with its device's claim lock held too, taken under the shard

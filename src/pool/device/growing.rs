@@ -63,6 +63,7 @@
 use std::panic::AssertUnwindSafe;
 
 use super::deferred::{not_made, Deferred};
+use super::peers::set_access;
 use super::phys::Pages;
 use super::*;
 use crate::driver::{Driver, DriverResult};
@@ -225,7 +226,7 @@ impl Plan {
             call = "cuMemSetAccess";
             left.failed = "setting access to a new segment";
             leftover = Some(left);
-            driver.vmm_set_access(device, base, left.mapped, &peer_list(self.peers))?;
+            self.peers = set_access(driver, device, (base, left.mapped), self.peers)?;
             leftover = None;
             Ok(match handle {
                 Some(handle) => Fresh::Range(handle, base),

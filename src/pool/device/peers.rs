@@ -12,10 +12,31 @@
 //! the shard's ranges were walked, is given the rest as it is booked.
 
 use super::*;
+use crate::driver::{Driver, DriverResult};
 
 /// The devices of `peers`, a bit each, in order.
 pub(crate) fn peer_list(peers: u64) -> Vec<i32> {
     (0..64).filter(|d| peers >> d & 1 == 1).collect()
+}
+
+/// Give `device` and its `peers` (bits) access to `[ptr, ptr + size)`, a new range: where the
+/// driver refuses the peers, `device` alone, so that a peer the driver will not map for costs
+/// the range nothing (the peers are asked again as the range is booked). Returns the peers
+/// given access.
+pub(super) fn set_access(
+    driver: &dyn Driver,
+    device: i32,
+    (ptr, size): (DevicePtr, u64),
+    peers: u64,
+) -> DriverResult<u64> {
+    if peers != 0
+        && driver
+            .vmm_set_access(device, ptr, size, &peer_list(peers))
+            .is_ok()
+    {
+        return Ok(peers);
+    }
+    driver.vmm_set_access(device, ptr, size, &[]).map(|()| 0)
 }
 
 impl DevicePool {

@@ -55,7 +55,7 @@
 //! mapped in it, which are not released meanwhile) and retried by `free_reusable`.
 
 use super::addresses;
-use super::peers::peer_list;
+use super::peers::set_access;
 use super::phys::Pages;
 use super::pieces::{partial_pays, Piece};
 use super::{Backing, BlockId, Context, DevicePool, Fresh, Grow, SegId, State};
@@ -498,12 +498,12 @@ impl DevicePool {
             }
             mapped += pages.size;
         }
-        let peers = self.whole_device.peers();
+        let mut peers = self.whole_device.peers();
         if result.is_ok() {
-            result = cx
-                .driver
-                .vmm_set_access(device, base, size, &peer_list(peers))
-                .map_err(|e| Error::driver("setting access to a new segment", &e));
+            match set_access(cx.driver, device, (base, size), peers) {
+                Ok(given) => peers = given,
+                Err(e) => result = Err(Error::driver("setting access to a new segment", &e)),
+            }
         }
         if let Err(err) = result {
             let handles = pieces.iter().map(|p| p.pages.handle).collect();

@@ -134,3 +134,30 @@ fn peers_reach_ranges_made_of_one_page_handles() {
     pool.check().unwrap();
     assert_all_returned(&pool, sim);
 }
+
+#[test]
+fn a_range_the_driver_will_not_map_for_a_peer_is_still_served() {
+    let (pool, sim) = pool_with(&DEVICES, vmm());
+    let a = pool.reserve(0, 64 * MIB, 0).unwrap();
+    let b = pool.reserve(1, 64 * MIB, 0).unwrap();
+    let calls = sim.call_count(Call::MemSetAccess);
+    // The next access call (device 0 and its peer) fails; device 0 alone is asked, and the
+    // peer once more as the range is booked.
+    sim.inject_faults("cuMemSetAccess@1=999").unwrap();
+    let c = pool.reserve(0, 256 * MIB, 0).unwrap();
+    assert_eq!(sim.call_count(Call::MemSetAccess) - calls, 3);
+    assert_eq!(sim.accessible_from(c, 0), Some(true));
+    assert_eq!(sim.accessible_from(c, 1), Some(true));
+    // Refused for the peer both times, the peer goes without; the range is still served.
+    sim.inject_faults("cuMemSetAccess@1=999,cuMemSetAccess@3=999")
+        .unwrap();
+    let d = pool.reserve(0, 512 * MIB, 0).unwrap();
+    sim.clear_faults();
+    assert_eq!(sim.accessible_from(d, 0), Some(true));
+    assert_eq!(sim.accessible_from(d, 1), Some(false));
+    pool.check().unwrap();
+    for ptr in [a, b, c, d] {
+        pool.release(ptr).unwrap();
+    }
+    assert_all_returned(&pool, sim);
+}

@@ -232,6 +232,10 @@ fn a_cap_counts_every_shard_of_the_device() {
 fn a_pool_of_several_devices_finds_each_shards_blocks() {
     let (pool, sim) = pool_with(&[GIB, GIB], PoolConfig::default());
     let a = pool.reserve(1, 8 * MIB, S1).unwrap();
+    // Device 0's first request introduces it to device 1 (`pool/peers.rs`), under device 1's
+    // locks: it comes before the hold below.
+    let first = pool.reserve(0, 8 * MIB, S1).unwrap();
+    pool.release(first).unwrap();
     // Device 1's first shard held: device 0 is not waited for, device 1's S2 moves.
     let held = pool.lock(1).unwrap();
     let x = pool.reserve(0, 8 * MIB, S2).unwrap();
