@@ -15,35 +15,38 @@
 //! mapped before, are given access under their shards' locks), and they of it. Devices past the
 //! 64th are never peers.
 
+use std::sync::atomic::Ordering;
+
 use super::Pool;
 use crate::error::Result;
 
 impl Pool {
     /// `done`, once device `d` is introduced to its peers (where it succeeded: the first
-    /// request the device serves). A flag read for the requests after it.
+    /// request the device serves; a request on the device meanwhile waits for it to end). A
+    /// flag read for the requests after it.
     #[inline]
     pub(super) fn introduced<T>(&self, d: usize, done: Result<T>) -> Result<T> {
-        if done.is_ok() && !self.reserved[d].introduced() {
-            self.introduce(d);
+        let binding = &self.bindings[d];
+        if done.is_ok() && !binding.introduced.is_completed() {
+            // Forced: an introduction that panicked (a driver that did) is made again.
+            binding.introduced.call_once_force(|_| self.introduce(d));
         }
         done
     }
 
-    /// Make device `d` and every device that already served a request peers of each other,
-    /// where the driver says they can be, and give the ranges mapped so far their new peers.
-    /// Two devices introduced at once by two threads each see the other (the flags are
+    /// Make device `d` and every device whose introduction began peers of each other, where
+    /// the driver says they can be, and give the ranges mapped so far their new peers. Two
+    /// devices introduced at once by two threads each see the other (the flags are
     /// sequentially consistent), so that each pair is met at least once; meeting it twice
     /// changes nothing.
     #[cold]
     fn introduce(&self, d: usize) {
-        if !self.reserved[d].introduce() {
-            return;
-        }
+        self.bindings[d].introducing.store(true, Ordering::SeqCst);
         let e = d as i32;
         let can = |from: i32, to: i32| self.driver.can_access_peer(from, to).unwrap_or(false);
         let mut mine = 0u64;
-        for other in (0..self.reserved.len()).filter(|&o| o != d && o < 64) {
-            if !self.reserved[other].introduced() {
+        for other in (0..self.bindings.len()).filter(|&o| o != d && o < 64) {
+            if !self.bindings[other].introducing.load(Ordering::SeqCst) {
                 continue;
             }
             let o = other as i32;

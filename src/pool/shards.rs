@@ -28,8 +28,9 @@
 //! making a segment under its lock while the other, not yet counting it, made its own).
 
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, Once};
 
 use super::device::DevicePool;
 use crate::driver::StreamHandle;
@@ -112,11 +113,17 @@ impl Drop for Books<'_> {
     }
 }
 
-/// Which shard of a device serves each stream.
+/// Which shard of a device serves each stream, and whether the device was introduced to its
+/// peers (`pool/peers.rs`): what every reserve on the device reads, on lines of its own.
+#[repr(align(128))]
 pub(crate) struct Binding {
     buckets: [AtomicU8; BUCKETS],
     /// Shards in use: shard 0, and those streams moved to (at most [`SHARDS`]).
     opened: AtomicU8,
+    /// Set as the device's introduction begins: what another device's introduction reads.
+    pub(crate) introducing: AtomicBool,
+    /// Completed once the device's introduction is over: a reserve returns no block before.
+    pub(crate) introduced: Once,
 }
 
 impl Default for Binding {
@@ -124,6 +131,8 @@ impl Default for Binding {
         Binding {
             buckets: std::array::from_fn(|_| AtomicU8::new(0)),
             opened: AtomicU8::new(1),
+            introducing: AtomicBool::new(false),
+            introduced: Once::new(),
         }
     }
 }

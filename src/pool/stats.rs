@@ -1,7 +1,7 @@
 //! The pool's figures for one device, kept exact at every moment: byte counts and peaks are
 //! updated with every change, event counters with every event.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// A device's figures; the Rust twin of `rm_stats`, field for field.
@@ -117,6 +117,7 @@ impl Stats {
 /// (a cap kept by each shard, set one shard at a time, let a shard not reached yet claim under
 /// the old value after another had refused a request under the new one).
 #[derive(Debug)]
+#[repr(align(128))] // on lines of its own: its reserved figures are written at every growth
 pub(crate) struct WholeDevice {
     now: AtomicU64,
     peak: AtomicU64,
@@ -126,8 +127,6 @@ pub(crate) struct WholeDevice {
     /// The other devices given access to the device's mapped memory, a bit each (device `d`:
     /// bit `d`; see `pool/peers.rs`).
     peers: AtomicU64,
-    /// Whether the device has served a request (then its peers are known, `pool/peers.rs`).
-    introduced: AtomicBool,
 }
 
 /// [`WholeDevice`]'s `limit` where no cap is set.
@@ -141,7 +140,6 @@ impl Default for WholeDevice {
             limit: AtomicU64::new(NO_LIMIT),
             claims: Mutex::new(()),
             peers: AtomicU64::new(0),
-            introduced: AtomicBool::new(false),
         }
     }
 }
@@ -196,18 +194,6 @@ impl WholeDevice {
     /// new. Ranges mapped before need access set too (`Pool::introduce`).
     pub(crate) fn add_peers(&self, peers: u64) -> bool {
         self.peers.fetch_or(peers, Ordering::SeqCst) & peers != peers
-    }
-
-    /// Mark the device as serving requests: whether it was not yet (the caller then introduces
-    /// it to the devices that were).
-    pub(crate) fn introduce(&self) -> bool {
-        !self.introduced.swap(true, Ordering::SeqCst)
-    }
-
-    /// Whether the device has served a request (read by every reserve past the front caches).
-    #[inline]
-    pub(crate) fn introduced(&self) -> bool {
-        self.introduced.load(Ordering::SeqCst)
     }
 
     /// Set the peak to what the device reserves now (and never below it: a shard that grew
