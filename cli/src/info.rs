@@ -106,12 +106,48 @@ pub fn run(env: &Environment) -> Result<(), String> {
          parts (the same in parts of handle_part_mib, where the driver maps only from an \
          allocation's start) or segments (classic: vmm:false, or a driver without the API)"
     );
+    if pool.device_count() > 1 {
+        let can = |d: i32, peer: i32| driver.can_access_peer(d, peer).unwrap_or(false);
+        print!("{}", peers(pool.device_count(), can));
+    }
     Ok(())
+}
+
+/// Which devices each can use the memory of (`cuDeviceCanAccessPeer`): those its ranges give
+/// access to once both serve requests of one process.
+fn peers(count: i32, can: impl Fn(i32, i32) -> bool) -> String {
+    let mut out = String::from(
+        "\npeers (the devices whose memory each device can use; a device's ranges give access to \
+         those of them that serve requests of the same process):\n",
+    );
+    for d in 0..count {
+        let list: Vec<String> = (0..count)
+            .filter(|&p| p != d && can(d, p))
+            .map(|p| p.to_string())
+            .collect();
+        let list = if list.is_empty() {
+            "none".to_string()
+        } else {
+            list.join(", ")
+        };
+        out.push_str(&format!("{d}: {list}\n"));
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peers_are_listed_by_device() {
+        assert_eq!(
+            peers(3, |d, p| d != 2 && p != 2),
+            "\npeers (the devices whose memory each device can use; a device's ranges give \
+             access to those of them that serve requests of the same process):\n\
+             0: 1\n1: 0\n2: none\n"
+        );
+    }
 
     #[test]
     fn the_table_lines_up_for_people() {

@@ -115,7 +115,12 @@ fn info_prints_a_table_of_the_configured_devices() {
              reuse: pages (cached memory mapped again page by page, with the virtual-memory \
              API), parts (the same in parts of handle_part_mib, where the driver maps only from \
              an allocation's start) or segments (classic: vmm:false, or a driver without the \
-             API)\n",
+             API)\n\
+             \n\
+             peers (the devices whose memory each device can use; a device's ranges give access \
+             to those of them that serve requests of the same process):\n\
+             0: 1\n\
+             1: 0\n",
             env!("CARGO_PKG_VERSION")
         )
     );

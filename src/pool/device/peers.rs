@@ -15,7 +15,7 @@ use super::*;
 use crate::driver::{Driver, DriverResult};
 
 /// The devices of `peers`, a bit each, in order.
-pub(crate) fn peer_list(peers: u64) -> Vec<i32> {
+fn peer_list(peers: u64) -> Vec<i32> {
     (0..64).filter(|d| peers >> d & 1 == 1).collect()
 }
 
