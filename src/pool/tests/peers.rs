@@ -161,3 +161,35 @@ fn a_range_the_driver_will_not_map_for_a_peer_is_still_served() {
     }
     assert_all_returned(&pool, sim);
 }
+
+/// Every call that gives access, and every question whether a device can be a peer, failing in
+/// turn: each request is served or fails with the driver's error (a range's own access refused,
+/// as at the first, second and sixth `cuMemSetAccess`), the books stay exact, and everything
+/// goes back.
+#[test]
+fn a_failure_at_each_access_call_or_peer_question_loses_nothing() {
+    for call in ["cuMemSetAccess", "cuDeviceCanAccessPeer"] {
+        for nth in 1..=8 {
+            let (pool, sim) = pool_with(&DEVICES, vmm());
+            sim.inject_faults(&format!("{call}@{nth}=999")).unwrap();
+            let mut live = Vec::new();
+            for (device, size) in [(0, 64 * MIB), (1, 32 * MIB), (0, 100 * MIB), (2, 9 * MIB)] {
+                match pool.reserve(device, size, 0) {
+                    Ok(ptr) => live.push(ptr),
+                    Err(e) => assert!(
+                        e.message.contains("CUDA_ERROR_UNKNOWN"),
+                        "{call}@{nth}: {}",
+                        e.message
+                    ),
+                }
+                pool.check().unwrap_or_else(|e| panic!("{call}@{nth}: {e}"));
+            }
+            for ptr in live {
+                pool.release(ptr).unwrap();
+            }
+            sim.clear_faults();
+            assert_books(&pool, sim);
+            assert_all_returned(&pool, sim);
+        }
+    }
+}
