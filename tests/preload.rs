@@ -140,6 +140,14 @@ fn without_the_preload_the_program_sees_the_driver() {
         (DEVICE_MIB - 128, DEVICE_MIB - 128, 128)
     );
     assert_eq!(figures(&out, "after cudaFree"), (DEVICE_MIB, DEVICE_MIB, 0));
+    assert!(
+        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 0\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 0\n"),
+        "{out}"
+    );
     assert!(out.contains("passed: 0 failure(s)"), "{out}");
 }
 
@@ -160,6 +168,15 @@ fn memory_info_counts_reusable_memory_as_free() {
     assert_eq!(
         figures(&out, "after cudaFree"),
         (DEVICE_MIB, DEVICE_MIB, 64)
+    );
+    // Memory the driver handed out keeps its IPC handles.
+    assert!(
+        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 0\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 0\n"),
+        "{out}"
     );
     // The 32-bit form caps both figures at UINT_MAX.
     assert!(
@@ -203,6 +220,33 @@ fn preload_allocations_routes_malloc_and_free_through_the_pool() {
     assert_eq!(
         figures(&out, "256 MiB cudaMalloc captured"),
         (DEVICE_MIB - 256, DEVICE_MIB - 256, 384)
+    );
+    // A block of the pool gets no IPC handle: a handle names a whole allocation (here a
+    // mapped range, which legacy IPC cannot export; with classic segments the other process
+    // would open the segment's start instead of the block).
+    assert!(
+        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 1\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 1\n"),
+        "{out}"
+    );
+    assert!(out.contains("passed: 0 failure(s)"), "{out}");
+}
+
+/// With classic segments the driver would give the pool's blocks an IPC handle, of the whole
+/// segment: the process opening it would read the segment's start, not the block. Refused.
+#[test]
+fn blocks_of_classic_segments_get_no_ipc_handle_either() {
+    let out = run(program(), &[], true, "preload_allocations:true,vmm:false");
+    assert!(
+        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 1\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 1\n"),
+        "{out}"
     );
     assert!(out.contains("passed: 0 failure(s)"), "{out}");
 }

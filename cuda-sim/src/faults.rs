@@ -94,6 +94,7 @@ driver_calls! {
     MemMap = "cuMemMap",
     MemUnmap = "cuMemUnmap",
     MemSetAccess = "cuMemSetAccess",
+    IpcGetMemHandle = "cuIpcGetMemHandle",
 }
 
 impl fmt::Display for Call {

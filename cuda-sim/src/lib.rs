@@ -577,6 +577,28 @@ impl Sim {
         (ptr < base + len).then_some(dev as i32)
     }
 
+    /// `cuIpcGetMemHandle`: the base of the `cuMemAlloc` allocation holding `ptr` (what the
+    /// handle names: a process that opens it gets the allocation's start, wherever in it `ptr`
+    /// lay); `CUDA_ERROR_INVALID_VALUE` for mapped memory (`cuMemCreate`), which legacy IPC
+    /// does not export, and for any other address.
+    pub fn ipc_mem_handle(&self, ptr: u64) -> CuResult<u64> {
+        let st = self.call(Call::IpcGetMemHandle)?;
+        st.check_init()?;
+        let invalid = CuError(CUDA_ERROR_INVALID_VALUE);
+        if vmm::device_of_mapping(&st, ptr).is_some() {
+            return Err(invalid);
+        }
+        let d = window_device(ptr)
+            .and_then(|dev| st.devices.get(dev))
+            .ok_or(invalid)?;
+        let (&base, &len) = d.allocations.range(..=ptr).next_back().ok_or(invalid)?;
+        if ptr < base + len {
+            Ok(base)
+        } else {
+            Err(invalid)
+        }
+    }
+
     /// Bytes in use on `dev` (pages in use times [`PAGE`]); 0 for an unknown
     /// device. Needs no initialization.
     pub fn used_bytes(&self, dev: i32) -> u64 {

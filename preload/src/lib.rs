@@ -13,6 +13,8 @@
 //! unmodified program gets the reserved-reuse policy; an allocation from a thread in CUDA's
 //! relaxed stream-capture mode (how PyTorch's allocator allocates while a graph is captured)
 //! goes through `rm_reserve_no_wait`, which makes no wait the driver refuses during a capture.
+//! `cudaIpcGetMemHandle` and `cuIpcGetMemHandle` refuse memory of the pool (an IPC handle names
+//! a whole allocation; the pool hands out pieces of its own) and pass any other through.
 //! The pool comes with this object (its
 //! `rm_*` functions are exported too, and being preloaded they are the ones a program calls).
 //!
@@ -41,6 +43,8 @@ const OUT_OF_MEMORY: c_int = 2;
 const NOT_INITIALIZED: c_int = 3;
 /// `cudaErrorInvalidDevice` and `CUDA_ERROR_INVALID_DEVICE`.
 const INVALID_DEVICE: c_int = 101;
+/// `CUDA_ERROR_NOT_SUPPORTED` (`cudaErrorNotSupported`).
+const NOT_SUPPORTED: c_int = 801;
 /// `cudaErrorUnknown` and `CUDA_ERROR_UNKNOWN`.
 const UNKNOWN: c_int = 999;
 
@@ -349,6 +353,71 @@ pub unsafe extern "C" fn cuMemFree_v2(ptr: u64) -> c_int {
                 (driver.mem_free)(ptr)
             },
             Err(e) => cuda_code(&e),
+        }
+    })
+}
+
+/// Whether `ptr` lies in memory of resmem's pool (a routed `cudaMalloc` or `cuMemAlloc_v2`, or
+/// an `rm_reserve`): such memory is refused to CUDA IPC, with a line on standard error the first
+/// time. The pool hands out pieces of its segments, and a handle names a whole allocation: the
+/// process that opened it would get the segment's start rather than the block (and mapped
+/// memory, the default, is no allocation legacy IPC exports at all).
+fn refused_to_ipc(ptr: u64, call: &str) -> bool {
+    if !runtime::started().is_some_and(|front| front.pool().holds(ptr)) {
+        return false;
+    }
+    static SAID: Once = Once::new();
+    SAID.call_once(|| {
+        eprintln!(
+            "resmem preload: {call} refused for {ptr:#x}, memory of resmem's pool: an IPC \
+             handle names a whole allocation, and the pool hands out pieces of its own; to \
+             share device memory between processes, leave preload_allocations off for those \
+             allocations"
+        )
+    });
+    true
+}
+
+/// `cudaIpcGetMemHandle`: refused (`cudaErrorInvalidValue`) for memory of resmem's pool (see
+/// [`refused_to_ipc`]), the runtime's own for any other.
+///
+/// # Safety
+/// As `cudaIpcGetMemHandle`: `handle` is valid for writing a `cudaIpcMemHandle_t`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut [u8; 64], ptr: *mut c_void) -> c_int {
+    guard(|| {
+        let Some(rt) = real::runtime() else {
+            return NOT_INITIALIZED;
+        };
+        if refused_to_ipc(ptr as u64, "cudaIpcGetMemHandle") {
+            return INVALID_VALUE;
+        }
+        match rt.ipc_get_mem_handle {
+            // SAFETY: the real function, with the caller's arguments.
+            Some(real) => unsafe { real(handle, ptr as u64) },
+            None => NOT_SUPPORTED,
+        }
+    })
+}
+
+/// `cuIpcGetMemHandle`: refused (`CUDA_ERROR_INVALID_VALUE`) for memory of resmem's pool (see
+/// [`refused_to_ipc`]), the driver's own for any other.
+///
+/// # Safety
+/// As `cuIpcGetMemHandle`: `handle` is valid for writing a `CUipcMemHandle`.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut [u8; 64], ptr: u64) -> c_int {
+    guard(|| {
+        let Some(driver) = real::driver() else {
+            return NOT_INITIALIZED;
+        };
+        if refused_to_ipc(ptr, "cuIpcGetMemHandle") {
+            return INVALID_VALUE;
+        }
+        match driver.ipc_get_mem_handle {
+            // SAFETY: the real function, with the caller's arguments.
+            Some(real) => unsafe { real(handle, ptr) },
+            None => NOT_SUPPORTED,
         }
     })
 }

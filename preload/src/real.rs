@@ -30,7 +30,13 @@ pub struct Runtime {
     /// `cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode *mode)`, where the runtime
     /// has it (CUDA 10.1 and later).
     pub exchange_capture_mode: Option<ExchangeCaptureMode>,
+    /// `cudaIpcGetMemHandle(cudaIpcMemHandle_t *handle, void *ptr)`, where the runtime has it.
+    pub ipc_get_mem_handle: Option<IpcGetMemHandle>,
 }
+
+/// `cudaIpcGetMemHandle` and `cuIpcGetMemHandle`: the 64-byte handle of the allocation holding
+/// a device address.
+pub type IpcGetMemHandle = unsafe extern "C" fn(*mut [u8; 64], u64) -> Status;
 
 /// `cudaThreadExchangeStreamCaptureMode` and `cuThreadExchangeStreamCaptureMode`: the calling
 /// thread's stream-capture mode set to `*mode`, the old one written there.
@@ -50,6 +56,8 @@ pub struct Driver {
     pub ctx_synchronize: unsafe extern "C" fn() -> Status,
     /// `cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)`, where the driver has it.
     pub exchange_capture_mode: Option<ExchangeCaptureMode>,
+    /// `cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr ptr)`, where the driver has it.
+    pub ipc_get_mem_handle: Option<IpcGetMemHandle>,
 }
 
 /// Resolve `name` on `handle` as a function pointer of type `F`.
@@ -112,6 +120,7 @@ fn runtime_from_loaded() -> Option<Runtime> {
             free: symbol(handle, c"cudaFree")?,
             device_synchronize: symbol(handle, c"cudaDeviceSynchronize")?,
             exchange_capture_mode: symbol(handle, c"cudaThreadExchangeStreamCaptureMode"),
+            ipc_get_mem_handle: symbol(handle, c"cudaIpcGetMemHandle"),
         })
     }
 }
@@ -136,6 +145,7 @@ fn driver_from_library() -> Option<Driver> {
             mem_free: symbol(handle, c"cuMemFree_v2")?,
             ctx_synchronize: symbol(handle, c"cuCtxSynchronize")?,
             exchange_capture_mode: symbol(handle, c"cuThreadExchangeStreamCaptureMode"),
+            ipc_get_mem_handle: symbol(handle, c"cuIpcGetMemHandle"),
         })
     }
 }

@@ -511,6 +511,11 @@ impl Pool {
         self.on_shard_of(ptr, |pool, cx| pool.release(cx, ptr))
     }
 
+    /// Whether `ptr` lies in memory the pool holds (a block's, live or cached), on any device.
+    pub fn holds(&self, ptr: DevicePtr) -> bool {
+        ptr != 0 && self.on_shard_of(ptr, |pool, _| Ok(pool.holds(ptr))) == Ok(true)
+    }
+
     /// Note that the live block at `ptr` is also used on `stream`.
     pub fn record_stream(&self, ptr: DevicePtr, stream: StreamHandle) -> Result<()> {
         self.on_shard_of(ptr, |pool, _| pool.record_stream(ptr, stream))

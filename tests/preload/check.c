@@ -19,6 +19,8 @@ int cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
 int cudaMalloc(void **ptr, size_t size);
 int cudaFree(void *ptr);
 int cudaThreadExchangeStreamCaptureMode(int *mode);
+int cuIpcGetMemHandle(void *handle, uint64_t ptr);
+int cudaIpcGetMemHandle(void *handle, void *ptr);
 int cuStreamCreate(void **stream, unsigned flags);
 int cuStreamBeginCapture_v2(void *stream, int mode);
 int cuStreamEndCapture(void *stream, void **graph);
@@ -69,11 +71,19 @@ int main(void) {
 
   check(cuMemAlloc_v2(&d, MIB(128)), "cuMemAlloc_v2");
   report("128 MiB cuMemAlloc_v2 live");
+  {
+    unsigned char handle[64];
+    printf("cuIpcGetMemHandle of the cuMemAlloc_v2 block: %d\n", cuIpcGetMemHandle(handle, d));
+  }
   check(cuMemFree_v2(d), "cuMemFree_v2");
   report("after cuMemFree_v2");
 
   check(cudaMalloc(&q, MIB(32)), "cudaMalloc");
   report("32 MiB cudaMalloc live");
+  {
+    unsigned char handle[64];
+    printf("cudaIpcGetMemHandle of the cudaMalloc block: %d\n", cudaIpcGetMemHandle(handle, q));
+  }
   check(cudaFree(q), "cudaFree");
   check(cudaFree(NULL), "cudaFree(NULL)");
   report("after cudaFree");

@@ -16,6 +16,7 @@ typedef int (*exchange_fn)(int *);
 typedef int (*init_fn)(unsigned);
 typedef int (*retain_fn)(void **, int);
 typedef int (*set_current_fn)(void *);
+typedef int (*ipc_handle_fn)(void *, uint64_t);
 
 static struct {
   mem_get_info_fn mem_get_info;
@@ -23,6 +24,7 @@ static struct {
   mem_free_fn mem_free;
   sync_fn synchronize;
   exchange_fn exchange_capture_mode;
+  ipc_handle_fn ipc_get_mem_handle;
 } drv;
 
 /* cudaErrorInitializationError when the driver cannot be loaded. */
@@ -38,6 +40,7 @@ static int ready(void) {
   *(void **)&drv.mem_free = dlsym(h, "cuMemFree_v2");
   *(void **)&drv.synchronize = dlsym(h, "cuCtxSynchronize");
   *(void **)&drv.exchange_capture_mode = dlsym(h, "cuThreadExchangeStreamCaptureMode");
+  *(void **)&drv.ipc_get_mem_handle = dlsym(h, "cuIpcGetMemHandle");
   {
     init_fn cu_init;
     retain_fn retain;
@@ -78,4 +81,11 @@ int cudaDeviceSynchronize(void) { return ready() ? 3 : drv.synchronize() ? 999 :
 /* The calling thread's stream-capture mode is the driver's, as in the runtime. */
 int cudaThreadExchangeStreamCaptureMode(int *mode) {
   return ready() ? 3 : drv.exchange_capture_mode(mode) ? 1 : 0;
+}
+
+/* The handle of the allocation holding ptr, as the driver gives it (cudaErrorInvalidValue where
+ * it refuses). */
+int cudaIpcGetMemHandle(void *handle, void *ptr) {
+  if (ready()) return 3;
+  return drv.ipc_get_mem_handle(handle, (uint64_t)(uintptr_t)ptr) ? 1 : 0;
 }

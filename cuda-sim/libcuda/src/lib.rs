@@ -920,6 +920,23 @@ pub unsafe extern "C" fn cuDeviceGetAttribute(
     })
 }
 
+/// `cuIpcGetMemHandle`: a 64-byte handle naming the `cuMemAlloc` allocation that holds `dptr`
+/// (its base in the first 8 bytes, the rest zero); `CUDA_ERROR_INVALID_VALUE` for mapped memory.
+///
+/// # Safety
+/// `handle` is NULL or valid for writing 64 bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cuIpcGetMemHandle(handle: *mut [u8; 64], dptr: CUdeviceptr) -> CUresult {
+    guard(|| {
+        non_null(handle)?;
+        let base = cu(sim().ipc_mem_handle(dptr))?;
+        let mut bytes = [0u8; 64];
+        bytes[..8].copy_from_slice(&base.to_le_bytes());
+        // SAFETY: the caller's contract on `handle`.
+        unsafe { write_out(handle, bytes) }
+    })
+}
+
 /// `cuDeviceCanAccessPeer`: 1 where `dev`'s kernels can use memory of `peer` (every pair of
 /// distinct simulated devices), else 0.
 ///
