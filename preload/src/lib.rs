@@ -379,7 +379,7 @@ fn refused_to_ipc(ptr: u64, call: &str) -> bool {
 }
 
 /// `cudaIpcGetMemHandle`: refused (`cudaErrorInvalidValue`) for memory of resmem's pool (see
-/// [`refused_to_ipc`]), the runtime's own for any other.
+/// `refused_to_ipc`), the runtime's own for any other.
 ///
 /// # Safety
 /// As `cudaIpcGetMemHandle`: `handle` is valid for writing a `cudaIpcMemHandle_t`.
@@ -401,7 +401,7 @@ pub unsafe extern "C" fn cudaIpcGetMemHandle(handle: *mut [u8; 64], ptr: *mut c_
 }
 
 /// `cuIpcGetMemHandle`: refused (`CUDA_ERROR_INVALID_VALUE`) for memory of resmem's pool (see
-/// [`refused_to_ipc`]), the driver's own for any other.
+/// `refused_to_ipc`), the driver's own for any other.
 ///
 /// # Safety
 /// As `cuIpcGetMemHandle`: `handle` is valid for writing a `CUipcMemHandle`.
