@@ -15,7 +15,8 @@
 #      torch.cuda.OutOfMemoryError, frees across devices);
 #   2. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
 #      reuse ordered by events, record_stream, free_reusable, a cache-hit pair timing, each
-#      thread's per-thread default stream (cudaStreamPerThread) as a stream of its own, and a
+#      thread's per-thread default stream (cudaStreamPerThread) as a stream of its own, whether
+#      cuMemCreate takes the GPUDirect RDMA flag on the device (and the pool's handles with it), a
 #      1 GiB range made from 32 cached 32 MiB segments with the virtual-memory API (timed); and
 #      (tests/peer_access.rs, on two GPUs or more) devices given access to each other's ranges;
 #   3. c_examples/quickstart, loader (four loads of a Qwen3-4B-shaped bf16 model) and errors,

@@ -355,6 +355,58 @@ fn stitching_through_the_loaded_driver() {
     pool.check().unwrap();
 }
 
+/// Takes the GPUDirect RDMA flag again when the test ends, however it ends.
+struct RdmaBack<'a>(&'a SimHooks);
+
+impl Drop for RdmaBack<'_> {
+    fn drop(&mut self) {
+        self.0.set_gpu_direct_rdma(true);
+    }
+}
+
+#[test]
+fn created_memory_is_gpu_direct_rdma_capable_where_the_device_allows_it() {
+    let _serial = one_at_a_time();
+    let library = library();
+    let driver = loaded(&library);
+    if driver.vmm_granularity(0).is_none() && driver.vmm_whole_granularity(0).is_none() {
+        println!("{}: no virtual-memory API on device 0", driver.describe());
+        return;
+    }
+    let capable = driver.inner().rdma_capable(0);
+    println!(
+        "{}: GPUDirect RDMA with cuMemCreate on device 0: {capable}",
+        driver.describe()
+    );
+    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+    let Some(hooks) = SimHooks::find(&library) else {
+        pool.release(p).unwrap();
+        return;
+    };
+    assert!(capable, "the simulated devices take the flag by default");
+    assert_eq!(
+        hooks.rdma_capable(),
+        hooks.used(),
+        "every handle made with the flag"
+    );
+    pool.release(p).unwrap();
+    pool.free_reusable(None).unwrap();
+    // A device that does not take the flag (an integrated GPU): asked, it says no, and memory
+    // is created without the flag rather than refused.
+    let _back = RdmaBack(&hooks);
+    hooks.set_gpu_direct_rdma(false);
+    let driver = loaded(&library);
+    assert!(!driver.inner().rdma_capable(0));
+    let pool = Pool::new(driver, PoolConfig::default());
+    let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(hooks.rdma_capable(), 0);
+    assert!(hooks.used() >= 64 * MIB);
+    pool.release(p).unwrap();
+    pool.free_reusable(None).unwrap();
+    pool.check().unwrap();
+}
+
 /// Maps at offsets again when the test ends, however it ends.
 struct OffsetsBack<'a>(&'a SimHooks);
 

@@ -18,6 +18,10 @@ pub const GRANULARITY: u64 = PAGE;
 /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`.
 pub const ATTRIBUTE_VMM_SUPPORTED: i32 = 102;
 
+/// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`: whether `cuMemCreate` takes
+/// the GPUDirect RDMA flag.
+pub const ATTRIBUTE_RDMA_WITH_VMM_SUPPORTED: i32 = 110;
+
 /// `dev`'s bit in a mapping's access set (devices past the 64th are never given access).
 fn device_bit(dev: i32) -> u64 {
     u32::try_from(dev)
@@ -39,6 +43,8 @@ struct Physical {
     size: u64,
     mappings: u32,
     released: bool,
+    /// Created with the GPUDirect RDMA flag (`allocFlags.gpuDirectRDMACapable`).
+    rdma: bool,
 }
 
 #[derive(Debug)]
@@ -65,6 +71,9 @@ pub(crate) struct VmmState {
     offsets: bool,
     /// Whether devices can use each other's memory (`cuDeviceCanAccessPeer`).
     peers: bool,
+    /// Whether `cuMemCreate` takes the GPUDirect RDMA flag (else it refuses it, as the driver
+    /// does on devices without it).
+    rdma: bool,
     next_handle: u64,
     handles: HashMap<u64, Physical>,
     ranges: BTreeMap<u64, Range>,
@@ -78,6 +87,7 @@ impl VmmState {
             supported: true,
             offsets: true,
             peers: true,
+            rdma: true,
             next_handle: FIRST_HANDLE,
             handles: HashMap::new(),
             ranges: BTreeMap::new(),
@@ -189,6 +199,7 @@ impl Sim {
         st.device(dev)?;
         match attribute {
             ATTRIBUTE_VMM_SUPPORTED => Ok(i32::from(st.vmm.supported)),
+            ATTRIBUTE_RDMA_WITH_VMM_SUPPORTED => Ok(i32::from(st.vmm.supported && st.vmm.rdma)),
             _ => Err(CuError(CUDA_ERROR_INVALID_VALUE)),
         }
     }
@@ -261,10 +272,20 @@ impl Sim {
     /// `cuMemCreate`: `size` bytes (a multiple of the granularity) of physical memory on `dev`,
     /// counted against its capacity from now on.
     pub fn mem_create(&self, dev: i32, size: u64) -> CuResult<u64> {
+        self.mem_create_with(dev, size, false)
+    }
+
+    /// `cuMemCreate`, with the GPUDirect RDMA flag where `rdma`: refused with
+    /// `CUDA_ERROR_INVALID_DEVICE` where the devices do not take it
+    /// ([`Sim::set_gpu_direct_rdma`]), as the driver refuses it on devices without it.
+    pub fn mem_create_with(&self, dev: i32, size: u64, rdma: bool) -> CuResult<u64> {
         let mut st = self.call(Call::MemCreate)?;
         st.vmm_check(Some(dev))?;
         if size == 0 || size % GRANULARITY != 0 {
             return Err(CuError(CUDA_ERROR_INVALID_VALUE));
+        }
+        if rdma && !st.vmm.rdma {
+            return Err(CuError(CUDA_ERROR_INVALID_DEVICE));
         }
         st.take_pages(dev, size / PAGE)?;
         let handle = st.vmm.next_handle;
@@ -277,9 +298,27 @@ impl Sim {
                 size,
                 mappings: 0,
                 released: false,
+                rdma,
             },
         );
         Ok(handle)
+    }
+
+    /// Whether `cuMemCreate` takes the GPUDirect RDMA flag (and the attribute says so); it
+    /// does unless this says not.
+    pub fn set_gpu_direct_rdma(&self, on: bool) {
+        self.lock().vmm.rdma = on;
+    }
+
+    /// Bytes of `dev`'s physical allocations created with the GPUDirect RDMA flag (for tests).
+    pub fn rdma_capable_bytes(&self, dev: i32) -> u64 {
+        let st = self.lock();
+        st.vmm
+            .handles
+            .values()
+            .filter(|p| p.device == dev && p.rdma)
+            .map(|p| p.size)
+            .sum()
     }
 
     /// `cuMemRelease`: the memory is freed now if unmapped, else when its last mapping goes.
@@ -642,6 +681,32 @@ mod tests {
         assert_eq!(sim.mem_create(0, 3 * MIB), Err(invalid));
         assert_eq!(sim.mem_address_reserve(3 * MIB, 0), Err(invalid));
         assert_eq!(sim.mem_address_reserve(2 * MIB, 3 * MIB), Err(invalid));
+    }
+
+    #[test]
+    fn the_gpu_direct_rdma_flag_is_kept_and_refused_where_the_devices_do_not_take_it() {
+        let sim = sim(64 * MIB);
+        assert_eq!(
+            sim.device_attribute(0, ATTRIBUTE_RDMA_WITH_VMM_SUPPORTED),
+            Ok(1)
+        );
+        let a = sim.mem_create_with(0, 4 * MIB, true).unwrap();
+        let b = sim.mem_create(0, 2 * MIB).unwrap();
+        assert_eq!(sim.rdma_capable_bytes(0), 4 * MIB);
+        sim.set_gpu_direct_rdma(false);
+        assert_eq!(
+            sim.device_attribute(0, ATTRIBUTE_RDMA_WITH_VMM_SUPPORTED),
+            Ok(0)
+        );
+        assert_eq!(
+            sim.mem_create_with(0, 2 * MIB, true),
+            Err(err(CUDA_ERROR_INVALID_DEVICE))
+        );
+        assert_eq!(sim.used_bytes(0), 6 * MIB, "nothing taken for the refusal");
+        for h in [a, b] {
+            sim.mem_release(h).unwrap();
+        }
+        assert_eq!(sim.rdma_capable_bytes(0), 0);
     }
 
     #[test]

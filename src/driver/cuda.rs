@@ -155,6 +155,9 @@ const CU_MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 const CU_MEM_ALLOC_GRANULARITY_MINIMUM: c_int = 0;
 const CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: c_int = 102;
+const CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: c_int = 110;
+/// The byte of `CUmemAllocationProp::allocFlags` that is `gpuDirectRDMACapable`.
+const ALLOC_FLAG_GPU_DIRECT_RDMA: usize = 1;
 
 /// A pinned allocation on `device`.
 fn device_prop(device: i32) -> MemAllocationProp {
@@ -209,6 +212,9 @@ pub struct CudaDriver {
     /// Per device, whether `cuMemMap` maps memory at an offset into an allocation and one
     /// allocation in two places at once, once a probe could tell (`maps_at_offsets`).
     offsets: Vec<OnceLock<bool>>,
+    /// Per device, whether `cuMemCreate` takes the GPUDirect RDMA flag, asked at the first
+    /// creation (`rdma_capable`).
+    rdma: Vec<OnceLock<bool>>,
 }
 
 // SAFETY: the table holds plain function pointers into the driver, which is thread-safe; the
@@ -263,6 +269,7 @@ impl CudaDriver {
             devices: Vec::new(),
             contexts: Vec::new(),
             offsets: Vec::new(),
+            rdma: Vec::new(),
         };
         let init_failed = |e: DriverError| no_driver(format!("{e}; {advice}"));
         // SAFETY: cuInit takes flags 0; the table entries have the declared signatures.
@@ -297,6 +304,7 @@ impl CudaDriver {
         driver.version = version;
         driver.contexts = devices.iter().map(|_| OnceLock::new()).collect();
         driver.offsets = devices.iter().map(|_| OnceLock::new()).collect();
+        driver.rdma = devices.iter().map(|_| OnceLock::new()).collect();
         driver.devices = devices;
         Ok(driver)
     }
@@ -304,6 +312,31 @@ impl CudaDriver {
     /// The driver's version, e.g. 12040 for CUDA 12.4.
     pub fn version(&self) -> i32 {
         self.version
+    }
+
+    /// Whether `device`'s `cuMemCreate` takes the GPUDirect RDMA flag
+    /// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`), asked once; no where the
+    /// driver cannot say.
+    pub fn rdma_capable(&self, device: i32) -> bool {
+        let Some(once) = usize::try_from(device).ok().and_then(|d| self.rdma.get(d)) else {
+            return false;
+        };
+        *once.get_or_init(|| {
+            let (Some(vmm), Some(&dev)) = (&self.vmm, self.devices.get(device as usize)) else {
+                return false;
+            };
+            let mut value: c_int = 0;
+            // SAFETY: the out-pointer is valid; the device came from cuDeviceGet; the call
+            // needs no current context.
+            let status = unsafe {
+                (vmm.device_get_attribute)(
+                    &mut value,
+                    CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+                    dev,
+                )
+            };
+            status == CUDA_SUCCESS && value == 1
+        })
     }
 
     /// `Ok` for `CUDA_SUCCESS`, else an error naming `call` and the result.
@@ -684,7 +717,13 @@ impl Driver for CudaDriver {
     fn vmm_create(&self, device: i32, size: u64) -> DriverResult<PhysHandle> {
         let mut handle = 0u64;
         let dev = self.devices.get(device as usize).copied().unwrap_or(device);
-        let prop = device_prop(dev);
+        let mut prop = device_prop(dev);
+        // As cudaMalloc memory is, where the device allows it: a network card may then read
+        // and write the memory directly (GPUDirect RDMA: a KV cache sent between machines,
+        // NCCL's registered buffers). Refused where the device does not allow it.
+        if self.rdma_capable(device) {
+            prop.alloc_flags[ALLOC_FLAG_GPU_DIRECT_RDMA] = 1;
+        }
         // SAFETY: the out-pointer and the property are valid for the call; flags 0.
         self.vmm_call(device, "cuMemCreate", |v| unsafe {
             (v.create)(&mut handle, size as usize, &prop, 0)

@@ -24,6 +24,8 @@ pub struct SimHooks {
     enqueue: OnStream,
     complete: OnStream,
     refuse_offsets: unsafe extern "C" fn(c_int) -> c_int,
+    rdma_bytes: OnDevice,
+    set_rdma: unsafe extern "C" fn(c_int) -> c_int,
 }
 
 impl SimHooks {
@@ -67,6 +69,12 @@ impl SimHooks {
                     *mut c_void,
                     unsafe extern "C" fn(c_int) -> c_int,
                 >(sym("cudasim_refuse_map_offsets")?),
+                rdma_bytes: std::mem::transmute::<*mut c_void, OnDevice>(sym(
+                    "cudasim_rdma_capable_bytes",
+                )?),
+                set_rdma: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(c_int) -> c_int>(
+                    sym("cudasim_set_gpu_direct_rdma")?,
+                ),
             })
         }
     }
@@ -119,5 +127,17 @@ impl SimHooks {
     pub fn refuse_map_offsets(&self, refuse: bool) {
         // SAFETY: a value argument.
         assert_eq!(unsafe { (self.refuse_offsets)(c_int::from(refuse)) }, 0);
+    }
+
+    /// Bytes of device 0's physical allocations created with the GPUDirect RDMA flag.
+    pub fn rdma_capable(&self) -> u64 {
+        // SAFETY: a value argument.
+        unsafe { (self.rdma_bytes)(0) }
+    }
+
+    /// Whether `cuMemCreate` takes the GPUDirect RDMA flag (the default), else refuses it.
+    pub fn set_gpu_direct_rdma(&self, on: bool) {
+        // SAFETY: a value argument.
+        assert_eq!(unsafe { (self.set_rdma)(c_int::from(on)) }, 0);
     }
 }

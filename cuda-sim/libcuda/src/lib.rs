@@ -867,7 +867,8 @@ pub struct CUmemAllocationProp {
     pub location: CUmemLocation,
     /// Windows-only metadata (ignored).
     pub win32_handle_meta_data: *mut c_void,
-    /// Compression, RDMA and usage flags (ignored).
+    /// Compression, RDMA and usage flags: the second byte, `gpuDirectRDMACapable`, is kept
+    /// (and refused where the devices do not take it); the others are ignored.
     pub alloc_flags: [u8; 8],
 }
 
@@ -1029,7 +1030,9 @@ pub unsafe extern "C" fn cuMemCreate(
         if flags != 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let h = cu(sim().mem_create(dev, size as u64))?;
+        // SAFETY: as above; `prop_device` checked it non-null.
+        let rdma = unsafe { (*prop).alloc_flags[1] } != 0;
+        let h = cu(sim().mem_create_with(dev, size as u64, rdma))?;
         // SAFETY: the caller's contract on `handle`.
         unsafe { write_out(handle, h) }
     })
@@ -1147,6 +1150,29 @@ pub unsafe extern "C" fn cudasim_used_bytes(dev: c_int) -> u64 {
 #[no_mangle]
 pub unsafe extern "C" fn cudasim_accessible_from(ptr: CUdeviceptr, dev: c_int) -> c_int {
     catch_unwind(|| sim().accessible_from(ptr, dev).map_or(-1, c_int::from)).unwrap_or(-1)
+}
+
+/// Test-only (not CUDA): bytes of `dev`'s physical allocations created with the GPUDirect RDMA
+/// flag; 0 for an unknown device.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_rdma_capable_bytes(dev: c_int) -> u64 {
+    catch_unwind(|| sim().rdma_capable_bytes(dev)).unwrap_or(0)
+}
+
+/// Test-only (not CUDA): non-zero: `cuMemCreate` takes the GPUDirect RDMA flag and the device
+/// attribute says so (the default); 0: the attribute reads 0 and the flag is refused.
+///
+/// # Safety
+/// Always safe to call; `unsafe` only to match the other exports.
+#[no_mangle]
+pub unsafe extern "C" fn cudasim_set_gpu_direct_rdma(on: c_int) -> CUresult {
+    guard(|| {
+        sim().set_gpu_direct_rdma(on != 0);
+        Ok(())
+    })
 }
 
 /// Test-only (not CUDA): the number of live allocations on `dev`; 0 for an
