@@ -394,14 +394,30 @@ fn created_memory_is_gpu_direct_rdma_capable_where_the_device_allows_it() {
     pool.free_reusable(None).unwrap();
     // A device that does not take the flag (an integrated GPU): asked, it says no, and memory
     // is created without the flag rather than refused.
-    let _back = RdmaBack(&hooks);
-    hooks.set_gpu_direct_rdma(false);
+    {
+        let _back = RdmaBack(&hooks);
+        hooks.set_gpu_direct_rdma(false);
+        let driver = loaded(&library);
+        assert!(!driver.inner().rdma_capable(0));
+        let pool = Pool::new(driver, PoolConfig::default());
+        let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+        assert_eq!(hooks.rdma_capable(), 0);
+        assert!(hooks.used() >= 64 * MIB);
+        pool.release(p).unwrap();
+        pool.free_reusable(None).unwrap();
+        pool.check().unwrap();
+    }
+    // A driver that says the device takes the flag and refuses a creation with it all the
+    // same: the creation is made again without it, and the flag never asked for again.
     let driver = loaded(&library);
-    assert!(!driver.inner().rdma_capable(0));
-    let pool = Pool::new(driver, PoolConfig::default());
+    let pool = Pool::new(driver.clone(), PoolConfig::default());
+    let failed = hooks.injected();
+    hooks.inject("cuMemCreate@1=1");
     let p = pool.reserve(0, 64 * MIB, 0).unwrap();
+    hooks.clear();
+    assert_eq!(hooks.injected() - failed, 1);
+    assert!(!driver.inner().rdma_capable(0));
     assert_eq!(hooks.rdma_capable(), 0);
-    assert!(hooks.used() >= 64 * MIB);
     pool.release(p).unwrap();
     pool.free_reusable(None).unwrap();
     pool.check().unwrap();

@@ -8,10 +8,12 @@
 //! and popped after, so the caller's current context is left as it was.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use super::{
-    per_thread, DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle,
+    per_thread, DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle,
+    StreamHandle, CUDA_ERROR_OUT_OF_MEMORY,
 };
 use crate::error::{rm_status, Error};
 
@@ -215,6 +217,9 @@ pub struct CudaDriver {
     /// Per device, whether `cuMemCreate` takes the GPUDirect RDMA flag, asked at the first
     /// creation (`rdma_capable`).
     rdma: Vec<OnceLock<bool>>,
+    /// Per device, whether a creation with the flag failed where one without it succeeded: the
+    /// flag is not asked for again.
+    rdma_refused: Vec<AtomicBool>,
 }
 
 // SAFETY: the table holds plain function pointers into the driver, which is thread-safe; the
@@ -270,6 +275,7 @@ impl CudaDriver {
             contexts: Vec::new(),
             offsets: Vec::new(),
             rdma: Vec::new(),
+            rdma_refused: Vec::new(),
         };
         let init_failed = |e: DriverError| no_driver(format!("{e}; {advice}"));
         // SAFETY: cuInit takes flags 0; the table entries have the declared signatures.
@@ -305,6 +311,7 @@ impl CudaDriver {
         driver.contexts = devices.iter().map(|_| OnceLock::new()).collect();
         driver.offsets = devices.iter().map(|_| OnceLock::new()).collect();
         driver.rdma = devices.iter().map(|_| OnceLock::new()).collect();
+        driver.rdma_refused = devices.iter().map(|_| AtomicBool::new(false)).collect();
         driver.devices = devices;
         Ok(driver)
     }
@@ -318,9 +325,16 @@ impl CudaDriver {
     /// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`), asked once; no where the
     /// driver cannot say.
     pub fn rdma_capable(&self, device: i32) -> bool {
-        let Some(once) = usize::try_from(device).ok().and_then(|d| self.rdma.get(d)) else {
+        let Some(d) = usize::try_from(device)
+            .ok()
+            .filter(|&d| d < self.rdma.len())
+        else {
             return false;
         };
+        if self.rdma_refused[d].load(Ordering::Relaxed) {
+            return false;
+        }
+        let once = &self.rdma[d];
         *once.get_or_init(|| {
             let (Some(vmm), Some(&dev)) = (&self.vmm, self.devices.get(device as usize)) else {
                 return false;
@@ -721,13 +735,26 @@ impl Driver for CudaDriver {
         // As cudaMalloc memory is, where the device allows it: a network card may then read
         // and write the memory directly (GPUDirect RDMA: a KV cache sent between machines,
         // NCCL's registered buffers). Refused where the device does not allow it.
-        if self.rdma_capable(device) {
+        let rdma = self.rdma_capable(device);
+        if rdma {
             prop.alloc_flags[ALLOC_FLAG_GPU_DIRECT_RDMA] = 1;
         }
         // SAFETY: the out-pointer and the property are valid for the call; flags 0.
-        self.vmm_call(device, "cuMemCreate", |v| unsafe {
-            (v.create)(&mut handle, size as usize, &prop, 0)
-        })?;
+        let create = |prop: &MemAllocationProp, handle: &mut u64| {
+            self.vmm_call(device, "cuMemCreate", |v| unsafe {
+                (v.create)(handle, size as usize, prop, 0)
+            })
+        };
+        match create(&prop, &mut handle) {
+            // A driver that says the device takes the flag and refuses it all the same: asked
+            // once more without it, and never again where that succeeds.
+            Err(e) if rdma && e.code != CUDA_ERROR_OUT_OF_MEMORY => {
+                prop.alloc_flags[ALLOC_FLAG_GPU_DIRECT_RDMA] = 0;
+                create(&prop, &mut handle).map_err(|_| e)?;
+                self.rdma_refused[device as usize].store(true, Ordering::Relaxed);
+            }
+            done => done?,
+        }
         Ok(handle)
     }
 
