@@ -113,6 +113,17 @@ fn run(exe: &Path, args: &[&str], preload: bool, conf: &str) -> String {
     stdout
 }
 
+/// What the program's `cuIpcGetMemHandle` and `cudaIpcGetMemHandle` answered for the blocks it
+/// got from `cuMemAlloc_v2` and `cudaMalloc`: `0` (a handle), `1` (invalid value: refused).
+fn assert_ipc_answers(out: &str, answer: i32) {
+    for line in [
+        format!("cuIpcGetMemHandle of the cuMemAlloc_v2 block: {answer}\n"),
+        format!("cudaIpcGetMemHandle of the cudaMalloc block: {answer}\n"),
+    ] {
+        assert!(out.contains(&line), "{line}: {out}");
+    }
+}
+
 /// The figures of the line starting with `when`: (cuMemGetInfo_v2 free, cudaMemGetInfo free,
 /// driver used), in MiB.
 fn figures(out: &str, when: &str) -> (u64, u64, u64) {
@@ -140,14 +151,7 @@ fn without_the_preload_the_program_sees_the_driver() {
         (DEVICE_MIB - 128, DEVICE_MIB - 128, 128)
     );
     assert_eq!(figures(&out, "after cudaFree"), (DEVICE_MIB, DEVICE_MIB, 0));
-    assert!(
-        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 0\n"),
-        "{out}"
-    );
-    assert!(
-        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 0\n"),
-        "{out}"
-    );
+    assert_ipc_answers(&out, 0);
     assert!(out.contains("passed: 0 failure(s)"), "{out}");
 }
 
@@ -170,14 +174,7 @@ fn memory_info_counts_reusable_memory_as_free() {
         (DEVICE_MIB, DEVICE_MIB, 64)
     );
     // Memory the driver handed out keeps its IPC handles.
-    assert!(
-        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 0\n"),
-        "{out}"
-    );
-    assert!(
-        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 0\n"),
-        "{out}"
-    );
+    assert_ipc_answers(&out, 0);
     // The 32-bit form caps both figures at UINT_MAX.
     assert!(
         out.contains("cuMemGetInfo (32-bit) free 4294967295 total 4294967295"),
@@ -224,14 +221,7 @@ fn preload_allocations_routes_malloc_and_free_through_the_pool() {
     // A block of the pool gets no IPC handle: a handle names a whole allocation (here a
     // mapped range, which legacy IPC cannot export; with classic segments the other process
     // would open the segment's start instead of the block).
-    assert!(
-        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 1\n"),
-        "{out}"
-    );
-    assert!(
-        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 1\n"),
-        "{out}"
-    );
+    assert_ipc_answers(&out, 1);
     assert!(out.contains("passed: 0 failure(s)"), "{out}");
 }
 
@@ -240,14 +230,7 @@ fn preload_allocations_routes_malloc_and_free_through_the_pool() {
 #[test]
 fn blocks_of_classic_segments_get_no_ipc_handle_either() {
     let out = run(program(), &[], true, "preload_allocations:true,vmm:false");
-    assert!(
-        out.contains("cuIpcGetMemHandle of the cuMemAlloc_v2 block: 1\n"),
-        "{out}"
-    );
-    assert!(
-        out.contains("cudaIpcGetMemHandle of the cudaMalloc block: 1\n"),
-        "{out}"
-    );
+    assert_ipc_answers(&out, 1);
     assert!(out.contains("passed: 0 failure(s)"), "{out}");
 }
 
