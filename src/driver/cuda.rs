@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use super::{
-    per_thread, DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle,
-    StreamHandle, CUDA_ERROR_OUT_OF_MEMORY,
+    per_thread, DevicePtr, Driver, DriverError, DriverResult, EventHandle, PhysHandle, StreamHandle,
 };
 use crate::error::{rm_status, Error};
 
@@ -26,6 +25,9 @@ type CUdeviceptr = u64;
 
 const CUDA_SUCCESS: CUresult = 0;
 const CUDA_ERROR_NOT_READY: CUresult = 600;
+/// What a driver answers for an argument or a property it does not take.
+const CUDA_ERROR_INVALID_VALUE: CUresult = 1;
+const CUDA_ERROR_NOT_SUPPORTED: CUresult = 801;
 const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 
 /// Declares the function table and its resolver: field, exported symbol, parameter types.
@@ -443,7 +445,7 @@ impl CudaDriver {
         let Some(vmm) = &self.vmm else {
             return Err(DriverError {
                 call: name,
-                code: 801,
+                code: CUDA_ERROR_NOT_SUPPORTED,
                 name: "CUDA_ERROR_NOT_SUPPORTED".to_string(),
                 description: "the driver library lacks the virtual-memory API".to_string(),
             });
@@ -516,8 +518,6 @@ impl CudaDriver {
     /// refuses either mapping as invalid or unsupported; `None` where the probe could not run
     /// (no memory for its two pages, say) or failed otherwise.
     fn maps_at_offsets(&self, device: i32, granularity: u64) -> Option<bool> {
-        const CUDA_ERROR_INVALID_VALUE: i32 = 1;
-        const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
         let handle = self.vmm_create(device, 2 * granularity).ok()?;
         let answer = self
             .vmm_reserve(device, 2 * granularity)
@@ -595,7 +595,7 @@ impl Driver for CudaDriver {
         let Some(table) = &self.uuid else {
             return Err(DriverError {
                 call,
-                code: 801,
+                code: CUDA_ERROR_NOT_SUPPORTED,
                 name: "CUDA_ERROR_NOT_SUPPORTED".to_string(),
                 description: "the driver library lacks cuDeviceGetUuid".to_string(),
             });
@@ -746,9 +746,15 @@ impl Driver for CudaDriver {
             })
         };
         match create(&prop, &mut handle) {
-            // A driver that says the device takes the flag and refuses it all the same: asked
-            // once more without it, and never again where that succeeds.
-            Err(e) if rdma && e.code != CUDA_ERROR_OUT_OF_MEMORY => {
+            // A driver that says the device takes the flag and refuses it all the same (an
+            // invalid or unsupported property): asked once more without it, and never again
+            // where that succeeds. Any other error (out of memory, a device in an error state)
+            // is the creation's answer, flag or not, and goes back as it is.
+            Err(e)
+                if rdma
+                    && (e.code == CUDA_ERROR_INVALID_VALUE
+                        || e.code == CUDA_ERROR_NOT_SUPPORTED) =>
+            {
                 prop.alloc_flags[ALLOC_FLAG_GPU_DIRECT_RDMA] = 0;
                 create(&prop, &mut handle).map_err(|_| e)?;
                 self.rdma_refused[device as usize].store(true, Ordering::Relaxed);
