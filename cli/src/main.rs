@@ -79,9 +79,10 @@ enum Command {
         /// The simulated device's memory (default: the trace's own, else 80GiB).
         #[arg(long, value_parser = env::device_memory)]
         device_memory: Option<u64>,
-        /// Which device's operations to replay (PyTorch snapshots and recorded traces).
-        #[arg(long, default_value_t = 0)]
-        device: usize,
+        /// Which device's operations to replay (PyTorch snapshots and recorded traces; default
+        /// 0, or the first device with allocations where device 0 has none).
+        #[arg(long)]
+        device: Option<usize>,
         /// Draw reserved and allocated memory over the trace to this SVG file.
         #[arg(long)]
         plot: Option<PathBuf>,
@@ -303,7 +304,7 @@ fn run_replay(
     path: &Path,
     which: Which,
     device_memory: Option<u64>,
-    device: usize,
+    device: Option<usize>,
     plot_to: Option<&Path>,
     (min_device, json): (bool, bool),
     how: replay::How,
@@ -311,8 +312,16 @@ fn run_replay(
     let trace = Trace::read(path, device)?;
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
     if !json {
+        // Another device than the one asked for (or 0) is said: it was picked.
+        let of = match device {
+            None if trace.device != 0 => format!(
+                " of device {} (device 0 has nothing to replay)",
+                trace.device
+            ),
+            _ => String::new(),
+        };
         println!(
-            "{}: {} operations ({} allocations) on a simulated {} device",
+            "{}: {} operations{of} ({} allocations) on a simulated {} device",
             trace.name,
             trace.events.len(),
             trace.allocs(),

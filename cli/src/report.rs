@@ -152,6 +152,7 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
         .collect();
     serde_json::json!({
         "trace": trace.name,
+        "device": trace.device,
         "operations": trace.events.len(),
         "allocations": trace.allocs(),
         "torch_recorded_peak_reserved": trace.torch_peak_reserved,

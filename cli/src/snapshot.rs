@@ -13,7 +13,7 @@
 //! state's segments, give the reserved memory PyTorch itself had: its peak is
 //! [`Trace::torch_peak_reserved`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde_pickle::{HashableValue, Value};
 
@@ -27,23 +27,30 @@ struct Block {
     stream: i128,
 }
 
-/// Read a pickled snapshot, taking device `device`'s trace.
-pub fn read(bytes: &[u8], device: usize) -> Result<Trace, String> {
+/// Read a pickled snapshot, taking device `device`'s trace; without one, device 0's, or where
+/// device 0 has neither segments nor allocation events, the first device that has (a run on
+/// `cuda:1` alone, say). A device with nothing to replay is refused, never replayed as zeros.
+pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
     let options = serde_pickle::DeOptions::new()
         .replace_unresolved_globals()
         .replace_recursive_structures();
     let root = serde_pickle::value_from_slice(bytes, options)
         .map_err(|e| format!("not a readable pickle: {e}"))?;
     let root = dict(&root).ok_or("the pickle is not a memory snapshot (a dict)")?;
-    let segments: Vec<&BTreeMap<HashableValue, Value>> = get(root, "segments")
+    let all_segments: Vec<&BTreeMap<HashableValue, Value>> = get(root, "segments")
         .and_then(list)
-        .map(|segs| {
-            segs.iter()
-                .filter_map(dict)
-                .filter(|s| get(s, "device").and_then(int) == Some(device as i128))
-                .collect()
-        })
+        .map(|segs| segs.iter().filter_map(dict).collect())
         .unwrap_or_default();
+    let traces = get(root, "device_traces").and_then(list);
+    let device = pick_device(
+        device,
+        &used_devices(&all_segments, traces),
+        "the snapshot holds no segments and no allocation events",
+    )?;
+    let segments: Vec<&BTreeMap<HashableValue, Value>> = all_segments
+        .into_iter()
+        .filter(|s| get(s, "device").and_then(int) == Some(device as i128))
+        .collect();
     let end_reserved: i128 = segments
         .iter()
         .filter_map(|s| get(s, "total_size").and_then(int))
@@ -57,7 +64,7 @@ pub fn read(bytes: &[u8], device: usize) -> Result<Trace, String> {
             gib_or_mib(u64::try_from(end_reserved).unwrap_or(0))
         )
     };
-    let traces = match get(root, "device_traces").and_then(list) {
+    let traces = match traces {
         Some(traces) => traces,
         None if !segments.is_empty() => return Err(no_trace()),
         None => {
@@ -77,10 +84,18 @@ pub fn read(bytes: &[u8], device: usize) -> Result<Trace, String> {
         }
     };
     let has_alloc = events.iter().any(|e| action(e) == "alloc");
-    if !has_alloc && !segments.is_empty() {
-        return Err(no_trace());
+    if !has_alloc {
+        return Err(if segments.is_empty() {
+            format!(
+                "the snapshot holds no segments and no allocation events on device {device}: \
+                 nothing to replay"
+            )
+        } else {
+            no_trace()
+        });
     }
     let mut trace = Trace {
+        device,
         description: format!("PyTorch memory snapshot, device {device}"),
         ..Trace::default()
     };
@@ -138,6 +153,53 @@ pub fn read(bytes: &[u8], device: usize) -> Result<Trace, String> {
     let start = (end_reserved - net).max(0);
     trace.torch_peak_reserved = Some(u64::try_from(start + peak.max(0)).unwrap_or(0));
     Ok(trace)
+}
+
+/// The devices with a segment in the end state or an `alloc` among their events.
+fn used_devices(
+    segments: &[&BTreeMap<HashableValue, Value>],
+    traces: Option<&Vec<Value>>,
+) -> BTreeSet<usize> {
+    let mut used: BTreeSet<usize> = segments
+        .iter()
+        .filter_map(|s| get(s, "device").and_then(int))
+        .filter_map(|d| usize::try_from(d).ok())
+        .collect();
+    for (d, events) in traces.into_iter().flatten().enumerate() {
+        let allocates = list(events)
+            .into_iter()
+            .flatten()
+            .filter_map(dict)
+            .any(|e| action(e) == "alloc");
+        if allocates {
+            used.insert(d);
+        }
+    }
+    used
+}
+
+/// The device to replay, of those with something to replay (`used`): the one asked for where
+/// it is among them or none is; without one, 0, or where 0 is not among them the first. A
+/// device asked for with nothing, where another has something, is refused naming those.
+/// `lacks` says what the refused device lacks ("the trace holds no allocations").
+pub(crate) fn pick_device(
+    asked: Option<usize>,
+    used: &BTreeSet<usize>,
+    lacks: &str,
+) -> Result<usize, String> {
+    match (asked, used.first()) {
+        (Some(d), _) if used.is_empty() || used.contains(&d) => Ok(d),
+        (Some(d), first) => Err(format!(
+            "{lacks} on device {d}; device(s) {} have them: pass --device {}",
+            used.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            first.copied().unwrap_or(0)
+        )),
+        (None, Some(&first)) if !used.contains(&0) => Ok(first),
+        (None, _) => Ok(0),
+    }
 }
 
 /// The blocks live at the first event, by address: the end state's live blocks, walked back
@@ -271,8 +333,12 @@ mod tests {
     }
 
     fn segment(addr: i64, size: i64, stream: i64, blocks: Vec<Value>) -> Value {
+        segment_on(0, addr, size, stream, blocks)
+    }
+
+    fn segment_on(device: i64, addr: i64, size: i64, stream: i64, blocks: Vec<Value>) -> Value {
         map(vec![
-            ("device", Value::I64(0)),
+            ("device", Value::I64(device)),
             ("address", Value::I64(addr)),
             ("total_size", Value::I64(size)),
             ("stream", Value::I64(stream)),
@@ -318,7 +384,7 @@ mod tests {
             event("segment_alloc", b, 64 * MIB, 0),
             event("alloc", b, 50 * MIB, 0),
         ];
-        let trace = read(&pickle(segments, Some(vec![events])), 0).unwrap();
+        let trace = read(&pickle(segments, Some(vec![events])), Some(0)).unwrap();
         let (w, v, t) = (6 << 20, 3 << 20, 50 << 20);
         assert_eq!(
             trace.events,
@@ -366,16 +432,72 @@ mod tests {
                         allocation events to replay: call \
                         torch.cuda.memory._record_memory_history() before the workload and \
                         dump the snapshot after it";
-        let no_key = read(&pickle(segments.clone(), None), 0).unwrap_err();
+        let no_key = read(&pickle(segments.clone(), None), Some(0)).unwrap_err();
         assert_eq!(no_key, expected);
-        let empty = read(&pickle(segments.clone(), Some(vec![vec![]])), 0).unwrap_err();
+        let empty = read(&pickle(segments.clone(), Some(vec![vec![]])), Some(0)).unwrap_err();
         assert_eq!(empty, expected);
-        let no_device = read(&pickle(segments, Some(vec![])), 0).unwrap_err();
+        let no_device = read(&pickle(segments, Some(vec![])), Some(0)).unwrap_err();
         assert_eq!(no_device, expected);
-        let nothing = read(&pickle(vec![], Some(vec![])), 0).unwrap_err();
+        let nothing = read(&pickle(vec![], Some(vec![])), Some(0)).unwrap_err();
         assert_eq!(
             nothing,
             "the snapshot has traces for 0 device(s); device 0 is not among them"
+        );
+    }
+
+    #[test]
+    fn a_snapshot_of_another_device_alone_is_read_from_that_device() {
+        // A run on cuda:1 only: device 0's trace is empty and it holds no segment.
+        let a = 0x7000_0000_0000;
+        let segments = vec![segment_on(1, a, 20 * MIB, 0, vec![])];
+        let events = vec![
+            event("segment_alloc", a, 20 * MIB, 0),
+            event("alloc", a, 4 * MIB, 0),
+            event("free_requested", a, 4 * MIB, 0),
+            event("free_completed", a, 4 * MIB, 0),
+        ];
+        let bytes = pickle(segments, Some(vec![vec![], events]));
+        let trace = read(&bytes, None).unwrap();
+        assert_eq!(trace.device, 1);
+        assert_eq!(trace.description, "PyTorch memory snapshot, device 1");
+        assert_eq!(
+            trace.events,
+            vec![
+                Event::Alloc {
+                    id: 1,
+                    size: 4 << 20,
+                    stream: 0
+                },
+                Event::Free { id: 1 }
+            ]
+        );
+        assert_eq!(trace.torch_peak_reserved, Some(20 << 20));
+        assert_eq!(read(&bytes, Some(1)).unwrap(), trace);
+        assert_eq!(
+            read(&bytes, Some(0)).unwrap_err(),
+            "the snapshot holds no segments and no allocation events on device 0; device(s) 1 \
+             have them: pass --device 1"
+        );
+        // A device with events but nothing to replay anywhere: refused, not replayed as zeros.
+        let idle = vec![event("segment_alloc", a, 2 * MIB, 0)];
+        assert_eq!(
+            read(&pickle(vec![], Some(vec![idle])), None).unwrap_err(),
+            "the snapshot holds no segments and no allocation events on device 0: nothing to \
+             replay"
+        );
+    }
+
+    #[test]
+    fn the_device_is_the_one_asked_for_else_0_else_the_first_with_something() {
+        let used = |d: &[usize]| d.iter().copied().collect::<BTreeSet<usize>>();
+        assert_eq!(pick_device(None, &used(&[]), "nothing"), Ok(0));
+        assert_eq!(pick_device(None, &used(&[0, 2]), "nothing"), Ok(0));
+        assert_eq!(pick_device(None, &used(&[2, 3]), "nothing"), Ok(2));
+        assert_eq!(pick_device(Some(3), &used(&[2, 3]), "nothing"), Ok(3));
+        assert_eq!(pick_device(Some(5), &used(&[]), "nothing"), Ok(5));
+        assert_eq!(
+            pick_device(Some(0), &used(&[2, 3]), "nothing").unwrap_err(),
+            "nothing on device 0; device(s) 2, 3 have them: pass --device 2"
         );
     }
 }

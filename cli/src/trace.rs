@@ -73,6 +73,8 @@ pub struct Trace {
     pub description: String,
     /// The device memory it was made for.
     pub device_memory: Option<u64>,
+    /// The device of the recording (a snapshot or a recorded trace) whose operations these are.
+    pub device: usize,
     /// The operations, without `meta`.
     pub events: Vec<Event>,
     /// For PyTorch snapshots: the reserved-memory peak PyTorch recorded over the trace.
@@ -86,8 +88,9 @@ pub struct Trace {
 
 impl Trace {
     /// Read a trace file, as JSON lines or, if it starts with a pickle's protocol marker, as a
-    /// PyTorch memory snapshot: device `device`'s events either way.
-    pub fn read(path: &std::path::Path, device: usize) -> Result<Trace, String> {
+    /// PyTorch memory snapshot: device `device`'s operations either way, or without one, device
+    /// 0's, or the first device's that allocates where device 0 does not.
+    pub fn read(path: &std::path::Path, device: Option<usize>) -> Result<Trace, String> {
         let bytes =
             std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let name = path
@@ -97,7 +100,7 @@ impl Trace {
         let trace = if bytes.first() == Some(&0x80) {
             Trace::from_snapshot(&bytes, device)
         } else {
-            Trace::from_json_lines_of(&bytes[..], device)
+            Trace::from_json_lines_on(&bytes, device)
         };
         trace
             .map(|mut t| {
@@ -107,6 +110,25 @@ impl Trace {
                 t
             })
             .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// JSON lines of device `device`, or without one as [`Trace::read`] picks it; a device
+    /// asked for that allocates nothing, where another does, is refused naming those.
+    fn from_json_lines_on(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
+        let first = device.unwrap_or(0);
+        let trace = Trace::from_json_lines_of(bytes, first)?;
+        if trace.allocs() > 0 {
+            return Ok(trace);
+        }
+        let d = crate::snapshot::pick_device(
+            device,
+            &allocating_devices(bytes),
+            "the trace holds no allocations",
+        )?;
+        if d == first {
+            return Ok(trace);
+        }
+        Trace::from_json_lines_of(bytes, d)
     }
 
     /// Parse JSON lines of device 0 (see [`Trace::from_json_lines_of`]).
@@ -119,7 +141,10 @@ impl Trace {
     /// `empty_cache`s without a device. Blank lines and lines starting with `#` are skipped.
     /// Checks that every `free` names a live block and no `alloc` reuses a live id.
     pub fn from_json_lines_of(reader: impl BufRead, device: usize) -> Result<Trace, String> {
-        let mut trace = Trace::default();
+        let mut trace = Trace {
+            device,
+            ..Trace::default()
+        };
         let mut live = std::collections::HashSet::new();
         let mut elsewhere = std::collections::HashSet::new();
         for (n, line) in reader.lines().enumerate() {
@@ -216,9 +241,9 @@ impl Trace {
         Ok(())
     }
 
-    /// Read a pickled `torch.cuda.memory._snapshot()`, taking device `device`'s trace (see
-    /// [`crate::snapshot`]).
-    pub fn from_snapshot(bytes: &[u8], device: usize) -> Result<Trace, String> {
+    /// Read a pickled `torch.cuda.memory._snapshot()`, taking device `device`'s trace, or
+    /// without one as [`Trace::read`] picks it (see [`crate::snapshot`]).
+    pub fn from_snapshot(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
         crate::snapshot::read(bytes, device)
     }
 
@@ -229,6 +254,20 @@ impl Trace {
             .filter(|e| matches!(e, Event::Alloc { .. }))
             .count()
     }
+}
+
+/// The devices that `alloc` lines of a JSON-lines trace name (0 where a line names none);
+/// lines that do not parse are left to the reader, which says where they are.
+fn allocating_devices(bytes: &[u8]) -> std::collections::BTreeSet<usize> {
+    bytes
+        .split(|&b| b == b'\n')
+        .filter_map(|line| serde_json::from_slice::<serde_json::Value>(line).ok())
+        .filter(|v| v.get("op").and_then(|o| o.as_str()) == Some("alloc"))
+        .filter_map(|v| match v.get("device") {
+            None => Some(0),
+            Some(d) => d.as_u64().and_then(|d| usize::try_from(d).ok()),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -326,5 +365,37 @@ mod tests {
         let err =
             Trace::from_json_lines(&b"{\"op\":\"empty_cache\",\"device\":-1}"[..]).unwrap_err();
         assert_eq!(err, "line 1: device -1 is not a device number");
+    }
+
+    #[test]
+    fn a_recording_of_another_device_alone_is_read_from_that_device() {
+        let text = "{\"op\":\"alloc\",\"id\":1,\"size\":512,\"stream\":0,\"device\":2}\n\
+            {\"op\":\"free\",\"id\":1}\n\
+            {\"op\":\"empty_cache\"}\n";
+        let trace = Trace::from_json_lines_on(text.as_bytes(), None).unwrap();
+        assert_eq!(trace.device, 2);
+        assert_eq!(
+            trace.events,
+            vec![
+                Event::Alloc {
+                    id: 1,
+                    size: 512,
+                    stream: 0
+                },
+                Event::Free { id: 1 },
+                Event::EmptyCache,
+            ]
+        );
+        assert_eq!(
+            Trace::from_json_lines_on(text.as_bytes(), Some(2)).unwrap(),
+            trace
+        );
+        assert_eq!(
+            Trace::from_json_lines_on(text.as_bytes(), Some(0)).unwrap_err(),
+            "the trace holds no allocations on device 0; device(s) 2 have them: pass --device 2"
+        );
+        // With no allocation anywhere, the trace is what it is (a trace of empty_cache calls).
+        let none = Trace::from_json_lines_on(b"{\"op\":\"empty_cache\"}\n", None).unwrap();
+        assert_eq!((none.device, none.events.len()), (0, 1));
     }
 }

@@ -362,6 +362,76 @@ fn a_snapshot_without_a_trace_is_refused() {
 }
 
 #[test]
+fn a_snapshot_of_the_second_gpu_alone_is_replayed_from_it() {
+    use serde_pickle::{HashableValue, Value};
+    let key = |k: &str| HashableValue::String(k.into());
+    let event = |action: &str, size: i64| {
+        Value::Dict(
+            [
+                (key("action"), Value::String(action.into())),
+                (key("addr"), Value::I64(0x7000_0000_0000)),
+                (key("size"), Value::I64(size)),
+                (key("stream"), Value::I64(0)),
+            ]
+            .into(),
+        )
+    };
+    let events = vec![
+        event("segment_alloc", 20 << 20),
+        event("alloc", 4 << 20),
+        event("free_completed", 4 << 20),
+        event("segment_free", 20 << 20),
+    ];
+    let root = Value::Dict(
+        [
+            (key("segments"), Value::List(vec![])),
+            (
+                key("device_traces"),
+                Value::List(vec![Value::List(vec![]), Value::List(events)]),
+            ),
+        ]
+        .into(),
+    );
+    let path = std::env::temp_dir().join(format!("resmem-gpu1-{}.pickle", std::process::id()));
+    std::fs::write(
+        &path,
+        serde_pickle::value_to_vec(&root, serde_pickle::SerOptions::new()).unwrap(),
+    )
+    .unwrap();
+    let (ok, out, err) = resmem(&["replay", path.to_str().unwrap(), "--policy", "torch"]);
+    let (json_ok, json, _) = resmem(&[
+        "replay",
+        path.to_str().unwrap(),
+        "--policy",
+        "torch",
+        "--json",
+    ]);
+    let (refused, _, refusal) = resmem(&["replay", path.to_str().unwrap(), "--device", "0"]);
+    std::fs::remove_file(&path).unwrap();
+    assert!(ok, "{err}");
+    let first = out.lines().next().unwrap();
+    assert!(
+        first.ends_with(
+            ": 2 operations of device 1 (device 0 has nothing to replay) (1 allocations) on a \
+             simulated 80.00 GiB device"
+        ),
+        "{first}"
+    );
+    assert!(json_ok);
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(json["device"], 1);
+    assert_eq!(json["policies"][0]["peak_reserved"], 20 << 20);
+    assert!(!refused);
+    assert!(
+        refusal.ends_with(
+            "the snapshot holds no segments and no allocation events on device 0; device(s) 1 \
+             have them: pass --device 1\n"
+        ),
+        "{refusal}"
+    );
+}
+
+#[test]
 fn replay_with_one_page_handles_makes_the_same_decisions_in_a_call_per_page() {
     // As on the CUDA driver, which maps only from an allocation's start: the default's peak is
     // the same, and each of its handles is made of 2 MiB pages, a cuMemCreate each.

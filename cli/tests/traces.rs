@@ -54,7 +54,7 @@ fn shipped_traces_are_what_the_generator_writes() {
             "{} is stale: run `cargo run -p resmem-cli -- gen-trace --all traces`",
             path.display()
         );
-        let read = Trace::read(&path, 0).unwrap();
+        let read = Trace::read(&path, None).unwrap();
         assert_eq!(read.name, kind);
         assert_eq!(read.events, generate::by_name(kind).unwrap().events);
     }
@@ -62,7 +62,7 @@ fn shipped_traces_are_what_the_generator_writes() {
 
 #[test]
 fn transformers_37436_fails_under_torch_and_succeeds_under_resmem() {
-    let trace = Trace::read(&traces_dir().join("transformers-37436.jsonl"), 0).unwrap();
+    let trace = Trace::read(&traces_dir().join("transformers-37436.jsonl"), None).unwrap();
     assert_eq!(trace.device_memory, Some(1676 * MIB));
     let (resmem, torch) = both(&trace);
     // PyTorch: 940 MiB reserved in 47 segments of 20 MiB, 748 MiB of it cached but in split
@@ -169,7 +169,7 @@ fn classic_segments_replay_every_shipped_trace_as_pytorchs_policy() {
 /// Exact figures, so that a change shows.
 #[test]
 fn interleaved_lifetimes_figures() {
-    let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), 0).unwrap();
+    let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), None).unwrap();
     let memory = trace.device_memory.unwrap();
     assert_eq!(memory, 4 * GIB);
     let peak = |policy| {
@@ -226,7 +226,7 @@ fn interleaved_lifetimes_figures() {
 
 #[test]
 fn the_seed_loads_keep_reserved_at_the_model_size_under_both() {
-    let trace = Trace::read(&traces_dir().join("qwen3-4b-loads.jsonl"), 0).unwrap();
+    let trace = Trace::read(&traces_dir().join("qwen3-4b-loads.jsonl"), None).unwrap();
     let (resmem, torch) = both(&trace);
     let model = QWEN3_4B.parameter_count() * 2;
     for o in [&resmem, &torch] {
@@ -281,7 +281,7 @@ fn decoding_and_training_figures() {
 #[test]
 fn pytorch_snapshots_are_read_with_the_reserved_peak_pytorch_recorded() {
     let path = traces_dir().join("fixtures/snapshot_small.pickle");
-    let trace = Trace::read(&path, 0).unwrap();
+    let trace = Trace::read(&path, None).unwrap();
     assert_eq!(trace.name, "snapshot_small");
     assert_eq!(trace.torch_peak_reserved, Some(86 * MIB));
     // The 512-byte block X predates the recording: it is allocated first, and its free in the
@@ -312,8 +312,14 @@ fn pytorch_snapshots_are_read_with_the_reserved_peak_pytorch_recorded() {
     // The replayed policy reserves what PyTorch recorded: the 2 MiB small-pool segment of X,
     // 20 MiB for a and b, 64 MiB for c.
     assert_eq!(figures(&torch), (72 * MIB, 86 * MIB, 3, 0, 0));
-    let err = Trace::read(&path, 1).unwrap_err();
-    assert!(err.contains("device 1 is not among them"), "{err}");
+    let err = Trace::read(&path, Some(1)).unwrap_err();
+    assert!(
+        err.ends_with(
+            "the snapshot holds no segments and no allocation events on device 1; device(s) 0 \
+             have them: pass --device 0"
+        ),
+        "{err}"
+    );
 }
 
 fn sim(memory: u64) -> std::sync::Arc<dyn resmem::Driver> {
@@ -368,7 +374,7 @@ fn the_seed_through_pytorchs_calls() {
     assert_eq!(peak, 8_908_701_696);
     // The shipped trace is the same calls with nothing offloaded: PyTorch's policy reaches the
     // same 16.44 GiB.
-    let trace = Trace::read(&traces_dir().join("qwen3-4b-seed.jsonl"), 0).unwrap();
+    let trace = Trace::read(&traces_dir().join("qwen3-4b-seed.jsonl"), None).unwrap();
     let replayed = replay(&trace, Policy::Torch, 24 * GIB, |_| {}).unwrap();
     assert_eq!(replayed.stats.peak_reserved_bytes, 2 * one + 2 * MIB);
     assert_eq!(replayed.ooms, 0);
