@@ -70,24 +70,28 @@ impl Policy {
         self != Policy::ResmemFront && self.pool_config() == Some(PoolConfig::default())
     }
 
-    /// An allocator of this policy over `driver`.
+    /// An allocator of this policy over `driver` (PyTorch's with its default settings).
     pub fn build(self, driver: Arc<dyn resmem::Driver>) -> Box<dyn Allocator> {
-        self.build_logged(driver, false)
+        self.build_logged(driver, false, TorchConfig::default())
+            .expect("the default configuration is valid")
     }
 
-    /// [`Policy::build`], a resmem pool logging its decisions to standard error if `logging`.
-    fn build_logged(self, driver: Arc<dyn resmem::Driver>, logging: bool) -> Box<dyn Allocator> {
-        match self.pool_config() {
+    /// [`Policy::build`], a resmem pool logging its decisions to standard error if `logging`,
+    /// PyTorch's with the settings `torch`; an error for settings PyTorch refuses.
+    fn build_logged(
+        self,
+        driver: Arc<dyn resmem::Driver>,
+        logging: bool,
+        torch: TorchConfig,
+    ) -> Result<Box<dyn Allocator>, String> {
+        Ok(match self.pool_config() {
             Some(config) if self == Policy::ResmemFront => Box::new(Front::new(Pool::new(
                 driver,
                 PoolConfig { logging, ..config },
             ))),
             Some(config) => Box::new(Pool::new(driver, PoolConfig { logging, ..config })),
-            None => Box::new(
-                TorchAllocator::new(driver, TorchConfig::default())
-                    .expect("the default configuration is valid"),
-            ),
-        }
+            None => Box::new(TorchAllocator::new(driver, torch).map_err(|e| e.message)?),
+        })
     }
 }
 
@@ -172,7 +176,8 @@ impl Outcome {
     }
 }
 
-/// Replay `trace` under `policy` on a fresh simulated device of `device_memory` bytes.
+/// Replay `trace` under `policy` on a fresh simulated device of `device_memory` bytes (PyTorch's
+/// policy with the allocator settings the trace recorded, if any).
 /// `progress` is called with the number of operations done, every 4096 operations.
 pub fn replay(
     trace: &Trace,
@@ -215,7 +220,13 @@ pub fn replay_logged(
         how.handle_part.unwrap_or(0),
     );
     let before = sim.driver_calls();
-    let alloc = policy.build_logged(Arc::new(driver), log);
+    // PyTorch's policy with the settings it ran with, where the snapshot recorded them.
+    let torch = trace
+        .torch_settings
+        .as_ref()
+        .map(|s| s.config)
+        .unwrap_or_default();
+    let alloc = policy.build_logged(Arc::new(driver), log, torch)?;
     let mut streams: HashMap<u64, u64> = HashMap::from([(0, 0)]);
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new();
     let mut outcome = Outcome {

@@ -1,7 +1,9 @@
 //! The figures of replays, for people (a side-by-side table) and for scripts (JSON).
 
 use crate::replay::{Outcome, Policy, CALL_ROWS};
+use crate::snapshot::TorchSettings;
 use crate::trace::Trace;
+use crate::units::gib_or_mib;
 
 /// Hundredths of a GiB: `7.49`.
 fn gib(bytes: u64) -> String {
@@ -113,6 +115,52 @@ pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -
             ));
         }
     }
+    if let Some(settings) = &trace.torch_settings {
+        out.push_str(&settings_lines(settings));
+    }
+    out
+}
+
+/// What the report says of the allocator settings PyTorch ran with: nothing for its defaults.
+fn settings_lines(s: &TorchSettings) -> String {
+    let mut out = String::new();
+    let replayed: Vec<String> = s
+        .config
+        .max_split_size
+        .map(|m| format!("max_split_size {}", gib_or_mib(m)))
+        .into_iter()
+        .chain(
+            s.config
+                .roundup_power2_divisions
+                .iter()
+                .any(|&d| d > 1)
+                .then(|| {
+                    format!(
+                        "roundup_power2_divisions {:?}",
+                        s.config.roundup_power2_divisions
+                    )
+                }),
+        )
+        .collect();
+    if !replayed.is_empty() {
+        out.push_str(&format!(
+            "PyTorch ran with PYTORCH_CUDA_ALLOC_CONF=\"{}\": the torch policy replays its {}\n",
+            s.conf,
+            replayed.join(" and ")
+        ));
+    }
+    if s.expandable_segments {
+        out.push_str(
+            "PyTorch ran with expandable segments, which the torch policy does not model: \
+             compare with the peak PyTorch recorded\n",
+        );
+    }
+    if s.garbage_collection {
+        out.push_str(
+            "PyTorch ran with a garbage_collection_threshold, which acts only under a memory \
+             fraction the snapshot does not record: not modelled\n",
+        );
+    }
     out
 }
 
@@ -157,6 +205,13 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
         "allocations": trace.allocs(),
         "torch_recorded_peak_reserved": trace.torch_peak_reserved,
         "restored_blocks": trace.restored_blocks,
+        "torch_settings": trace.torch_settings.as_ref().map(|s| serde_json::json!({
+            "conf": s.conf,
+            "max_split_size": s.config.max_split_size,
+            "roundup_power2_divisions": s.config.roundup_power2_divisions,
+            "expandable_segments": s.expandable_segments,
+            "garbage_collection": s.garbage_collection,
+        })),
         "policies": policies,
     })
     .to_string()
@@ -238,6 +293,33 @@ mod tests {
         assert_eq!(
             json["policies"][1]["smallest_device"],
             serde_json::Value::Null
+        );
+    }
+
+    #[test]
+    fn the_settings_pytorch_ran_with_are_said_where_they_are_not_its_defaults() {
+        use crate::baseline::TorchConfig;
+        assert_eq!(settings_lines(&TorchSettings::default()), "");
+        let mut config = TorchConfig {
+            max_split_size: Some(128 << 20),
+            ..TorchConfig::default()
+        };
+        config.roundup_power2_divisions[0] = 4;
+        let settings = TorchSettings {
+            conf: "max_split_size_mb:128,roundup_power2_divisions:4".into(),
+            config,
+            expandable_segments: true,
+            garbage_collection: true,
+        };
+        assert_eq!(
+            settings_lines(&settings),
+            "PyTorch ran with PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,\
+             roundup_power2_divisions:4\": the torch policy replays its max_split_size 128.00 \
+             MiB and roundup_power2_divisions [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]\n\
+             PyTorch ran with expandable segments, which the torch policy does not model: \
+             compare with the peak PyTorch recorded\n\
+             PyTorch ran with a garbage_collection_threshold, which acts only under a memory \
+             fraction the snapshot does not record: not modelled\n"
         );
     }
 }

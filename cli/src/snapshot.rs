@@ -17,8 +17,66 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde_pickle::{HashableValue, Value};
 
+use crate::baseline::torch::POWER2_INTERVALS;
+use crate::baseline::TorchConfig;
 use crate::trace::{Event, Trace};
 use crate::units::gib_or_mib;
+
+/// The allocator settings PyTorch ran with, as a snapshot records them (`allocator_settings`,
+/// in snapshots of PyTorch 2.1 and later).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TorchSettings {
+    /// `PYTORCH_CUDA_ALLOC_CONF` as PyTorch read it.
+    pub conf: String,
+    /// `max_split_size` and `roundup_power2_divisions`, which the torch policy replays.
+    pub config: TorchConfig,
+    /// Expandable segments, which the torch policy does not model.
+    pub expandable_segments: bool,
+    /// A `garbage_collection_threshold` was set (it acts only under a memory fraction, which
+    /// the snapshot does not record; not modelled).
+    pub garbage_collection: bool,
+}
+
+/// The snapshot's `allocator_settings`, where it has them.
+fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
+    let s = get(root, "allocator_settings").and_then(dict)?;
+    let mut config = TorchConfig {
+        max_split_size: get(s, "max_split_size")
+            .and_then(int)
+            .filter(|&m| m > 0)
+            .and_then(|m| u64::try_from(m).ok()),
+        ..TorchConfig::default()
+    };
+    // Keyed by each interval's start in MiB: "1", "2", "4", ... "32768".
+    for (key, value) in get(s, "roundup_power2_divisions")
+        .and_then(dict)
+        .into_iter()
+        .flatten()
+    {
+        let HashableValue::String(key) = key else {
+            continue;
+        };
+        let (Ok(start), Some(divisions)) = (key.parse::<u64>(), int(value)) else {
+            continue;
+        };
+        let interval = start.checked_ilog2().map(|i| i as usize);
+        if let (Some(i), Ok(d)) = (interval, u64::try_from(divisions)) {
+            if i < POWER2_INTERVALS && start.is_power_of_two() {
+                config.roundup_power2_divisions[i] = d;
+            }
+        }
+    }
+    Some(TorchSettings {
+        conf: get(s, "PYTORCH_CUDA_ALLOC_CONF")
+            .and_then(text)
+            .unwrap_or("")
+            .to_string(),
+        config,
+        expandable_segments: matches!(get(s, "expandable_segments"), Some(Value::Bool(true))),
+        garbage_collection: matches!(get(s, "garbage_collection_threshold"),
+            Some(Value::F64(t)) if *t > 0.0),
+    })
+}
 
 /// A block as the snapshot knows it: its requested bytes and raw stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -96,6 +154,7 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
     }
     let mut trace = Trace {
         device,
+        torch_settings: settings(root),
         description: format!("PyTorch memory snapshot, device {device}"),
         ..Trace::default()
     };
@@ -499,5 +558,80 @@ mod tests {
             pick_device(Some(0), &used(&[2, 3]), "nothing").unwrap_err(),
             "nothing on device 0; device(s) 2, 3 have them: pass --device 2"
         );
+    }
+
+    /// A snapshot of one 64 MiB block freed and a 30 MiB block asked for after it, with the
+    /// allocator settings `settings`.
+    fn split_or_not(settings: Option<Vec<(&str, Value)>>) -> Vec<u8> {
+        let a = 0x7000_0000_0000;
+        let events = vec![
+            event("alloc", a, 64 * MIB, 0),
+            event("free_completed", a, 64 * MIB, 0),
+            event("alloc", a, 30 * MIB, 0),
+        ];
+        let mut root = vec![
+            ("segments", Value::List(vec![])),
+            ("device_traces", Value::List(vec![Value::List(events)])),
+        ];
+        if let Some(settings) = settings {
+            root.push(("allocator_settings", map(settings)));
+        }
+        serde_pickle::value_to_vec(&map(root), serde_pickle::SerOptions::new()).unwrap()
+    }
+
+    #[test]
+    fn the_allocator_settings_pytorch_ran_with_are_read_and_replayed() {
+        use crate::replay::{replay, Policy};
+        let roundup = map(vec![
+            ("1", Value::I64(0)),
+            ("2", Value::I64(4)),
+            ("32768", Value::I64(2)),
+        ]);
+        let settings = vec![
+            (
+                "PYTORCH_CUDA_ALLOC_CONF",
+                Value::String("max_split_size_mb:40,expandable_segments:True".into()),
+            ),
+            ("max_split_size", Value::I64(40 * MIB)),
+            ("garbage_collection_threshold", Value::F64(0.0)),
+            ("expandable_segments", Value::Bool(true)),
+            ("roundup_power2_divisions", roundup),
+        ];
+        let trace = read(&split_or_not(Some(settings)), None).unwrap();
+        let mut divisions = [0; POWER2_INTERVALS];
+        divisions[1] = 4;
+        divisions[15] = 2;
+        assert_eq!(
+            trace.torch_settings,
+            Some(TorchSettings {
+                conf: "max_split_size_mb:40,expandable_segments:True".into(),
+                config: TorchConfig {
+                    max_split_size: Some(40 << 20),
+                    roundup_power2_divisions: divisions,
+                },
+                expandable_segments: true,
+                garbage_collection: false,
+            })
+        );
+        // With max_split_size 40 MiB, the 30 MiB request does not split the cached 64 MiB
+        // block: a segment of its own, 94 MiB reserved. PyTorch's defaults (-1: unlimited;
+        // no settings recorded at all) split it: 64 MiB.
+        let peak = |trace: &Trace| {
+            replay(trace, Policy::Torch, 1 << 30, |_| {})
+                .unwrap()
+                .stats
+                .peak_reserved_bytes
+        };
+        assert_eq!(peak(&trace), 94 << 20);
+        let unlimited = vec![("max_split_size", Value::I64(-1))];
+        let default = read(&split_or_not(Some(unlimited)), None).unwrap();
+        assert_eq!(
+            default.torch_settings.as_ref().unwrap().config,
+            TorchConfig::default()
+        );
+        assert_eq!(peak(&default), 64 << 20);
+        let unrecorded = read(&split_or_not(None), None).unwrap();
+        assert_eq!(unrecorded.torch_settings, None);
+        assert_eq!(peak(&unrecorded), 64 << 20);
     }
 }

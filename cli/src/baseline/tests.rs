@@ -38,6 +38,35 @@ fn requests_round_to_512_bytes() {
 }
 
 #[test]
+fn roundup_power2_divisions_round_to_the_next_division_of_the_interval() {
+    let mut config = TorchConfig::default();
+    config.roundup_power2_divisions[0] = 4; // below 2 MiB
+    config.roundup_power2_divisions[2] = 4; // 4 to 8 MiB
+    config.roundup_power2_divisions[3] = 6; // 8 to 16 MiB: counted as 4
+    config.roundup_power2_divisions[4] = 8; // 16 to 32 MiB
+    config.roundup_power2_divisions[15] = 2; // 32 GiB and up
+                                             // 600 bytes is no more than 4 divisions of 512 bytes: to 512 bytes only.
+    assert_eq!(config.round_size(600), 1024);
+    // 3,000 bytes: quarters of 2,048 to 4,096 bytes.
+    assert_eq!(config.round_size(3000), 3072);
+    assert_eq!(config.round_size(5 * MIB + 1), 6 * MIB);
+    assert_eq!(config.round_size(6 * MIB), 6 * MIB);
+    assert_eq!(config.round_size(8 * MIB), 8 * MIB);
+    assert_eq!(config.round_size(9 * MIB), 10 * MIB);
+    assert_eq!(config.round_size(17 * MIB + 1), 18 * MIB);
+    assert_eq!(config.round_size(100 * GIB), 128 * GIB);
+    // An interval without divisions: 512 bytes.
+    assert_eq!(config.round_size(3 * MIB + 1), 3 * MIB + 512);
+    // The policy rounds so: 5 MiB and a byte is a 6 MiB block of a 20 MiB segment.
+    let (t, sim) = torch_with(GIB, config);
+    let p = t.reserve(0, 5 * MIB + 1, 0).unwrap();
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.reserved_bytes), (6 * MIB, 20 * MIB));
+    t.release(p).unwrap();
+    assert_books(&t, sim);
+}
+
+#[test]
 fn segment_sizes_follow_the_pools() {
     assert_eq!(allocation_size(512), 2 * MIB);
     assert_eq!(allocation_size(MIB), 2 * MIB);
@@ -172,6 +201,7 @@ fn freed_neighbours_merge_back_into_one_block() {
 fn max_split_size_keeps_oversize_blocks_whole_and_for_large_requests() {
     let config = TorchConfig {
         max_split_size: Some(40 * MIB),
+        ..TorchConfig::default()
     };
     let (t, sim) = torch_with(GIB, config);
     let big = t.reserve(0, 64 * MIB, 0).unwrap();
@@ -190,6 +220,7 @@ fn max_split_size_keeps_oversize_blocks_whole_and_for_large_requests() {
     assert_books(&t, sim);
     let too_small = TorchConfig {
         max_split_size: Some(20 * MIB),
+        ..TorchConfig::default()
     };
     let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
     let err = TorchAllocator::new(Arc::new(SimDriver::new(sim).unwrap()), too_small)
@@ -202,6 +233,7 @@ fn max_split_size_keeps_oversize_blocks_whole_and_for_large_requests() {
 fn after_a_failed_allocation_oversize_blocks_go_back_first_largest_first() {
     let config = TorchConfig {
         max_split_size: Some(40 * MIB),
+        ..TorchConfig::default()
     };
     let (t, sim) = torch_with(200 * MIB, config);
     let ptrs: Vec<u64> = [30, 60, 50]

@@ -2,7 +2,8 @@
 //! expandable segments, CUDA graphs or garbage collection), written over the [`Driver`] trait.
 //!
 //! The rules, as that file has them:
-//! - every request is rounded up to a multiple of 512 bytes (at least 512);
+//! - every request is rounded up to a multiple of 512 bytes (at least 512), or with
+//!   `roundup_power2_divisions`, to the next division of its power-of-two interval;
 //! - requests of at most 1 MiB come from the *small* pool, whose segments are 2 MiB; larger ones
 //!   from the *large* pool, whose segments are 20 MiB for requests under 10 MiB and the request
 //!   rounded up to 2 MiB otherwise;
@@ -54,15 +55,56 @@ pub struct TorchConfig {
     /// `max_split_size_mb`, in bytes: cached blocks at least this large are never split. `None`
     /// (PyTorch's default) means unlimited.
     pub max_split_size: Option<u64>,
+    /// `roundup_power2_divisions`: for requests in each power-of-two interval from 1 MiB
+    /// (`[0]`: below 2 MiB, `[1]`: 2 to 4 MiB, ..., `[15]`: 32 GiB and up), the number of
+    /// equal divisions of the interval a request is rounded up to; 0 or 1 (PyTorch's default):
+    /// to 512 bytes only.
+    pub roundup_power2_divisions: [u64; POWER2_INTERVALS],
 }
 
-/// A request's size as PyTorch rounds it.
-pub fn round_size(size: u64) -> u64 {
-    if size < MIN_BLOCK {
-        MIN_BLOCK
-    } else {
-        size.div_ceil(MIN_BLOCK) * MIN_BLOCK
+/// The intervals of `roundup_power2_divisions`: 1 MiB to 64 GiB, a power of two each.
+pub const POWER2_INTERVALS: usize = 16;
+
+impl TorchConfig {
+    /// A request's size as PyTorch rounds it under these settings: to 512 bytes (at least
+    /// 512), or where the request's interval has divisions (and the request is larger than 512
+    /// bytes a division), up to the next division of its power-of-two interval.
+    pub fn round_size(&self, size: u64) -> u64 {
+        if size < MIN_BLOCK {
+            return MIN_BLOCK;
+        }
+        let interval = (size.ilog2() as usize).saturating_sub(20);
+        let divisions = self.roundup_power2_divisions[interval.min(POWER2_INTERVALS - 1)];
+        if divisions > 1 && size > MIN_BLOCK.saturating_mul(divisions) {
+            next_division(size, divisions)
+        } else {
+            size.div_ceil(MIN_BLOCK) * MIN_BLOCK
+        }
     }
+}
+
+/// `size` rounded up to the next of `divisions` equal steps between the powers of two around
+/// it (a power of two stays; divisions count in powers of two, 6 as 4).
+fn next_division(size: u64, divisions: u64) -> u64 {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let floor = 1u64 << size.ilog2();
+    let step = floor >> divisions.ilog2();
+    if step == 0 {
+        return floor << 1;
+    }
+    let below = size & !(step - 1);
+    if below == size {
+        size
+    } else {
+        below.saturating_add(step)
+    }
+}
+
+/// A request's size as PyTorch rounds it with its default settings.
+pub fn round_size(size: u64) -> u64 {
+    TorchConfig::default().round_size(size)
 }
 
 /// The size of the segment PyTorch asks the driver for to serve a rounded request.
@@ -178,14 +220,14 @@ impl TorchAllocator {
         if size == 0 {
             return Ok(0);
         }
-        if size > MAX_REQUEST {
+        let rounded = self.config.round_size(size.min(MAX_REQUEST));
+        if size > MAX_REQUEST || rounded > MAX_REQUEST {
             return Err(Error::invalid_value(format!(
                 "size {size} overflows when rounded to 2 MiB; pass the number of bytes you need"
             )));
         }
         self.process_events(device, &mut dev)?;
         dev.stats.reserve_calls += 1;
-        let rounded = round_size(size);
         let small = rounded <= SMALL_SIZE;
         let ptr = match self.get_free_block(&mut dev, rounded, small, stream) {
             Some(ptr) => {
