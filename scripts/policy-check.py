@@ -15,6 +15,7 @@ Fragmentation is 1 - peak requested bytes / peak reserved bytes, for every polic
     scripts/policy-check.py SNAPSHOT_DIR          # another folder of *.pickle
     scripts/policy-check.py --markdown            # the table for BENCHMARKS.md
     scripts/policy-check.py --handle-part 2MiB    # as on the CUDA driver (pages, or larger parts)
+    scripts/policy-check.py --torch-conf max_split_size_mb:128   # against PyTorch so tuned
 
 It builds the command (release) first, prints one block per trace, and exits 1 if any trace
 fails a criterion. It is a measurement, not a test.
@@ -124,9 +125,14 @@ def main():
     parser.add_argument("--handle-part", metavar="SIZE",
                         help="replay as on the CUDA driver, resmem's handles made of parts of "
                         "SIZE (2MiB: a page each, the default there)")
+    parser.add_argument("--torch-conf", metavar="CONF",
+                        help="PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings "
+                        "(max_split_size_mb, roundup_power2_divisions), as PyTorch tuned")
     args = parser.parse_args()
     if args.handle_part:
         REPLAY_ARGS.extend(["--handle-part", args.handle_part])
+    if args.torch_conf:
+        REPLAY_ARGS.extend(["--torch-conf", args.torch_conf])
     if not args.no_build:
         subprocess.run(["cargo", "build", "--release", "-q", "-p", "resmem-cli"], cwd=ROOT, check=True)
     paths = sorted((ROOT / "traces").glob("*.jsonl"))

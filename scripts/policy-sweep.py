@@ -10,6 +10,7 @@ PyTorch's, fragmentation at most half of PyTorch's where that exceeds 5%).
     scripts/policy-sweep.py --resmem /tmp/old/target/release/resmem   # another build
     scripts/policy-sweep.py --front              # the default behind the C library's front caches
     scripts/policy-sweep.py --handle-part 8MiB   # as on the CUDA driver, handles of 8 MiB parts
+    scripts/policy-sweep.py --torch-conf roundup_power2_divisions:4   # against PyTorch so tuned
 
 The families (all on a 512 GiB device, so that the replays do not diverge at capacity; the
 smallest device each policy needs is found by bisection to 32 MiB):
@@ -290,9 +291,14 @@ def main():
     parser.add_argument("--handle-part", metavar="SIZE",
                         help="replay as on the CUDA driver, resmem's handles made of parts of "
                         "SIZE (2MiB: a page each, the default there)")
+    parser.add_argument("--torch-conf", metavar="CONF",
+                        help="PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings "
+                        "(max_split_size_mb, roundup_power2_divisions), as PyTorch tuned")
     args = parser.parse_args()
     if args.handle_part:
         policy_check.REPLAY_ARGS.extend(["--handle-part", args.handle_part])
+    if args.torch_conf:
+        policy_check.REPLAY_ARGS.extend(["--torch-conf", args.torch_conf])
     if args.resmem:
         policy_check.RESMEM = pathlib.Path(args.resmem).resolve()
     elif not args.no_build:

@@ -15,7 +15,7 @@ use resmem_cli::env::{self, Device, Environment};
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
 use resmem_cli::units::gib_or_mib;
-use resmem_cli::{demo, generate, info, model, plot, report, seed, share_demo};
+use resmem_cli::{baseline, demo, generate, info, model, plot, report, seed, share_demo};
 
 #[derive(Parser)]
 #[command(
@@ -79,6 +79,11 @@ enum Command {
         /// The simulated device's memory (default: the trace's own, else 80GiB).
         #[arg(long, value_parser = env::device_memory)]
         device_memory: Option<u64>,
+        /// PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings, in place of those a
+        /// snapshot recorded (max_split_size_mb and roundup_power2_divisions are replayed;
+        /// expandable segments and other backends are not modelled and are refused).
+        #[arg(long, value_name = "CONF")]
+        torch_conf: Option<String>,
         /// Which device's operations to replay (PyTorch snapshots and recorded traces; default
         /// 0, or the first device with allocations where device 0 has none).
         #[arg(long)]
@@ -218,11 +223,12 @@ fn run(command: Command, env: &Environment) -> Result<(), String> {
             log,
             one_page_handles,
             handle_part,
+            torch_conf,
         } => run_replay(
             &trace,
+            (device, torch_conf.as_deref()),
             policy,
             device_memory,
-            device,
             plot.as_deref(),
             (min_device, json),
             replay::How {
@@ -302,14 +308,25 @@ fn run_demo(
 
 fn run_replay(
     path: &Path,
+    (device, torch_conf): (Option<usize>, Option<&str>),
     which: Which,
     device_memory: Option<u64>,
-    device: Option<usize>,
     plot_to: Option<&Path>,
     (min_device, json): (bool, bool),
     how: replay::How,
 ) -> Result<(), String> {
-    let trace = Trace::read(path, device)?;
+    let mut trace = Trace::read(path, device)?;
+    if let Some(conf) = torch_conf {
+        let settings = baseline::conf::parse(conf)?;
+        if settings.expandable_segments {
+            return Err(
+                "--torch-conf: expandable_segments:True is not modelled by the torch \
+                        policy; leave it out to compare with PyTorch's segments"
+                    .into(),
+            );
+        }
+        trace.torch_settings = Some(settings);
+    }
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
     if !json {
         // Another device than the one asked for (or 0) is said: it was picked.

@@ -1,7 +1,7 @@
 //! The figures of replays, for people (a side-by-side table) and for scripts (JSON).
 
+use crate::baseline::TorchSettings;
 use crate::replay::{Outcome, Policy, CALL_ROWS};
-use crate::snapshot::TorchSettings;
 use crate::trace::Trace;
 use crate::units::gib_or_mib;
 
@@ -144,7 +144,7 @@ fn settings_lines(s: &TorchSettings) -> String {
         .collect();
     if !replayed.is_empty() {
         out.push_str(&format!(
-            "PyTorch ran with PYTORCH_CUDA_ALLOC_CONF=\"{}\": the torch policy replays its {}\n",
+            "PYTORCH_CUDA_ALLOC_CONF=\"{}\": the torch policy replays its {}\n",
             s.conf,
             replayed.join(" and ")
         ));
@@ -313,8 +313,8 @@ mod tests {
         };
         assert_eq!(
             settings_lines(&settings),
-            "PyTorch ran with PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,\
-             roundup_power2_divisions:4\": the torch policy replays its max_split_size 128.00 \
+            "PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,roundup_power2_divisions:4\": \
+             the torch policy replays its max_split_size 128.00 \
              MiB and roundup_power2_divisions [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]\n\
              PyTorch ran with expandable segments, which the torch policy does not model: \
              compare with the peak PyTorch recorded\n\

@@ -18,24 +18,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde_pickle::{HashableValue, Value};
 
 use crate::baseline::torch::POWER2_INTERVALS;
-use crate::baseline::TorchConfig;
+use crate::baseline::{TorchConfig, TorchSettings};
 use crate::trace::{Event, Trace};
 use crate::units::gib_or_mib;
-
-/// The allocator settings PyTorch ran with, as a snapshot records them (`allocator_settings`,
-/// in snapshots of PyTorch 2.1 and later).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TorchSettings {
-    /// `PYTORCH_CUDA_ALLOC_CONF` as PyTorch read it.
-    pub conf: String,
-    /// `max_split_size` and `roundup_power2_divisions`, which the torch policy replays.
-    pub config: TorchConfig,
-    /// Expandable segments, which the torch policy does not model.
-    pub expandable_segments: bool,
-    /// A `garbage_collection_threshold` was set (it acts only under a memory fraction, which
-    /// the snapshot does not record; not modelled).
-    pub garbage_collection: bool,
-}
 
 /// The snapshot's `allocator_settings`, where it has them.
 fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {

@@ -81,7 +81,7 @@ pub struct Trace {
     pub torch_peak_reserved: Option<u64>,
     /// For PyTorch snapshots: the allocator settings PyTorch ran with, where recorded (the
     /// torch policy replays them).
-    pub torch_settings: Option<crate::snapshot::TorchSettings>,
+    pub torch_settings: Option<crate::baseline::TorchSettings>,
     /// For PyTorch snapshots: blocks live before recording began, allocated first.
     pub restored_blocks: u64,
     /// For PyTorch snapshots: frees of blocks the reader could not place (skipped; none when

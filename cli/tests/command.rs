@@ -432,6 +432,63 @@ fn a_snapshot_of_the_second_gpu_alone_is_replayed_from_it() {
 }
 
 #[test]
+fn replay_takes_pytorchs_settings_from_torch_conf() {
+    // A 64 MiB block freed, then 30 MiB asked for: PyTorch's defaults split the cached block
+    // (64 MiB reserved); with max_split_size_mb:40 it stays whole and the request gets a
+    // segment of its own (94 MiB).
+    let path = std::env::temp_dir().join(format!("resmem-split-{}.jsonl", std::process::id()));
+    std::fs::write(
+        &path,
+        "{\"op\":\"alloc\",\"id\":1,\"size\":67108864}\n{\"op\":\"free\",\"id\":1}\n\
+         {\"op\":\"alloc\",\"id\":2,\"size\":31457280}\n",
+    )
+    .unwrap();
+    let trace = path.to_str().unwrap();
+    let peak = |extra: &[&str]| {
+        let mut args = vec!["replay", trace, "--policy", "torch", "--json"];
+        args.extend_from_slice(extra);
+        let (ok, out, err) = resmem(&args);
+        assert!(ok, "{err}");
+        let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+        json["policies"][0]["peak_reserved"].as_u64().unwrap() >> 20
+    };
+    let default = peak(&[]);
+    let tuned = peak(&["--torch-conf", "max_split_size_mb:40"]);
+    let (_, table, _) = resmem(&[
+        "replay",
+        trace,
+        "--policy",
+        "torch",
+        "--torch-conf",
+        "max_split_size_mb:40",
+    ]);
+    let (expandable, _, expandable_err) =
+        resmem(&["replay", trace, "--torch-conf", "expandable_segments:True"]);
+    let (small, _, small_err) = resmem(&["replay", trace, "--torch-conf", "max_split_size_mb:10"]);
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!((default, tuned), (64, 94));
+    assert!(
+        table.contains(
+            "PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:40\": the torch policy replays its \
+             max_split_size 40.00 MiB\n"
+        ),
+        "{table}"
+    );
+    assert!(!expandable);
+    assert_eq!(
+        expandable_err,
+        "resmem: --torch-conf: expandable_segments:True is not modelled by the torch policy; \
+         leave it out to compare with PyTorch's segments\n"
+    );
+    assert!(!small);
+    assert_eq!(
+        small_err,
+        "resmem: PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be more than 20, as PyTorch \
+         requires\n"
+    );
+}
+
+#[test]
 fn replay_with_one_page_handles_makes_the_same_decisions_in_a_call_per_page() {
     // As on the CUDA driver, which maps only from an allocation's start: the default's peak is
     // the same, and each of its handles is made of 2 MiB pages, a cuMemCreate each.

@@ -3,11 +3,14 @@
 //! demo and the benchmarks drive them through the same calls.
 //!
 //! - [`torch`]: PyTorch's native CUDA caching allocator, as `c10/cuda/CUDACachingAllocator.cpp`
-//!   documents it.
+//!   documents it;
+//! - [`conf`]: the settings it ran with, from a snapshot or `PYTORCH_CUDA_ALLOC_CONF`.
 
+pub mod conf;
 mod keys;
 pub mod torch;
 
+pub use conf::TorchSettings;
 pub use torch::{TorchAllocator, TorchConfig};
 
 #[cfg(test)]
