@@ -407,15 +407,19 @@ fn created_memory_is_gpu_direct_rdma_capable_where_the_device_allows_it() {
         pool.free_reusable(None).unwrap();
         pool.check().unwrap();
     }
+    // A fresh driver and pool, and a fault on the pool's first creation (the driver's probe of
+    // offset mappings creates memory too: made first, so that the fault falls on the pool's).
+    let faulted = |fault: &str| {
+        let driver = loaded(&library);
+        driver.vmm_granularity(0);
+        let pool = Pool::new(driver.clone(), PoolConfig::default());
+        let failed = hooks.injected();
+        hooks.inject(fault);
+        (driver, pool, failed)
+    };
     // A creation that fails for another reason (a device in an error state): its error goes
     // back as it is, with no second creation, and the flag is kept.
-    let driver = loaded(&library);
-    // The driver's probe of offset mappings creates memory too: made first, so that the
-    // fault falls on the pool's creation.
-    driver.vmm_granularity(0);
-    let pool = Pool::new(driver.clone(), PoolConfig::default());
-    let failed = hooks.injected();
-    hooks.inject("cuMemCreate@1=719");
+    let (driver, pool, failed) = faulted("cuMemCreate@1=719");
     let err = pool.reserve(0, 64 * MIB, 0).unwrap_err();
     hooks.clear();
     assert!(err.to_string().contains("(719)"), "{err}");
@@ -424,13 +428,7 @@ fn created_memory_is_gpu_direct_rdma_capable_where_the_device_allows_it() {
     assert_eq!(hooks.used(), 0);
     // A driver that says the device takes the flag and refuses a creation with it all the
     // same: the creation is made again without it, and the flag never asked for again.
-    let driver = loaded(&library);
-    // The driver's probe of offset mappings creates memory too: made first, so that the
-    // fault falls on the pool's creation.
-    driver.vmm_granularity(0);
-    let pool = Pool::new(driver.clone(), PoolConfig::default());
-    let failed = hooks.injected();
-    hooks.inject("cuMemCreate@1=1");
+    let (driver, pool, failed) = faulted("cuMemCreate@1=1");
     let p = pool.reserve(0, 64 * MIB, 0).unwrap();
     hooks.clear();
     assert_eq!(hooks.injected() - failed, 1);
