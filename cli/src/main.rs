@@ -80,8 +80,8 @@ enum Command {
         #[arg(long, value_parser = env::device_memory)]
         device_memory: Option<u64>,
         /// PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings, in place of those a
-        /// snapshot recorded (max_split_size_mb and roundup_power2_divisions are replayed;
-        /// expandable segments and other backends are not modelled and are refused).
+        /// snapshot recorded (max_split_size_mb, roundup_power2_divisions and
+        /// expandable_segments are replayed; another backend is refused).
         #[arg(long, value_name = "CONF")]
         torch_conf: Option<String>,
         /// Which device's operations to replay (PyTorch snapshots and recorded traces; default
@@ -317,15 +317,7 @@ fn run_replay(
 ) -> Result<(), String> {
     let mut trace = Trace::read(path, device)?;
     if let Some(conf) = torch_conf {
-        let settings = baseline::conf::parse(conf)?;
-        if settings.expandable_segments {
-            return Err(
-                "--torch-conf: expandable_segments:True is not modelled by the torch \
-                        policy; leave it out to compare with PyTorch's segments"
-                    .into(),
-            );
-        }
-        trace.torch_settings = Some(settings);
+        trace.torch_settings = Some(baseline::conf::parse(conf)?);
     }
     let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
     if !json {

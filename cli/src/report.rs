@@ -141,24 +141,23 @@ fn settings_lines(s: &TorchSettings) -> String {
                     )
                 }),
         )
+        .chain(
+            s.config
+                .expandable_segments
+                .then(|| "expandable segments".to_string()),
+        )
         .collect();
     if !replayed.is_empty() {
         out.push_str(&format!(
             "PYTORCH_CUDA_ALLOC_CONF=\"{}\": the torch policy replays its {}\n",
             s.conf,
-            replayed.join(" and ")
+            replayed.join(", ")
         ));
-    }
-    if s.expandable_segments {
-        out.push_str(
-            "PyTorch ran with expandable segments, which the torch policy does not model: \
-             compare with the peak PyTorch recorded\n",
-        );
     }
     if s.garbage_collection {
         out.push_str(
-            "PyTorch ran with a garbage_collection_threshold, which acts only under a memory \
-             fraction the snapshot does not record: not modelled\n",
+            "a garbage_collection_threshold acts only under a memory fraction, which no trace \
+             records: not modelled\n",
         );
     }
     out
@@ -209,7 +208,7 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
             "conf": s.conf,
             "max_split_size": s.config.max_split_size,
             "roundup_power2_divisions": s.config.roundup_power2_divisions,
-            "expandable_segments": s.expandable_segments,
+            "expandable_segments": s.config.expandable_segments,
             "garbage_collection": s.garbage_collection,
         })),
         "policies": policies,
@@ -305,21 +304,21 @@ mod tests {
             ..TorchConfig::default()
         };
         config.roundup_power2_divisions[0] = 4;
+        config.expandable_segments = true;
         let settings = TorchSettings {
-            conf: "max_split_size_mb:128,roundup_power2_divisions:4".into(),
+            conf: "max_split_size_mb:128,roundup_power2_divisions:4,expandable_segments:True"
+                .into(),
             config,
-            expandable_segments: true,
             garbage_collection: true,
         };
         assert_eq!(
             settings_lines(&settings),
-            "PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,roundup_power2_divisions:4\": \
-             the torch policy replays its max_split_size 128.00 \
-             MiB and roundup_power2_divisions [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]\n\
-             PyTorch ran with expandable segments, which the torch policy does not model: \
-             compare with the peak PyTorch recorded\n\
-             PyTorch ran with a garbage_collection_threshold, which acts only under a memory \
-             fraction the snapshot does not record: not modelled\n"
+            "PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,roundup_power2_divisions:4,\
+             expandable_segments:True\": the torch policy replays its max_split_size 128.00 MiB, \
+             roundup_power2_divisions [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], \
+             expandable segments\n\
+             a garbage_collection_threshold acts only under a memory fraction, which no trace \
+             records: not modelled\n"
         );
     }
 }

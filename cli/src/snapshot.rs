@@ -51,13 +51,13 @@ fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
             }
         }
     }
+    config.expandable_segments = matches!(get(s, "expandable_segments"), Some(Value::Bool(true)));
     Some(TorchSettings {
         conf: get(s, "PYTORCH_CUDA_ALLOC_CONF")
             .and_then(text)
             .unwrap_or("")
             .to_string(),
         config,
-        expandable_segments: matches!(get(s, "expandable_segments"), Some(Value::Bool(true))),
         garbage_collection: matches!(get(s, "garbage_collection_threshold"),
             Some(Value::F64(t)) if *t > 0.0),
     })
@@ -593,21 +593,29 @@ mod tests {
                 config: TorchConfig {
                     max_split_size: Some(40 << 20),
                     roundup_power2_divisions: divisions,
+                    expandable_segments: true,
                 },
-                expandable_segments: true,
                 garbage_collection: false,
             })
         );
-        // With max_split_size 40 MiB, the 30 MiB request does not split the cached 64 MiB
-        // block: a segment of its own, 94 MiB reserved. PyTorch's defaults (-1: unlimited;
-        // no settings recorded at all) split it: 64 MiB.
         let peak = |trace: &Trace| {
             replay(trace, Policy::Torch, 1 << 30, |_| {})
                 .unwrap()
                 .stats
                 .peak_reserved_bytes
         };
-        assert_eq!(peak(&trace), 94 << 20);
+        // With expandable segments the 64 MiB block is four 20 MiB handles, and the 30 MiB
+        // request takes the cached 80 MiB block in place (max_split_size does not stop the
+        // search of expandable segments): 80 MiB.
+        assert_eq!(peak(&trace), 80 << 20);
+        // With max_split_size 40 MiB alone, the 30 MiB request does not split the cached
+        // 64 MiB block: a segment of its own, 94 MiB reserved. PyTorch's defaults (-1:
+        // unlimited; no settings recorded at all) split it: 64 MiB.
+        let split = vec![("max_split_size", Value::I64(40 * MIB))];
+        assert_eq!(
+            peak(&read(&split_or_not(Some(split)), None).unwrap()),
+            94 << 20
+        );
         let unlimited = vec![("max_split_size", Value::I64(-1))];
         let default = read(&split_or_not(Some(unlimited)), None).unwrap();
         assert_eq!(

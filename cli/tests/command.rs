@@ -435,7 +435,7 @@ fn a_snapshot_of_the_second_gpu_alone_is_replayed_from_it() {
 fn replay_takes_pytorchs_settings_from_torch_conf() {
     // A 64 MiB block freed, then 30 MiB asked for: PyTorch's defaults split the cached block
     // (64 MiB reserved); with max_split_size_mb:40 it stays whole and the request gets a
-    // segment of its own (94 MiB).
+    // segment of its own (94 MiB); with expandable segments, 80 MiB.
     let path = std::env::temp_dir().join(format!("resmem-split-{}.jsonl", std::process::id()));
     std::fs::write(
         &path,
@@ -462,8 +462,7 @@ fn replay_takes_pytorchs_settings_from_torch_conf() {
         "--torch-conf",
         "max_split_size_mb:40",
     ]);
-    let (expandable, _, expandable_err) =
-        resmem(&["replay", trace, "--torch-conf", "expandable_segments:True"]);
+    let expandable = peak(&["--torch-conf", "expandable_segments:True"]);
     let (small, _, small_err) = resmem(&["replay", trace, "--torch-conf", "max_split_size_mb:10"]);
     std::fs::remove_file(&path).unwrap();
     assert_eq!((default, tuned), (64, 94));
@@ -474,12 +473,8 @@ fn replay_takes_pytorchs_settings_from_torch_conf() {
         ),
         "{table}"
     );
-    assert!(!expandable);
-    assert_eq!(
-        expandable_err,
-        "resmem: --torch-conf: expandable_segments:True is not modelled by the torch policy; \
-         leave it out to compare with PyTorch's segments\n"
-    );
+    // Expandable segments: four 20 MiB handles, the 30 MiB request taken in place.
+    assert_eq!(expandable, 80);
     assert!(!small);
     assert_eq!(
         small_err,

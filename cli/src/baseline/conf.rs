@@ -9,10 +9,9 @@ use super::torch::{TorchConfig, LARGE_BUFFER, POWER2_INTERVALS};
 pub struct TorchSettings {
     /// `PYTORCH_CUDA_ALLOC_CONF` as PyTorch read it.
     pub conf: String,
-    /// `max_split_size` and `roundup_power2_divisions`, which the torch policy replays.
+    /// `max_split_size`, `roundup_power2_divisions` and `expandable_segments`, which the torch
+    /// policy replays.
     pub config: TorchConfig,
-    /// Expandable segments, which the torch policy does not model.
-    pub expandable_segments: bool,
     /// A `garbage_collection_threshold` was set (it acts only under a memory fraction, which
     /// neither a snapshot nor a trace records; not modelled).
     pub garbage_collection: bool,
@@ -58,7 +57,7 @@ pub fn parse(conf: &str) -> Result<TorchSettings, String> {
                 let divisions = power_of_two(key, value)?;
                 settings.config.roundup_power2_divisions = [divisions; POWER2_INTERVALS];
             }
-            "expandable_segments" => settings.expandable_segments = boolean(key, value)?,
+            "expandable_segments" => settings.config.expandable_segments = boolean(key, value)?,
             "garbage_collection_threshold" => {
                 let t: f64 = value.parse().map_err(|_| bad(key, value))?;
                 if !(t > 0.0 && t < 1.0) {
@@ -215,15 +214,15 @@ mod tests {
         assert_eq!(s.config.max_split_size, Some(128 << 20));
         assert_eq!(s.config.roundup_power2_divisions, [4; POWER2_INTERVALS]);
         assert_eq!(s.conf, "max_split_size_mb:128, roundup_power2_divisions:4");
-        assert!(!s.expandable_segments && !s.garbage_collection);
+        assert!(!s.config.expandable_segments && !s.garbage_collection);
         // The list: its first entry below its interval too, `>` from the last entry on.
         let s = parse("roundup_power2_divisions:[4:2,256:1,512:0,>:8]").unwrap();
         let mut want = divisions(&[(0, 2), (1, 2), (2, 2), (8, 1), (9, 8)]);
         want[9..].fill(8);
         assert_eq!(s.config.roundup_power2_divisions, want);
         let s = parse("expandable_segments:True,garbage_collection_threshold:0.6").unwrap();
-        assert!(s.expandable_segments && s.garbage_collection);
-        assert_eq!(s.config, TorchConfig::default());
+        assert!(s.config.expandable_segments && s.garbage_collection);
+        assert_eq!(s.config.max_split_size, None);
         let s = parse("backend:native,pinned_num_register_threads:8").unwrap();
         assert_eq!(s.config, TorchConfig::default());
         assert_eq!(parse("").unwrap().config, TorchConfig::default());

@@ -3,10 +3,11 @@
 //! demo and the benchmarks drive them through the same calls.
 //!
 //! - [`torch`]: PyTorch's native CUDA caching allocator, as `c10/cuda/CUDACachingAllocator.cpp`
-//!   documents it;
+//!   documents it, and `expandable.rs`, its expandable segments;
 //! - [`conf`]: the settings it ran with, from a snapshot or `PYTORCH_CUDA_ALLOC_CONF`.
 
 pub mod conf;
+mod expandable;
 mod keys;
 pub mod torch;
 

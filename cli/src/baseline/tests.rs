@@ -378,3 +378,153 @@ fn bad_pointers_are_refused_and_change_nothing() {
     );
     assert_books(&t, sim);
 }
+
+fn expandable(capacity: u64) -> (TorchAllocator, &'static Sim) {
+    torch_with(
+        capacity,
+        TorchConfig {
+            expandable_segments: true,
+            ..TorchConfig::default()
+        },
+    )
+}
+
+#[test]
+fn expandable_segments_grow_by_20_mib_handles_at_a_free_blocks_end() {
+    use cuda_sim::Call;
+    let (t, sim) = expandable(GIB);
+    // 64 MiB: a range for the stream's large pool (1 GiB and an eighth), four 20 MiB handles
+    // mapped; the 16 MiB beyond the block stays free in the range.
+    let a = t.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(sim.call_count(Call::MemAddressReserve), 1);
+    assert_eq!(sim.call_count(Call::MemCreate), 4);
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 80 * MIB);
+    assert_books(&t, sim);
+    // Another 64 MiB: the free 16 MiB and three more handles after it, one block.
+    let b = t.reserve(0, 64 * MIB, 0).unwrap();
+    assert_eq!(b, a + 64 * MIB);
+    assert_eq!(sim.call_count(Call::MemCreate), 7);
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 140 * MIB);
+    assert_books(&t, sim);
+    // Freed, the first block serves a 40 MiB request in place (split at 512 bytes and more).
+    t.release(a).unwrap();
+    let c = t.reserve(0, 40 * MIB, 0).unwrap();
+    assert_eq!(c, a);
+    assert_eq!(sim.call_count(Call::MemCreate), 7);
+    // A request larger than any free block and the unmapped space after the last: the 12 MiB
+    // at the range's end and handles after it, not a new segment.
+    let d = t.reserve(0, 100 * MIB, 0).unwrap();
+    assert_eq!(d, a + 128 * MIB);
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 240 * MIB);
+    assert_books(&t, sim);
+    for p in [b, c, d] {
+        t.release(p).unwrap();
+    }
+    // empty_cache returns every handle and the range.
+    assert_eq!(t.free_reusable(Some(0)).unwrap(), 240 * MIB);
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 0);
+    assert_eq!(sim.call_count(Call::MemRelease), 12);
+    assert_eq!(sim.call_count(Call::MemAddressFree), 1);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn expandable_segments_return_only_whole_handles_of_cached_blocks() {
+    let (t, sim) = expandable(GIB);
+    // Two 10 MiB blocks in one 20 MiB handle, and a 30 MiB block over the next two handles.
+    let a = t.reserve(0, 10 * MIB, 0).unwrap();
+    let b = t.reserve(0, 10 * MIB, 0).unwrap();
+    let c = t.reserve(0, 30 * MIB, 0).unwrap();
+    assert_eq!((b, c), (a + 10 * MIB, a + 20 * MIB));
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 60 * MIB);
+    // a's handle also holds b: nothing of it goes back; c's 30 MiB spans its first handle
+    // whole and half of the next, which also holds the free 10 MiB after c.
+    t.release(a).unwrap();
+    t.release(c).unwrap();
+    assert_eq!(t.free_reusable(Some(0)).unwrap(), 40 * MIB);
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 20 * MIB);
+    assert_books(&t, sim);
+    // The small pool: 2 MiB handles in a range of its own.
+    let s = t.reserve(0, 1000, 0).unwrap();
+    assert_eq!(t.stats(0).unwrap().reserved_bytes, 22 * MIB);
+    t.release(s).unwrap();
+    t.release(b).unwrap();
+    assert_eq!(t.free_reusable(Some(0)).unwrap(), 22 * MIB);
+    assert_eq!(t.stats(0).unwrap().segments, 0);
+    assert_books(&t, sim);
+}
+
+#[test]
+fn expandable_segments_give_cache_back_and_retry_at_capacity() {
+    // A 200 MiB device: 100 MiB live, 80 MiB cached in another stream's range. A 90 MiB
+    // request on stream 0 lacks room until the other range's handles go back.
+    let (t, sim) = expandable(200 * MIB);
+    let live = t.reserve(0, 100 * MIB, 0).unwrap();
+    let other = t.reserve(0, 80 * MIB, 7).unwrap();
+    t.release(other).unwrap();
+    let p = t.reserve(0, 90 * MIB, 0).unwrap();
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.reserved_bytes, s.oom_retries), (200 * MIB, 1));
+    assert_books(&t, sim);
+    t.release(p).unwrap();
+    t.release(live).unwrap();
+    t.free_reusable(None).unwrap();
+    assert_books(&t, sim);
+}
+
+#[test]
+fn random_sequences_keep_expandable_books_exact() {
+    // A fixed linear congruential sequence: sizes from 512 bytes to 64 MiB on three streams
+    // of a 512 MiB device, frees, uses on other streams, empty_cache; the books checked after
+    // every operation, everything back at the end.
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let mut next = |bound: u64| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % bound
+    };
+    let mut retries = 0;
+    for round in 0..4 {
+        let (t, sim) = expandable(512 * MIB);
+        let streams = [
+            0,
+            sim.stream_create(0).unwrap(),
+            sim.stream_create(0).unwrap(),
+        ];
+        let mut live: Vec<u64> = Vec::new();
+        for _ in 0..1500 {
+            match next(10) {
+                0..=4 => {
+                    let size = (512u64 << next(18)) + next(4096);
+                    if let Ok(p) = t.reserve(0, size, streams[next(3) as usize]) {
+                        live.push(p);
+                    }
+                }
+                5..=7 if !live.is_empty() => {
+                    let p = live.swap_remove(next(live.len() as u64) as usize);
+                    t.release(p).unwrap();
+                }
+                8 if !live.is_empty() => {
+                    let p = live[next(live.len() as u64) as usize];
+                    t.record_stream(p, streams[next(3) as usize]).unwrap();
+                }
+                9 if round % 2 == 0 => {
+                    t.free_reusable(Some(0)).unwrap();
+                }
+                _ => {}
+            }
+            t.check().unwrap();
+        }
+        retries += t.stats(0).unwrap().oom_retries;
+        for p in live {
+            t.release(p).unwrap();
+        }
+        t.free_reusable(Some(0)).unwrap();
+        assert_eq!(t.stats(0).unwrap().reserved_bytes, 0);
+        assert_eq!(t.stats(0).unwrap().segments, 0);
+        assert_books(&t, sim);
+    }
+    // The sequences reach the device's capacity: cache went back and requests were retried.
+    assert!(retries > 100, "{retries} retries");
+}

@@ -1,5 +1,6 @@
 //! PyTorch's native CUDA caching allocator policy (`c10/cuda/CUDACachingAllocator.cpp`, without
-//! expandable segments, CUDA graphs or garbage collection), written over the [`Driver`] trait.
+//! CUDA graphs or garbage collection; its expandable segments in `expandable.rs`), written over
+//! the [`Driver`] trait.
 //!
 //! The rules, as that file has them:
 //! - every request is rounded up to a multiple of 512 bytes (at least 512), or with
@@ -12,8 +13,9 @@
 //! - with a finite `max_split_size`, a request below it never takes a cached block at or above it
 //!   (*oversize*), and a request at or above it takes an oversize block only if the block is less
 //!   than 20 MiB larger;
-//! - a found block is split when the remainder is at least 512 bytes (small pool), or, in the
-//!   large pool, when the request is below `max_split_size` and the remainder exceeds 1 MiB;
+//! - a found block is split when the remainder is at least 512 bytes (small pool, or any pool
+//!   with expandable segments), or, in the large pool, when the request is below
+//!   `max_split_size` and the remainder exceeds 1 MiB;
 //! - freed blocks merge with free neighbours of the same segment; a block also used on other
 //!   streams (`record_stream`) returns to the pool only once events recorded at its release
 //!   complete;
@@ -21,7 +23,11 @@
 //!   oversize blocks of the stream that cover the request (largest first when none does alone),
 //!   then every cached block that is a whole segment, then one retry;
 //! - `mem_get_info` is the driver's view: cached memory counts as used;
-//! - `empty_cache` returns every cached whole segment.
+//! - `empty_cache` returns every cached whole segment (with expandable segments, every cached
+//!   block's whole handles);
+//! - with expandable segments, a request no cached block holds grows the stream's range at the
+//!   lowest free block with unmapped space after it (`expandable.rs`), and best fit counts such
+//!   a block as what it can grow to.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,6 +37,7 @@ use resmem::error::{rm_status, Error, Result};
 use resmem::pool::layout::{Layout, Piece};
 use resmem::Stats;
 
+use super::expandable::Expandable;
 use super::keys::{bytes as human, AddrMap};
 use crate::allocator::Allocator;
 
@@ -60,6 +67,10 @@ pub struct TorchConfig {
     /// equal divisions of the interval a request is rounded up to; 0 or 1 (PyTorch's default):
     /// to 512 bytes only.
     pub roundup_power2_divisions: [u64; POWER2_INTERVALS],
+    /// `expandable_segments:True`: a stream's memory of each pool in one range that grows by
+    /// handles of 2 MiB (small pool) or 20 MiB (large) at a free block's end
+    /// (`expandable.rs`).
+    pub expandable_segments: bool,
 }
 
 /// The intervals of `roundup_power2_divisions`: 1 MiB to 64 GiB, a power of two each.
@@ -120,41 +131,50 @@ pub fn allocation_size(size: u64) -> u64 {
 
 /// One block: a whole segment or a piece of one, linked to its address neighbours.
 #[derive(Clone, Debug)]
-struct Block {
-    size: u64,
-    requested: u64,
-    stream: StreamHandle,
-    small: bool,
-    allocated: bool,
+pub(super) struct Block {
+    pub(super) size: u64,
+    pub(super) requested: u64,
+    pub(super) stream: StreamHandle,
+    pub(super) small: bool,
+    pub(super) allocated: bool,
     /// Released, waiting for events on other streams.
-    pending: bool,
-    prev: Option<DevicePtr>,
-    next: Option<DevicePtr>,
-    stream_uses: Vec<StreamHandle>,
+    pub(super) pending: bool,
+    pub(super) prev: Option<DevicePtr>,
+    pub(super) next: Option<DevicePtr>,
+    pub(super) stream_uses: Vec<StreamHandle>,
+    /// Memory is mapped behind it: false only for the address space of an expandable segment
+    /// with nothing mapped (kept in `Device::unmapped`, never in `free`).
+    pub(super) mapped: bool,
+    /// The expandable segment it lies in (an index into `Device::expandable`).
+    pub(super) expandable: Option<usize>,
 }
 
 impl Block {
-    fn is_split(&self) -> bool {
+    pub(super) fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
 }
 
 /// One device's books.
 #[derive(Default)]
-struct Device {
-    blocks: AddrMap<Block>,
+pub(super) struct Device {
+    pub(super) blocks: AddrMap<Block>,
     /// Cached blocks by (stream, size, address): `[small, large]`.
-    free: [BTreeSet<(StreamHandle, u64, DevicePtr)>; 2],
-    pending: Vec<(DevicePtr, Vec<EventHandle>)>,
-    stats: Stats,
+    pub(super) free: [BTreeSet<(StreamHandle, u64, DevicePtr)>; 2],
+    pub(super) pending: Vec<(DevicePtr, Vec<EventHandle>)>,
+    /// Unmapped blocks of expandable segments by (stream, address): `[small, large]`.
+    pub(super) unmapped: [BTreeSet<(StreamHandle, DevicePtr)>; 2],
+    /// Expandable segments, `None` once returned.
+    pub(super) expandable: Vec<Option<Expandable>>,
+    pub(super) stats: Stats,
     /// Bytes obtained from the driver since creation (for `warmup`'s answer).
-    driver_bytes: u64,
+    pub(super) driver_bytes: u64,
 }
 
 /// PyTorch's caching allocator policy over every device of a driver.
 pub struct TorchAllocator {
-    driver: Arc<dyn Driver>,
-    config: TorchConfig,
+    pub(super) driver: Arc<dyn Driver>,
+    pub(super) config: TorchConfig,
     devices: Box<[Mutex<Device>]>,
 }
 
@@ -247,11 +267,35 @@ impl TorchAllocator {
         small: bool,
         stream: StreamHandle,
     ) -> Option<DevicePtr> {
-        let set = &mut dev.free[usize::from(!small)];
-        let &(s, bsize, ptr) = set.range((stream, rounded, 0)..).next()?;
-        if s != stream {
+        let Device { free, blocks, .. } = dev;
+        let set = &mut free[usize::from(!small)];
+        let mut found = set.range((stream, rounded, 0)..);
+        let mut best = *found.next()?;
+        if best.0 != stream {
             return None;
         }
+        // Best fit counts an expandable block as what it grows to with the unmapped space after
+        // it: a later block of this stream that grows to less is taken instead.
+        if self.config.expandable_segments {
+            let grown = |b: &(StreamHandle, u64, DevicePtr)| {
+                let block = &blocks[&b.2];
+                b.1 + block
+                    .next
+                    .map(|n| &blocks[&n])
+                    .filter(|n| !n.mapped)
+                    .map_or(0, |n| n.size)
+            };
+            for next in found {
+                if blocks[&best.2].expandable.is_none()
+                    || next.0 != stream
+                    || grown(next) >= grown(&best)
+                {
+                    break;
+                }
+                best = *next;
+            }
+        }
+        let (s, bsize, ptr) = best;
         let max_split = self.max_split();
         if rounded < max_split && bsize >= max_split {
             return None;
@@ -273,18 +317,26 @@ impl TorchAllocator {
         small: bool,
         stream: StreamHandle,
     ) -> Result<DevicePtr> {
-        let alloc = allocation_size(rounded);
-        if let Some(ptr) = self.alloc_block(device, dev, alloc, small, stream)? {
+        // A segment of the pool's size, or with expandable segments, the request's size mapped
+        // at a free block's end.
+        let grow = |dev: &mut Device| {
+            if self.config.expandable_segments {
+                self.alloc_expandable(device, dev, rounded, small, stream)
+            } else {
+                self.alloc_block(device, dev, allocation_size(rounded), small, stream)
+            }
+        };
+        if let Some(ptr) = grow(dev)? {
             return Ok(ptr);
         }
         if self.release_available_cached_blocks(device, dev, rounded, small, stream)? {
-            if let Some(ptr) = self.alloc_block(device, dev, alloc, small, stream)? {
+            if let Some(ptr) = grow(dev)? {
                 return Ok(ptr);
             }
         }
         self.release_cached_blocks(device, dev)?;
         dev.stats.oom_retries += 1;
-        if let Some(ptr) = self.alloc_block(device, dev, alloc, small, stream)? {
+        if let Some(ptr) = grow(dev)? {
             return Ok(ptr);
         }
         dev.stats.ooms += 1;
@@ -327,6 +379,8 @@ impl TorchAllocator {
                 prev: None,
                 next: None,
                 stream_uses: Vec::new(),
+                mapped: true,
+                expandable: None,
             },
         );
         dev.stats.add_reserved(bytes, 1);
@@ -351,7 +405,12 @@ impl TorchAllocator {
         }
         let key = rounded.max(max_split);
         let set = &dev.free[usize::from(!small)];
-        let whole = |b: &(StreamHandle, u64, DevicePtr)| !dev.blocks[&b.2].is_split();
+        // Whole segments; never an expandable segment's blocks (their handles go back only
+        // with the rest of the cache).
+        let whole = |b: &(StreamHandle, u64, DevicePtr)| {
+            let block = &dev.blocks[&b.2];
+            !block.is_split() && block.expandable.is_none()
+        };
         if let Some(&one) = set
             .range((stream, key, 0)..)
             .next()
@@ -393,10 +452,17 @@ impl TorchAllocator {
             .free
             .iter()
             .flatten()
-            .filter(|b| !dev.blocks[&b.2].is_split())
+            .filter(|b| !dev.blocks[&b.2].is_split() && dev.blocks[&b.2].expandable.is_none())
             .copied()
             .collect();
-        if whole.is_empty() {
+        let expandable: Vec<DevicePtr> = dev
+            .free
+            .iter()
+            .flatten()
+            .filter(|b| dev.blocks[&b.2].expandable.is_some())
+            .map(|b| b.2)
+            .collect();
+        if whole.is_empty() && expandable.is_empty() {
             return Ok(0);
         }
         self.synchronize(device)?;
@@ -405,10 +471,14 @@ impl TorchAllocator {
             released += b.1;
             self.release_block(device, dev, b)?;
         }
+        // Each cached expandable block's whole handles, and a segment left with nothing mapped.
+        for ptr in expandable {
+            released += self.unmap_block(device, dev, ptr)?;
+        }
         Ok(released)
     }
 
-    fn synchronize(&self, device: i32) -> Result<()> {
+    pub(super) fn synchronize(&self, device: i32) -> Result<()> {
         self.driver
             .synchronize(device)
             .map_err(|e| Error::driver("waiting for the device before freeing", &e))
@@ -443,7 +513,7 @@ impl TorchAllocator {
     ) -> DevicePtr {
         let block = dev.blocks.get_mut(&ptr).expect("a found block is known");
         let remaining = block.size - rounded;
-        let split = if block.small {
+        let split = if block.small || self.config.expandable_segments {
             remaining >= MIN_BLOCK
         } else {
             rounded < self.max_split() && remaining > SMALL_SIZE
@@ -459,6 +529,8 @@ impl TorchAllocator {
                 prev: Some(ptr),
                 next: block.next,
                 stream_uses: Vec::new(),
+                mapped: true,
+                expandable: block.expandable,
             };
             let rest_ptr = ptr + rounded;
             block.size = rounded;
@@ -539,11 +611,11 @@ impl TorchAllocator {
     }
 
     /// A block goes back to its pool, merged with free neighbours.
-    fn free_block(dev: &mut Device, mut ptr: DevicePtr) {
+    pub(super) fn free_block(dev: &mut Device, mut ptr: DevicePtr) {
         let mergeable = |dev: &Device, p: Option<DevicePtr>| {
             p.filter(|p| {
                 let b = &dev.blocks[p];
-                !b.allocated && !b.pending
+                !b.allocated && !b.pending && b.mapped
             })
         };
         dev.blocks.get_mut(&ptr).expect("known").pending = false;
@@ -580,12 +652,15 @@ impl TorchAllocator {
             let mut reserved = 0;
             let mut allocated = 0;
             let mut cached = 0;
+            let mut unmapped = 0;
             for (&ptr, b) in &dev.blocks {
                 if b.prev.is_none() {
                     let mut p = Some(ptr);
                     while let Some(q) = p {
                         let blk = &dev.blocks[&q];
-                        reserved += blk.size;
+                        if blk.mapped {
+                            reserved += blk.size;
+                        }
                         if let Some(n) = blk.next {
                             if n != q + blk.size {
                                 return Err(format!("{q:#x}: next {n:#x} is not adjacent"));
@@ -594,7 +669,14 @@ impl TorchAllocator {
                         p = blk.next;
                     }
                 }
-                if b.allocated {
+                if !b.mapped {
+                    unmapped += 1;
+                    if b.allocated
+                        || !dev.unmapped[usize::from(!b.small)].contains(&(b.stream, ptr))
+                    {
+                        return Err(format!("{ptr:#x}: unmapped block missing from its pool"));
+                    }
+                } else if b.allocated {
                     allocated += b.size;
                 } else if !b.pending {
                     cached += 1;
@@ -606,6 +688,12 @@ impl TorchAllocator {
             let in_sets: usize = dev.free.iter().map(BTreeSet::len).sum();
             if in_sets != cached {
                 return Err(format!("{in_sets} blocks in the pools, {cached} cached"));
+            }
+            let listed: usize = dev.unmapped.iter().map(BTreeSet::len).sum();
+            if listed != unmapped {
+                return Err(format!(
+                    "{listed} unmapped blocks listed, {unmapped} in segments"
+                ));
             }
             if reserved != dev.stats.reserved_bytes || allocated != dev.stats.allocated_bytes {
                 return Err(format!(
@@ -693,21 +781,26 @@ impl Allocator for TorchAllocator {
     fn layout(&self, device: i32) -> Result<Layout> {
         let dev = self.lock(device)?;
         let mut layout = Layout::default();
-        // Each segment from its first block (none before it), along its chain.
+        // Each segment from its first block (none before it), along its chain; an expandable
+        // segment as its runs of mapped blocks, each a segment of its own.
         for (&first, _) in dev.blocks.iter().filter(|(_, b)| b.prev.is_none()) {
+            let mut run = Vec::new();
             let mut at = Some(first);
-            layout.add_segment(std::iter::from_fn(|| {
-                let b = &dev.blocks[&at?];
+            while let Some(p) = at {
+                let b = &dev.blocks[&p];
                 at = b.next;
-                Some(if b.allocated {
-                    Piece::Live {
+                if !b.mapped {
+                    layout.add_segment(std::mem::take(&mut run));
+                } else if b.allocated {
+                    run.push(Piece::Live {
                         size: b.size,
                         requested: b.requested,
-                    }
+                    });
                 } else {
-                    Piece::Free(b.size)
-                })
-            }));
+                    run.push(Piece::Free(b.size));
+                }
+            }
+            layout.add_segment(run);
         }
         Ok(layout)
     }
