@@ -116,19 +116,7 @@ impl TorchAllocator {
         }));
         dev.blocks.insert(
             base,
-            Block {
-                size: bytes,
-                requested: 0,
-                stream,
-                small,
-                allocated: false,
-                pending: false,
-                prev: None,
-                next: None,
-                stream_uses: Vec::new(),
-                mapped: false,
-                expandable: Some(index),
-            },
+            Block::unused(bytes, (stream, small), (None, None), (false, Some(index))),
         );
         dev.unmapped[usize::from(!small)].insert((stream, base));
         dev.stats.segments += 1;
@@ -193,19 +181,12 @@ impl TorchAllocator {
             let next = dev.blocks[&ptr].next;
             dev.blocks.insert(
                 rest,
-                Block {
-                    size: whole - mapped,
-                    requested: 0,
-                    stream,
-                    small,
-                    allocated: false,
-                    pending: false,
-                    prev: Some(ptr),
-                    next,
-                    stream_uses: Vec::new(),
-                    mapped: false,
-                    expandable: Some(index),
-                },
+                Block::unused(
+                    whole - mapped,
+                    (stream, small),
+                    (Some(ptr), next),
+                    (false, Some(index)),
+                ),
             );
             if let Some(n) = next {
                 dev.blocks.get_mut(&n).expect("linked").prev = Some(rest);
@@ -276,19 +257,7 @@ impl TorchAllocator {
             let after = pieces.get(i + 1).map(|p| p.0).or(next);
             dev.blocks.insert(
                 at,
-                Block {
-                    size: len,
-                    requested: 0,
-                    stream,
-                    small,
-                    allocated: false,
-                    pending: false,
-                    prev: before,
-                    next: after,
-                    stream_uses: Vec::new(),
-                    mapped,
-                    expandable: Some(index),
-                },
+                Block::unused(len, (stream, small), (before, after), (mapped, Some(index))),
             );
             if mapped {
                 dev.free[pool].insert((stream, len, at));
@@ -317,25 +286,13 @@ impl TorchAllocator {
         let small = dev.blocks[&ptr].small;
         let unmapped = |dev: &Device, p: Option<DevicePtr>| p.filter(|p| !dev.blocks[p].mapped);
         if let Some(prev) = unmapped(dev, dev.blocks[&ptr].prev) {
-            let b = dev.blocks.remove(&ptr).expect("known");
-            let p = dev.blocks.get_mut(&prev).expect("linked");
-            dev.unmapped[usize::from(!small)].remove(&(p.stream, prev));
-            p.size += b.size;
-            p.next = b.next;
-            if let Some(n) = b.next {
-                dev.blocks.get_mut(&n).expect("linked").prev = Some(prev);
-            }
+            dev.unmapped[usize::from(!small)].remove(&(dev.blocks[&prev].stream, prev));
+            dev.merge(prev, ptr);
             ptr = prev;
         }
         if let Some(next) = unmapped(dev, dev.blocks[&ptr].next) {
-            let n = dev.blocks.remove(&next).expect("linked");
-            dev.unmapped[usize::from(!small)].remove(&(n.stream, next));
-            let b = dev.blocks.get_mut(&ptr).expect("known");
-            b.size += n.size;
-            b.next = n.next;
-            if let Some(after) = n.next {
-                dev.blocks.get_mut(&after).expect("linked").prev = Some(ptr);
-            }
+            dev.unmapped[usize::from(!small)].remove(&(dev.blocks[&next].stream, next));
+            dev.merge(ptr, next);
         }
         ptr
     }

@@ -150,6 +150,29 @@ pub(super) struct Block {
 }
 
 impl Block {
+    /// A block nothing is allocated in: `size` bytes of `stream`'s pool between `prev` and
+    /// `next`, mapped or not, in an expandable segment or not.
+    pub(super) fn unused(
+        size: u64,
+        (stream, small): (StreamHandle, bool),
+        (prev, next): (Option<DevicePtr>, Option<DevicePtr>),
+        (mapped, expandable): (bool, Option<usize>),
+    ) -> Block {
+        Block {
+            size,
+            requested: 0,
+            stream,
+            small,
+            allocated: false,
+            pending: false,
+            prev,
+            next,
+            stream_uses: Vec::new(),
+            mapped,
+            expandable,
+        }
+    }
+
     pub(super) fn is_split(&self) -> bool {
         self.prev.is_some() || self.next.is_some()
     }
@@ -169,6 +192,20 @@ pub(super) struct Device {
     pub(super) stats: Stats,
     /// Bytes obtained from the driver since creation (for `warmup`'s answer).
     pub(super) driver_bytes: u64,
+}
+
+impl Device {
+    /// Merge the block at `later` into the block at `earlier`, its address neighbour before it
+    /// (the caller took both out of their sets): `later`'s entry goes.
+    pub(super) fn merge(&mut self, earlier: DevicePtr, later: DevicePtr) {
+        let b = self.blocks.remove(&later).expect("linked");
+        let e = self.blocks.get_mut(&earlier).expect("known");
+        e.size += b.size;
+        e.next = b.next;
+        if let Some(n) = b.next {
+            self.blocks.get_mut(&n).expect("linked").prev = Some(earlier);
+        }
+    }
 }
 
 /// PyTorch's caching allocator policy over every device of a driver.
@@ -369,19 +406,7 @@ impl TorchAllocator {
         };
         dev.blocks.insert(
             ptr,
-            Block {
-                size: bytes,
-                requested: 0,
-                stream,
-                small,
-                allocated: false,
-                pending: false,
-                prev: None,
-                next: None,
-                stream_uses: Vec::new(),
-                mapped: true,
-                expandable: None,
-            },
+            Block::unused(bytes, (stream, small), (None, None), (true, None)),
         );
         dev.stats.add_reserved(bytes, 1);
         dev.stats.segments += 1;
@@ -519,19 +544,12 @@ impl TorchAllocator {
             rounded < self.max_split() && remaining > SMALL_SIZE
         };
         if split {
-            let rest = Block {
-                size: remaining,
-                requested: 0,
-                stream: block.stream,
-                small: block.small,
-                allocated: false,
-                pending: false,
-                prev: Some(ptr),
-                next: block.next,
-                stream_uses: Vec::new(),
-                mapped: true,
-                expandable: block.expandable,
-            };
+            let rest = Block::unused(
+                remaining,
+                (block.stream, block.small),
+                (Some(ptr), block.next),
+                (true, block.expandable),
+            );
             let rest_ptr = ptr + rounded;
             block.size = rounded;
             block.next = Some(rest_ptr);
@@ -620,25 +638,15 @@ impl TorchAllocator {
         };
         dev.blocks.get_mut(&ptr).expect("known").pending = false;
         if let Some(prev) = mergeable(dev, dev.blocks[&ptr].prev) {
-            let b = dev.blocks.remove(&ptr).expect("known");
-            let p = dev.blocks.get_mut(&prev).expect("linked");
+            let p = &dev.blocks[&prev];
             dev.free[usize::from(!p.small)].remove(&(p.stream, p.size, prev));
-            p.size += b.size;
-            p.next = b.next;
-            if let Some(n) = b.next {
-                dev.blocks.get_mut(&n).expect("linked").prev = Some(prev);
-            }
+            dev.merge(prev, ptr);
             ptr = prev;
         }
         if let Some(next) = mergeable(dev, dev.blocks[&ptr].next) {
-            let n = dev.blocks.remove(&next).expect("linked");
+            let n = &dev.blocks[&next];
             dev.free[usize::from(!n.small)].remove(&(n.stream, n.size, next));
-            let b = dev.blocks.get_mut(&ptr).expect("known");
-            b.size += n.size;
-            b.next = n.next;
-            if let Some(after) = n.next {
-                dev.blocks.get_mut(&after).expect("linked").prev = Some(ptr);
-            }
+            dev.merge(ptr, next);
         }
         let b = &dev.blocks[&ptr];
         let key = (b.stream, b.size, ptr);
