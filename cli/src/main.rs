@@ -329,11 +329,12 @@ fn run_replay(
             ),
             _ => String::new(),
         };
+        let (ops, allocs) = (trace.events.len(), trace.allocs());
         println!(
-            "{}: {} operations{of} ({} allocations) on a simulated {} device",
+            "{}: {ops} operation{}{of} ({allocs} allocation{}) on a simulated {} device",
             trace.name,
-            trace.events.len(),
-            trace.allocs(),
+            if ops == 1 { "" } else { "s" },
+            if allocs == 1 { "" } else { "s" },
             gib_or_mib(memory)
         );
     }

@@ -412,7 +412,7 @@ fn a_snapshot_of_the_second_gpu_alone_is_replayed_from_it() {
     let first = out.lines().next().unwrap();
     assert!(
         first.ends_with(
-            ": 2 operations of device 1 (device 0 has nothing to replay) (1 allocations) on a \
+            ": 2 operations of device 1 (device 0 has nothing to replay) (1 allocation) on a \
              simulated 80.00 GiB device"
         ),
         "{first}"
