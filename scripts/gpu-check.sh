@@ -9,8 +9,11 @@
 # What it runs, each against libcuda.so.1 and each under a time limit:
 #   1. when python3 has torch (with the wheels of scripts/gpu-wheels.sh in .whl/ when present:
 #      transformers 4.51.3, from before the fix of the seed): python/tests/test_torch_gpu.py, four
-#      loads of a Qwen3-4B-shaped model in PyTorch with transformers' device_map="auto", with and
-#      without resmem as the allocator; and python/tests/test_torch_pool_gpu.py,
+#      loads of a Qwen3-4B-shaped model in PyTorch with transformers' device_map="auto", under
+#      PyTorch's allocator, with its expandable segments, and with resmem as the allocator, and
+#      PyTorch's snapshots of the first two replayed (`resmem replay`: the torch policy, and its
+#      model of expandable segments, against what PyTorch recorded); and
+#      python/tests/test_torch_pool_gpu.py,
 #      resmem.torch.pool() through torch.cuda.MemPool (empty_cache, out-of-memory as
 #      torch.cuda.OutOfMemoryError, frees across devices);
 #   2. the pool through the dlopen'ed driver (tests/cuda_driver.rs): reserve/release, cross-stream
@@ -62,7 +65,15 @@ echo "== python/tests/test_torch_gpu.py"
 if python3 -c "import torch" 2>/dev/null; then
   lib="$(cd "$bundle" && pwd)/lib/libresmem.so.0"
   pypath="$bundle/python${PYTHONPATH:+:$PYTHONPATH}"
-  RESMEM_LIBRARY=$lib PYTHONPATH=$pypath step 360 python3 "$bundle/python/tests/test_torch_gpu.py"
+  record=$(mktemp -d)
+  RESMEM_TORCH_RECORD_DIR=$record RESMEM_LIBRARY=$lib PYTHONPATH=$pypath \
+    step 420 python3 "$bundle/python/tests/test_torch_gpu.py"
+  for snapshot in "$record"/seed-pytorch*.pickle; do
+    [ -f "$snapshot" ] || continue
+    echo "== $(basename "$snapshot") replayed"
+    step 120 "$bundle/resmem" replay "$snapshot" --policy both --device-memory 144GiB
+  done
+  rm -rf "$record"
   echo "== python/tests/test_torch_pool_gpu.py"
   RESMEM_LIBRARY=$lib PYTHONPATH=$pypath step 120 python3 "$bundle/python/tests/test_torch_pool_gpu.py"
 else

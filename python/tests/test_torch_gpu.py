@@ -13,9 +13,12 @@ the fix. On a machine without network, carry the wheels that `scripts/gpu-wheels
 By default the GPU is made to look like the 24 GiB card of transformers PR #37920: a ballast
 tensor takes the rest (RESMEM_TORCH_DEVICE_GIB=0 uses the whole device).
 
+A third run takes PyTorch's allocator with expandable segments (PYTORCH_CUDA_ALLOC_CONF=
+expandable_segments:True), PyTorch's own answer to fragmentation, for comparison.
+
 With RESMEM_TORCH_RECORD_DIR set, the loads are kept for replay (`resmem replay`): PyTorch's memory
-snapshot of the PyTorch run (seed-pytorch.pickle, the ballast in it) and resmem's trace of the
-resmem run (seed-resmem.jsonl, through RESMEM_CONF=record).
+snapshots of the PyTorch runs (seed-pytorch.pickle and seed-pytorch-expandable.pickle, the ballast
+in them) and resmem's trace of the resmem run (seed-resmem.jsonl, through RESMEM_CONF=record).
 
     python3 python/tests/test_torch_gpu.py     (or through pytest)
 
@@ -95,7 +98,7 @@ def load_four_times(folder, mode):
 
     device_gib = float(os.environ.get("RESMEM_TORCH_DEVICE_GIB", "24"))
     record = os.environ.get("RESMEM_TORCH_RECORD_DIR")
-    if record and mode == "pytorch":
+    if record and mode.startswith("pytorch"):
         # No tracebacks: the calls and the segments are what a replay needs.
         torch.cuda.memory._record_memory_history(context=None, max_entries=1 << 22)
     free, total = torch.cuda.mem_get_info()
@@ -145,8 +148,8 @@ def load_four_times(folder, mode):
         del model
         gc.collect()
     print("RESULT " + json.dumps(rows))
-    if record and mode == "pytorch":
-        torch.cuda.memory._dump_snapshot(os.path.join(record, "seed-pytorch.pickle"))
+    if record and mode.startswith("pytorch"):
+        torch.cuda.memory._dump_snapshot(os.path.join(record, f"seed-{mode}.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
     # An out-of-memory: under install(), a RuntimeError from libresmem_torch.so where PyTorch
     # would otherwise get a NULL it does not check; either way the device must still compute.
@@ -185,8 +188,10 @@ def scenario():
     results = {}
     with tempfile.TemporaryDirectory(prefix="resmem-qwen3-") as folder:
         subprocess.run([sys.executable, here, "make", folder], check=True)
-        for mode in ("pytorch", "resmem"):
+        for mode in ("pytorch", "pytorch-expandable", "resmem"):
             env = dict(os.environ)
+            if mode == "pytorch-expandable":
+                env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
             record = env.get("RESMEM_TORCH_RECORD_DIR")
             if record and mode == "resmem":
                 conf = env.get("RESMEM_CONF")
@@ -231,8 +236,9 @@ def test_seed_scenario_in_pytorch():
     assert oom["raised"].startswith("RuntimeError: CUDA out of memory. resmem: "), oom
     assert oom["computes"], oom
     assert results["pytorch oom"]["computes"], results["pytorch oom"]
+    assert results["pytorch-expandable oom"]["computes"], results["pytorch-expandable oom"]
     # A graph replays into its own pool: 3 * 2 + 1, and the tensors made after it untouched.
-    for mode in ("pytorch", "resmem"):
+    for mode in ("pytorch", "pytorch-expandable", "resmem"):
         assert results[mode + " graph"] == {"out": 7.0, "later_intact": True}, results
 
 
