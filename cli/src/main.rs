@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use resmem::driver::pages::PageHandles;
 use resmem::driver::sim::SimDriver;
 use resmem::Driver;
+use resmem_cli::allocator::Allocator;
 use resmem_cli::env::{self, Device, Environment};
 use resmem_cli::replay::{self, Outcome, Policy};
 use resmem_cli::trace::Trace;
@@ -286,7 +287,33 @@ fn run_demo(
     println!();
     print!("{}", demo::table(&side));
     println!();
-    for (title, run) in [("PyTorch's policy", &runs[0]), ("resmem", &runs[1])] {
+    // PyTorch's own answer to fragmentation, for comparison: its policy with expandable
+    // segments (a stream's memory in one range grown by 20 MiB handles), from a bare device.
+    let driver: Arc<dyn Driver> = match &gpu {
+        Some(d) => d.clone(),
+        None => Arc::new(PageHandles::with_part(
+            SimDriver::new(env.simulated(&[device_memory])).map_err(|e| e.message)?,
+            env.settings.handle_part,
+        )),
+    };
+    let expandable = baseline::TorchAllocator::new(
+        driver,
+        baseline::TorchConfig {
+            expandable_segments: true,
+            ..baseline::TorchConfig::default()
+        },
+    )
+    .map_err(|e| e.message)?;
+    let expandable_run = demo::run(&expandable, shape, loads)?;
+    expandable.free_reusable(None).map_err(|e| e.message)?;
+    for (title, run) in [
+        ("PyTorch's policy", &runs[0]),
+        (
+            "PyTorch's policy with expandable_segments:True",
+            &expandable_run,
+        ),
+        ("resmem", &runs[1]),
+    ] {
         println!("{}", demo::summary(title, run, one_warmup));
     }
     if let Some(out) = plot_to {

@@ -321,6 +321,13 @@ fn the_demo_shows_pytorchs_offload_and_resmems_none() {
         ),
         "{out}"
     );
+    assert!(
+        out.contains(
+            "PyTorch's policy with expandable_segments:True: peak reserved 15.88 GiB (1.933 x \
+             one warm-up), 814 driver allocations, parameters offloaded to the CPU at load 3, 4"
+        ),
+        "{out}"
+    );
     assert!(out.contains("resmem: peak reserved"), "{out}");
     let drawn = std::fs::read_to_string(&svg).unwrap();
     std::fs::remove_file(&svg).unwrap();
