@@ -127,7 +127,8 @@ def main():
                         "SIZE (2MiB: a page each, the default there)")
     parser.add_argument("--torch-conf", metavar="CONF",
                         help="PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings "
-                        "(max_split_size_mb, roundup_power2_divisions), as PyTorch tuned")
+                        "(max_split_size_mb, max_non_split_rounding_mb, "
+                        "roundup_power2_divisions, expandable_segments), as PyTorch tuned")
     args = parser.parse_args()
     if args.handle_part:
         REPLAY_ARGS.extend(["--handle-part", args.handle_part])

@@ -81,8 +81,9 @@ enum Command {
         #[arg(long, value_parser = env::device_memory)]
         device_memory: Option<u64>,
         /// PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings, in place of those a
-        /// snapshot recorded (max_split_size_mb, roundup_power2_divisions and
-        /// expandable_segments are replayed; another backend is refused).
+        /// snapshot recorded (max_split_size_mb, max_non_split_rounding_mb,
+        /// roundup_power2_divisions and expandable_segments are replayed; another backend is
+        /// refused).
         #[arg(long, value_name = "CONF")]
         torch_conf: Option<String>,
         /// Which device's operations to replay (PyTorch snapshots and recorded traces; default

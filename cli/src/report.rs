@@ -131,6 +131,11 @@ fn settings_lines(s: &TorchSettings) -> String {
         .into_iter()
         .chain(
             s.config
+                .max_non_split_rounding
+                .map(|m| format!("max_non_split_rounding {}", gib_or_mib(m))),
+        )
+        .chain(
+            s.config
                 .roundup_power2_divisions
                 .iter()
                 .any(|&d| d > 1)
@@ -207,6 +212,7 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
         "torch_settings": trace.torch_settings.as_ref().map(|s| serde_json::json!({
             "conf": s.conf,
             "max_split_size": s.config.max_split_size,
+            "max_non_split_rounding": s.config.max_non_split_rounding,
             "roundup_power2_divisions": s.config.roundup_power2_divisions,
             "expandable_segments": s.config.expandable_segments,
             "garbage_collection": s.garbage_collection,
@@ -301,20 +307,23 @@ mod tests {
         assert_eq!(settings_lines(&TorchSettings::default()), "");
         let mut config = TorchConfig {
             max_split_size: Some(128 << 20),
+            max_non_split_rounding: Some(64 << 20),
             ..TorchConfig::default()
         };
         config.roundup_power2_divisions[0] = 4;
         config.expandable_segments = true;
         let settings = TorchSettings {
-            conf: "max_split_size_mb:128,roundup_power2_divisions:4,expandable_segments:True"
+            conf: "max_split_size_mb:128,max_non_split_rounding_mb:64,\
+                   roundup_power2_divisions:4,expandable_segments:True"
                 .into(),
             config,
             garbage_collection: true,
         };
         assert_eq!(
             settings_lines(&settings),
-            "PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,roundup_power2_divisions:4,\
-             expandable_segments:True\": the torch policy replays its max_split_size 128.00 MiB, \
+            "PYTORCH_CUDA_ALLOC_CONF=\"max_split_size_mb:128,max_non_split_rounding_mb:64,\
+             roundup_power2_divisions:4,expandable_segments:True\": the torch policy replays its \
+             max_split_size 128.00 MiB, max_non_split_rounding 64.00 MiB, \
              roundup_power2_divisions [4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], \
              expandable segments\n\
              a garbage_collection_threshold acts only under a memory fraction, which no trace \

@@ -52,11 +52,17 @@ fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
         }
     }
     config.expandable_segments = matches!(get(s, "expandable_segments"), Some(Value::Bool(true)));
+    let conf = get(s, "PYTORCH_CUDA_ALLOC_CONF")
+        .and_then(text)
+        .unwrap_or("")
+        .to_string();
+    // `max_non_split_rounding_mb` has no key of its own: read from the setting's text, as
+    // PyTorch read it (a text PyTorch would have refused changes nothing).
+    config.max_non_split_rounding = crate::baseline::conf::parse(&conf)
+        .ok()
+        .and_then(|parsed| parsed.config.max_non_split_rounding);
     Some(TorchSettings {
-        conf: get(s, "PYTORCH_CUDA_ALLOC_CONF")
-            .and_then(text)
-            .unwrap_or("")
-            .to_string(),
+        conf,
         config,
         garbage_collection: matches!(get(s, "garbage_collection_threshold"),
             Some(Value::F64(t)) if *t > 0.0),
@@ -575,7 +581,10 @@ mod tests {
         let settings = vec![
             (
                 "PYTORCH_CUDA_ALLOC_CONF",
-                Value::String("max_split_size_mb:40,expandable_segments:True".into()),
+                Value::String(
+                    "max_split_size_mb:40,max_non_split_rounding_mb:30,expandable_segments:True"
+                        .into(),
+                ),
             ),
             ("max_split_size", Value::I64(40 * MIB)),
             ("garbage_collection_threshold", Value::F64(0.0)),
@@ -589,9 +598,12 @@ mod tests {
         assert_eq!(
             trace.torch_settings,
             Some(TorchSettings {
-                conf: "max_split_size_mb:40,expandable_segments:True".into(),
+                conf: "max_split_size_mb:40,max_non_split_rounding_mb:30,expandable_segments:True"
+                    .into(),
                 config: TorchConfig {
                     max_split_size: Some(40 << 20),
+                    // Read from the recorded text: it has no key of its own.
+                    max_non_split_rounding: Some(30 << 20),
                     roundup_power2_divisions: divisions,
                     expandable_segments: true,
                 },

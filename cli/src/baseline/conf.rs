@@ -9,8 +9,8 @@ use super::torch::{TorchConfig, LARGE_BUFFER, POWER2_INTERVALS};
 pub struct TorchSettings {
     /// `PYTORCH_CUDA_ALLOC_CONF` as PyTorch read it.
     pub conf: String,
-    /// `max_split_size`, `roundup_power2_divisions` and `expandable_segments`, which the torch
-    /// policy replays.
+    /// `max_split_size`, `max_non_split_rounding`, `roundup_power2_divisions` and
+    /// `expandable_segments`, which the torch policy replays.
     pub config: TorchConfig,
     /// A `garbage_collection_threshold` was set (it acts only under a memory fraction, which
     /// neither a snapshot nor a trace records; not modelled).
@@ -50,6 +50,17 @@ pub fn parse(conf: &str) -> Result<TorchSettings, String> {
                 }
                 settings.config.max_split_size = Some(mb.saturating_mul(MIB));
             }
+            "max_non_split_rounding_mb" => {
+                let mb = number(key, value)?;
+                if mb < LARGE_BUFFER / MIB {
+                    return Err(format!(
+                        "PYTORCH_CUDA_ALLOC_CONF: max_non_split_rounding_mb must be at least {}, \
+                         as PyTorch requires",
+                        LARGE_BUFFER / MIB
+                    ));
+                }
+                settings.config.max_non_split_rounding = Some(mb.saturating_mul(MIB));
+            }
             "roundup_power2_divisions" if value == "[" => {
                 i = divisions_list(&tokens, i, &mut settings.config)?;
             }
@@ -75,8 +86,7 @@ pub fn parse(conf: &str) -> Result<TorchSettings, String> {
                      allocator, which is the policy replayed; only backend:native is modelled"
                 ))
             }
-            "max_non_split_rounding_mb"
-            | "release_lock_on_cudamalloc"
+            "release_lock_on_cudamalloc"
             | "pinned_use_cuda_host_register"
             | "pinned_num_register_threads"
             | "pinned_reserve_segment_size_mb"
@@ -223,6 +233,15 @@ mod tests {
         let s = parse("expandable_segments:True,garbage_collection_threshold:0.6").unwrap();
         assert!(s.config.expandable_segments && s.garbage_collection);
         assert_eq!(s.config.max_split_size, None);
+        let s = parse("max_split_size_mb:64,max_non_split_rounding_mb:256").unwrap();
+        assert_eq!(s.config.max_non_split_rounding, Some(256 << 20));
+        assert_eq!(
+            parse("max_split_size_mb:64")
+                .unwrap()
+                .config
+                .max_non_split_rounding,
+            None
+        );
         let s = parse("backend:native,pinned_num_register_threads:8").unwrap();
         assert_eq!(s.config, TorchConfig::default());
         assert_eq!(parse("").unwrap().config, TorchConfig::default());
@@ -235,6 +254,11 @@ mod tests {
                 "max_split_size_mb:20",
                 "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be more than 20, as PyTorch \
                  requires",
+            ),
+            (
+                "max_non_split_rounding_mb:19",
+                "PYTORCH_CUDA_ALLOC_CONF: max_non_split_rounding_mb must be at least 20, as \
+                 PyTorch requires",
             ),
             (
                 "roundup_power2_divisions:3",

@@ -230,6 +230,27 @@ fn max_split_size_keeps_oversize_blocks_whole_and_for_large_requests() {
 }
 
 #[test]
+fn max_non_split_rounding_sets_how_much_larger_an_oversize_block_may_be() {
+    let config = TorchConfig {
+        max_split_size: Some(40 * MIB),
+        max_non_split_rounding: Some(64 * MIB),
+        ..TorchConfig::default()
+    };
+    let (t, sim) = torch_with(GIB, config);
+    let big = t.reserve(0, 100 * MIB, 0).unwrap();
+    t.release(big).unwrap();
+    // 100 >= 40 + 60 under the default's 20 MiB; with 64 MiB, 100 < 40 + 64: taken whole.
+    assert_eq!(t.reserve(0, 40 * MIB, 0).unwrap(), big);
+    let s = t.stats(0).unwrap();
+    assert_eq!((s.allocated_bytes, s.driver_allocs), (100 * MIB, 1));
+    // A request under max_split_size still never takes one.
+    t.release(big).unwrap();
+    assert_ne!(t.reserve(0, 36 * MIB, 0).unwrap(), big);
+    assert_eq!(t.stats(0).unwrap().driver_allocs, 2);
+    assert_books(&t, sim);
+}
+
+#[test]
 fn after_a_failed_allocation_oversize_blocks_go_back_first_largest_first() {
     let config = TorchConfig {
         max_split_size: Some(40 * MIB),

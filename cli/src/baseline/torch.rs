@@ -12,7 +12,7 @@
 //!   keyed by (stream, size, address);
 //! - with a finite `max_split_size`, a request below it never takes a cached block at or above it
 //!   (*oversize*), and a request at or above it takes an oversize block only if the block is less
-//!   than 20 MiB larger;
+//!   than `max_non_split_rounding_mb` (20 MiB by default) larger;
 //! - a found block is split when the remainder is at least 512 bytes (small pool, or any pool
 //!   with expandable segments), or, in the large pool, when the request is below
 //!   `max_split_size` and the remainder exceeds 1 MiB;
@@ -62,6 +62,10 @@ pub struct TorchConfig {
     /// `max_split_size_mb`, in bytes: cached blocks at least this large are never split. `None`
     /// (PyTorch's default) means unlimited.
     pub max_split_size: Option<u64>,
+    /// `max_non_split_rounding_mb`, in bytes: with a finite `max_split_size`, a request at
+    /// least that large takes a cached block only if the block is less than this much larger.
+    /// `None`: PyTorch's default, 20 MiB ([`LARGE_BUFFER`]).
+    pub max_non_split_rounding: Option<u64>,
     /// `roundup_power2_divisions`: for requests in each power-of-two interval from 1 MiB
     /// (`[0]`: below 2 MiB, `[1]`: 2 to 4 MiB, ..., `[15]`: 32 GiB and up), the number of
     /// equal divisions of the interval a request is rounded up to; 0 or 1 (PyTorch's default):
@@ -337,7 +341,8 @@ impl TorchAllocator {
         if rounded < max_split && bsize >= max_split {
             return None;
         }
-        if rounded >= max_split && bsize >= rounded.saturating_add(LARGE_BUFFER) {
+        let rounding = self.config.max_non_split_rounding.unwrap_or(LARGE_BUFFER);
+        if rounded >= max_split && bsize >= rounded.saturating_add(rounding) {
             return None;
         }
         set.remove(&(s, bsize, ptr));
