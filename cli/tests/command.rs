@@ -485,7 +485,7 @@ fn replay_takes_pytorchs_settings_from_torch_conf() {
     assert!(!small);
     assert_eq!(
         small_err,
-        "resmem: PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be more than 20, as PyTorch \
+        "resmem: PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be at least 20, as PyTorch \
          requires\n"
     );
 }

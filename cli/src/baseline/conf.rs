@@ -41,9 +41,9 @@ pub fn parse(conf: &str) -> Result<TorchSettings, String> {
         match key {
             "max_split_size_mb" => {
                 let mb = number(key, value)?;
-                if mb <= LARGE_BUFFER / MIB {
+                if mb < LARGE_BUFFER / MIB {
                     return Err(format!(
-                        "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be more than {}, as \
+                        "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be at least {}, as \
                          PyTorch requires",
                         LARGE_BUFFER / MIB
                     ));
@@ -251,8 +251,8 @@ mod tests {
     fn settings_pytorch_refuses_are_refused() {
         for (conf, message) in [
             (
-                "max_split_size_mb:20",
-                "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be more than 20, as PyTorch \
+                "max_split_size_mb:19",
+                "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be at least 20, as PyTorch \
                  requires",
             ),
             (

@@ -218,15 +218,29 @@ fn max_split_size_keeps_oversize_blocks_whole_and_for_large_requests() {
     assert_eq!(s.allocated_bytes, (30 + 40 + 64) * MIB);
     assert_eq!(s.driver_allocs, 3);
     assert_books(&t, sim);
-    let too_small = TorchConfig {
-        max_split_size: Some(20 * MIB),
+    // At least 20 MiB, as PyTorch requires (of the rounding too).
+    let new = |config| {
+        let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
+        TorchAllocator::new(Arc::new(SimDriver::new(sim).unwrap()), config)
+    };
+    let split = |mib| TorchConfig {
+        max_split_size: Some(mib * MIB),
         ..TorchConfig::default()
     };
-    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[GIB])));
-    let err = TorchAllocator::new(Arc::new(SimDriver::new(sim).unwrap()), too_small)
-        .err()
-        .unwrap();
-    assert_eq!(err.status, rm_status::RM_ERROR_INVALID_VALUE);
+    let rounding = |mib| TorchConfig {
+        max_non_split_rounding: Some(mib * MIB),
+        ..TorchConfig::default()
+    };
+    for config in [split(19), rounding(19)] {
+        let err = new(config).err().unwrap();
+        assert_eq!(err.status, rm_status::RM_ERROR_INVALID_VALUE);
+    }
+    assert_eq!(
+        new(split(19)).err().unwrap().message,
+        "max_split_size of 19.00 MiB (19922944 bytes) is too small: PyTorch requires at least \
+         20 MiB"
+    );
+    assert!(new(split(20)).is_ok() && new(rounding(20)).is_ok());
 }
 
 #[test]

@@ -220,14 +220,20 @@ pub struct TorchAllocator {
 }
 
 impl TorchAllocator {
-    /// The policy over every device `driver` sees. A `max_split_size` must exceed 20 MiB, as
-    /// PyTorch requires of `max_split_size_mb`.
+    /// The policy over every device `driver` sees. A `max_split_size` and a
+    /// `max_non_split_rounding` must be at least 20 MiB, as PyTorch requires of
+    /// `max_split_size_mb` and `max_non_split_rounding_mb` (its releases before 2.8 wanted more
+    /// than 20 MiB).
     pub fn new(driver: Arc<dyn Driver>, config: TorchConfig) -> Result<TorchAllocator> {
-        if let Some(max) = config.max_split_size {
-            if max <= LARGE_BUFFER {
+        let settings = [
+            ("max_split_size", config.max_split_size),
+            ("max_non_split_rounding", config.max_non_split_rounding),
+        ];
+        for (name, bytes) in settings {
+            if let Some(bytes) = bytes.filter(|&b| b < LARGE_BUFFER) {
                 return Err(Error::invalid_value(format!(
-                    "max_split_size of {} is too small: PyTorch requires more than 20 MiB",
-                    human(max)
+                    "{name} of {} is too small: PyTorch requires at least 20 MiB",
+                    human(bytes)
                 )));
             }
         }
