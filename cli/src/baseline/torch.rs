@@ -222,8 +222,8 @@ pub struct TorchAllocator {
 impl TorchAllocator {
     /// The policy over every device `driver` sees. A `max_split_size` and a
     /// `max_non_split_rounding` must be at least 20 MiB, as PyTorch requires of
-    /// `max_split_size_mb` and `max_non_split_rounding_mb` (its releases before 2.8 wanted more
-    /// than 20 MiB).
+    /// `max_split_size_mb` and `max_non_split_rounding_mb` (earlier releases wanted more than
+    /// 20 MiB).
     pub fn new(driver: Arc<dyn Driver>, config: TorchConfig) -> Result<TorchAllocator> {
         let settings = [
             ("max_split_size", config.max_split_size),
