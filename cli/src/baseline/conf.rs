@@ -40,26 +40,10 @@ pub fn parse(conf: &str) -> Result<TorchSettings, String> {
         i += 3;
         match key {
             "max_split_size_mb" => {
-                let mb = number(key, value)?;
-                if mb < LARGE_BUFFER / MIB {
-                    return Err(format!(
-                        "PYTORCH_CUDA_ALLOC_CONF: max_split_size_mb must be at least {}, as \
-                         PyTorch requires",
-                        LARGE_BUFFER / MIB
-                    ));
-                }
-                settings.config.max_split_size = Some(mb.saturating_mul(MIB));
+                settings.config.max_split_size = Some(at_least_large_buffer(key, value)?);
             }
             "max_non_split_rounding_mb" => {
-                let mb = number(key, value)?;
-                if mb < LARGE_BUFFER / MIB {
-                    return Err(format!(
-                        "PYTORCH_CUDA_ALLOC_CONF: max_non_split_rounding_mb must be at least {}, \
-                         as PyTorch requires",
-                        LARGE_BUFFER / MIB
-                    ));
-                }
-                settings.config.max_non_split_rounding = Some(mb.saturating_mul(MIB));
+                settings.config.max_non_split_rounding = Some(at_least_large_buffer(key, value)?);
             }
             "roundup_power2_divisions" if value == "[" => {
                 i = divisions_list(&tokens, i, &mut settings.config)?;
@@ -183,6 +167,19 @@ fn bad(key: &str, value: &str) -> String {
 
 fn number(key: &str, value: &str) -> Result<u64, String> {
     value.parse().map_err(|_| bad(key, value))
+}
+
+/// A size in MiB that PyTorch requires to be at least its 20 MiB large-pool segment
+/// (`max_split_size_mb`, `max_non_split_rounding_mb`), in bytes.
+fn at_least_large_buffer(key: &str, value: &str) -> Result<u64, String> {
+    let mb = number(key, value)?;
+    if mb < LARGE_BUFFER / MIB {
+        return Err(format!(
+            "PYTORCH_CUDA_ALLOC_CONF: {key} must be at least {}, as PyTorch requires",
+            LARGE_BUFFER / MIB
+        ));
+    }
+    Ok(mb.saturating_mul(MIB))
 }
 
 fn power_of_two(key: &str, value: &str) -> Result<u64, String> {
