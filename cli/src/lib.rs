@@ -27,6 +27,7 @@ pub mod env;
 pub mod generate;
 pub mod info;
 pub mod model;
+pub mod pickle;
 pub mod plot;
 pub mod replay;
 pub mod report;

@@ -108,6 +108,12 @@ pub fn table(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) -
                 trace.restored_blocks
             ));
         }
+        if trace.empty_caches > 0 {
+            out.push_str(&format!(
+                "{} torch.cuda.empty_cache() call(s) of the program replayed\n",
+                trace.empty_caches
+            ));
+        }
         if trace.unmatched_frees > 0 {
             out.push_str(&format!(
                 "{} frees of blocks the snapshot does not place were skipped\n",
@@ -209,6 +215,7 @@ pub fn json(trace: &Trace, outcomes: &[Outcome], min_devices: &[Option<u64>]) ->
         "allocations": trace.allocs(),
         "torch_recorded_peak_reserved": trace.torch_peak_reserved,
         "restored_blocks": trace.restored_blocks,
+        "empty_caches": trace.empty_caches,
         "torch_settings": trace.torch_settings.as_ref().map(|s| serde_json::json!({
             "conf": s.conf,
             "max_split_size": s.config.max_split_size,

@@ -9,13 +9,16 @@
 //! reader walks the events backwards from the end state to find what was live at the first
 //! event, and allocates those blocks first, in address order.
 //!
+//! The program's `torch.cuda.empty_cache()` calls are replayed as [`Event::EmptyCache`] where
+//! they were made, found by the call stack PyTorch recorded with the segments they returned.
+//!
 //! `segment_alloc` / `segment_free` (and `segment_map` / `segment_unmap`) events, with the end
 //! state's segments, give the reserved memory PyTorch itself had: its peak is
 //! [`Trace::torch_peak_reserved`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use serde_pickle::{HashableValue, Value};
+use crate::pickle::{self, Obj, Scalar};
 
 use crate::baseline::torch::POWER2_INTERVALS;
 use crate::baseline::{TorchConfig, TorchSettings};
@@ -23,7 +26,7 @@ use crate::trace::{Event, Trace};
 use crate::units::gib_or_mib;
 
 /// The snapshot's `allocator_settings`, where it has them.
-fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
+fn settings(root: Obj<'_>) -> Option<TorchSettings> {
     let s = get(root, "allocator_settings").and_then(dict)?;
     let mut config = TorchConfig {
         max_split_size: get(s, "max_split_size")
@@ -34,11 +37,11 @@ fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
     };
     // Keyed by each interval's start in MiB: "1", "2", "4", ... "32768".
     for (key, value) in get(s, "roundup_power2_divisions")
-        .and_then(dict)
+        .and_then(Obj::items)
         .into_iter()
         .flatten()
     {
-        let HashableValue::String(key) = key else {
+        let Some(key) = key.text() else {
             continue;
         };
         let (Ok(start), Some(divisions)) = (key.parse::<u64>(), int(value)) else {
@@ -51,7 +54,8 @@ fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
             }
         }
     }
-    config.expandable_segments = matches!(get(s, "expandable_segments"), Some(Value::Bool(true)));
+    config.expandable_segments =
+        get(s, "expandable_segments").and_then(Obj::scalar) == Some(&Scalar::Bool(true));
     let conf = get(s, "PYTORCH_CUDA_ALLOC_CONF")
         .and_then(text)
         .unwrap_or("")
@@ -64,8 +68,10 @@ fn settings(root: &BTreeMap<HashableValue, Value>) -> Option<TorchSettings> {
     Some(TorchSettings {
         conf,
         config,
-        garbage_collection: matches!(get(s, "garbage_collection_threshold"),
-            Some(Value::F64(t)) if *t > 0.0),
+        garbage_collection: matches!(
+            get(s, "garbage_collection_threshold").and_then(Obj::scalar),
+            Some(Scalar::Float(t)) if *t > 0.0
+        ),
     })
 }
 
@@ -80,29 +86,25 @@ struct Block {
 /// device 0 has neither segments nor allocation events, the first device that has (a run on
 /// `cuda:1` alone, say). A device with nothing to replay is refused, never replayed as zeros.
 pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
-    let options = serde_pickle::DeOptions::new()
-        .replace_unresolved_globals()
-        .replace_recursive_structures();
-    let root = serde_pickle::value_from_slice(bytes, options)
-        .map_err(|e| format!("not a readable pickle: {e}"))?;
-    let root = dict(&root).ok_or("the pickle is not a memory snapshot (a dict)")?;
-    let all_segments: Vec<&BTreeMap<HashableValue, Value>> = get(root, "segments")
+    let root = pickle::read(bytes).map_err(|e| format!("not a readable pickle: {e}"))?;
+    let root = dict(root.root()).ok_or("the pickle is not a memory snapshot (a dict)")?;
+    let all_segments: Vec<Obj<'_>> = get(root, "segments")
         .and_then(list)
-        .map(|segs| segs.iter().filter_map(dict).collect())
+        .map(|segs| segs.into_iter().filter_map(dict).collect())
         .unwrap_or_default();
     let traces = get(root, "device_traces").and_then(list);
     let device = pick_device(
         device,
-        &used_devices(&all_segments, traces),
+        &used_devices(&all_segments, traces.as_deref()),
         "the snapshot holds no segments and no allocation events",
     )?;
-    let segments: Vec<&BTreeMap<HashableValue, Value>> = all_segments
+    let segments: Vec<Obj<'_>> = all_segments
         .into_iter()
-        .filter(|s| get(s, "device").and_then(int) == Some(device as i128))
+        .filter(|&s| get(s, "device").and_then(int) == Some(device as i128))
         .collect();
     let end_reserved: i128 = segments
         .iter()
-        .filter_map(|s| get(s, "total_size").and_then(int))
+        .filter_map(|&s| get(s, "total_size").and_then(int))
         .sum();
     let no_trace = || {
         format!(
@@ -122,8 +124,8 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
                 .into())
         }
     };
-    let events: Vec<&BTreeMap<HashableValue, Value>> = match traces.get(device).and_then(list) {
-        Some(events) => events.iter().filter_map(dict).collect(),
+    let events: Vec<Obj<'_>> = match traces.get(device).and_then(|t| list(*t)) {
+        Some(events) => events.into_iter().filter_map(dict).collect(),
         None if !segments.is_empty() => return Err(no_trace()),
         None => {
             return Err(format!(
@@ -132,7 +134,7 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
             ))
         }
     };
-    let has_alloc = events.iter().any(|e| action(e) == "alloc");
+    let has_alloc = events.iter().any(|&e| action(e) == "alloc");
     if !has_alloc {
         return Err(if segments.is_empty() {
             format!(
@@ -169,7 +171,9 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
         trace.restored_blocks += 1;
     }
     let (mut reserved, mut peak, mut net) = (0i128, 0i128, 0i128);
-    for event in &events {
+    // Whether the last event was a segment returned by `torch.cuda.empty_cache()`.
+    let mut emptying = false;
+    for &event in &events {
         let addr = get(event, "addr").and_then(int).unwrap_or(0);
         let size = get(event, "size").and_then(int).unwrap_or(0);
         match action(event) {
@@ -195,9 +199,20 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
             "segment_free" | "segment_unmap" => {
                 reserved -= size;
                 net -= size;
+                // One `torch.cuda.empty_cache()` returns every idle segment: a run of these
+                // events. Only its first is the call; PyTorch's own releases (before growing,
+                // on out-of-memory) are its policy's, which the replay decides for itself.
+                let asked = from_empty_cache(event);
+                if asked && !emptying {
+                    trace.events.push(Event::EmptyCache);
+                    trace.empty_caches += 1;
+                }
+                emptying = asked;
+                continue;
             }
             _ => {}
         }
+        emptying = false;
     }
     // What was reserved before the trace began shifts every point by the same amount.
     let start = (end_reserved - net).max(0);
@@ -205,18 +220,34 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
     Ok(trace)
 }
 
+/// Whether a segment's return was the program's `torch.cuda.empty_cache()`, by the call
+/// stack PyTorch recorded with it: the C++ frame `NativeCachingAllocator::emptyCache()` (or
+/// `THCPModule_emptyCache`), or with Python frames only, `empty_cache` in `torch/cuda/memory.py`.
+/// A snapshot recorded without stacks cannot tell it from PyTorch's own releases: none is
+/// taken for one.
+fn from_empty_cache(event: Obj<'_>) -> bool {
+    get(event, "frames")
+        .and_then(list)
+        .into_iter()
+        .flatten()
+        .filter_map(dict)
+        .any(|frame| {
+            let name = get(frame, "name").and_then(text).unwrap_or("");
+            let file = get(frame, "filename").and_then(text).unwrap_or("");
+            name.contains("emptyCache")
+                || (name == "empty_cache" && file.replace('\\', "/").ends_with("cuda/memory.py"))
+        })
+}
+
 /// The devices with a segment in the end state or an `alloc` among their events.
-fn used_devices(
-    segments: &[&BTreeMap<HashableValue, Value>],
-    traces: Option<&Vec<Value>>,
-) -> BTreeSet<usize> {
+fn used_devices(segments: &[Obj<'_>], traces: Option<&[Obj<'_>]>) -> BTreeSet<usize> {
     let mut used: BTreeSet<usize> = segments
         .iter()
-        .filter_map(|s| get(s, "device").and_then(int))
+        .filter_map(|&s| get(s, "device").and_then(int))
         .filter_map(|d| usize::try_from(d).ok())
         .collect();
     for (d, events) in traces.into_iter().flatten().enumerate() {
-        let allocates = list(events)
+        let allocates = list(*events)
             .into_iter()
             .flatten()
             .filter_map(dict)
@@ -255,11 +286,11 @@ pub(crate) fn pick_device(
 /// The blocks live at the first event, by address: the end state's live blocks, walked back
 /// through the events (an `alloc` was not live before it, a `free_completed` was).
 fn live_before_recording(
-    segments: &[&BTreeMap<HashableValue, Value>],
-    events: &[&BTreeMap<HashableValue, Value>],
+    segments: &[Obj<'_>],
+    events: &[Obj<'_>],
 ) -> Result<BTreeMap<i128, Block>, String> {
     let mut live = BTreeMap::new();
-    for segment in segments {
+    for &segment in segments {
         let stream = get(segment, "stream").and_then(int).unwrap_or(0);
         for block in get(segment, "blocks").and_then(list).into_iter().flatten() {
             let Some(block) = dict(block) else { continue };
@@ -279,7 +310,7 @@ fn live_before_recording(
             live.insert(addr, Block { size, stream });
         }
     }
-    for event in events.iter().rev() {
+    for &event in events.iter().rev() {
         let addr = get(event, "addr").and_then(int).unwrap_or(0);
         match action(event) {
             "alloc" => {
@@ -312,46 +343,36 @@ impl Streams {
     }
 }
 
-fn action(event: &BTreeMap<HashableValue, Value>) -> &str {
+fn action(event: Obj<'_>) -> &str {
     get(event, "action").and_then(text).unwrap_or("")
 }
 
-fn dict(v: &Value) -> Option<&BTreeMap<HashableValue, Value>> {
-    match v {
-        Value::Dict(d) => Some(d),
-        _ => None,
-    }
+/// `v` where it is a dict.
+fn dict(v: Obj<'_>) -> Option<Obj<'_>> {
+    v.is_dict().then_some(v)
 }
 
-fn list(v: &Value) -> Option<&Vec<Value>> {
-    match v {
-        Value::List(l) | Value::Tuple(l) => Some(l),
-        _ => None,
-    }
+fn list(v: Obj<'_>) -> Option<Vec<Obj<'_>>> {
+    v.list()
 }
 
-fn int(v: &Value) -> Option<i128> {
-    match v {
-        Value::I64(i) => Some(i128::from(*i)),
-        Value::Int(big) => big.to_string().parse().ok(),
-        _ => None,
-    }
+fn int(v: Obj<'_>) -> Option<i128> {
+    v.int()
 }
 
-fn text(v: &Value) -> Option<&str> {
-    match v {
-        Value::String(s) => Some(s),
-        _ => None,
-    }
+fn text(v: Obj<'_>) -> Option<&str> {
+    v.text()
 }
 
-fn get<'a>(d: &'a BTreeMap<HashableValue, Value>, key: &str) -> Option<&'a Value> {
-    d.get(&HashableValue::String(key.to_string()))
+fn get<'a>(d: Obj<'a>, key: &str) -> Option<Obj<'a>> {
+    d.get(key)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    // Test snapshots are written with serde-pickle's writer.
+    use serde_pickle::{HashableValue, Value};
 
     const MIB: i64 = 1 << 20;
 
@@ -549,6 +570,120 @@ mod tests {
             pick_device(Some(0), &used(&[2, 3]), "nothing").unwrap_err(),
             "nothing on device 0; device(s) 2, 3 have them: pass --device 2"
         );
+    }
+
+    /// `event` with a call stack of frames named `names`, in `file`.
+    fn with_frames(event: Value, file: &str, names: &[&str]) -> Value {
+        let Value::Dict(mut d) = event else {
+            unreachable!()
+        };
+        let frames = names
+            .iter()
+            .map(|name| {
+                map(vec![
+                    ("name", Value::String((*name).into())),
+                    ("filename", Value::String(file.into())),
+                    ("line", Value::I64(0)),
+                ])
+            })
+            .collect();
+        d.insert(HashableValue::String("frames".into()), Value::List(frames));
+        Value::Dict(d)
+    }
+
+    #[test]
+    fn the_programs_empty_cache_calls_are_replayed_and_pytorchs_own_releases_are_not() {
+        use crate::replay::{replay, Policy};
+        let (a, b, c) = (0x7000_0000_0000, 0x7000_1000_0000, 0x7000_2000_0000);
+        let cpp = "c10::cuda::CUDACachingAllocator::Native::NativeCachingAllocator::emptyCache()";
+        let released_by = |addr, size, file: &str, names: &[&str]| {
+            with_frames(event("segment_free", addr, size, 0), file, names)
+        };
+        let events = vec![
+            event("segment_alloc", a, 30 * MIB, 0),
+            event("alloc", a, 30 * MIB, 0),
+            event("free_completed", a, 30 * MIB, 0),
+            event("segment_alloc", b, 32 * MIB, 0),
+            event("alloc", b, 32 * MIB, 0),
+            event("free_completed", b, 32 * MIB, 0),
+            // One call returns both idle segments: one event each, one call replayed.
+            released_by(a, 30 * MIB, "", &["torch::unwind::unwind()", cpp]),
+            released_by(b, 32 * MIB, "", &["torch::unwind::unwind()", cpp]),
+            event("segment_alloc", c, 64 * MIB, 0),
+            event("alloc", c, 64 * MIB, 0),
+            event("free_completed", c, 64 * MIB, 0),
+            // Recorded with Python frames only.
+            released_by(
+                c,
+                64 * MIB,
+                "/usr/lib/python3.12/site-packages/torch/cuda/memory.py",
+                &["empty_cache", "main"],
+            ),
+            event("segment_alloc", a, 8 * MIB, 0),
+            event("alloc", a, 8 * MIB, 0),
+            // PyTorch's own release before growing: its policy's, not the program's.
+            released_by(
+                a,
+                8 * MIB,
+                "CUDACachingAllocator.cpp",
+                &["release_cached_blocks", "malloc"],
+            ),
+            // No stack recorded: not taken for a call.
+            event("segment_free", b, 2 * MIB, 0),
+        ];
+        let trace = read(&pickle(vec![], Some(vec![events])), None).unwrap();
+        let alloc = |id, mib: u64| Event::Alloc {
+            id,
+            size: mib << 20,
+            stream: 0,
+        };
+        assert_eq!(
+            trace.events,
+            vec![
+                alloc(1, 30),
+                Event::Free { id: 1 },
+                alloc(2, 32),
+                Event::Free { id: 2 },
+                Event::EmptyCache,
+                alloc(3, 64),
+                Event::Free { id: 3 },
+                Event::EmptyCache,
+                alloc(4, 8),
+            ]
+        );
+        assert_eq!(trace.empty_caches, 2);
+        // PyTorch's policy returns the 30 and 32 MiB segments before the 64 MiB request, as
+        // PyTorch did: 64 MiB at the peak. Without the call the 64 MiB segment would come
+        // beside them: 126 MiB.
+        let peak = |trace: &Trace| {
+            replay(trace, Policy::Torch, 1 << 30, |_| {})
+                .unwrap()
+                .stats
+                .peak_reserved_bytes
+        };
+        assert_eq!(peak(&trace), 64 << 20);
+        let mut without = trace.clone();
+        without.events.retain(|e| *e != Event::EmptyCache);
+        assert_eq!(peak(&without), 126 << 20);
+    }
+
+    #[test]
+    fn damaged_snapshots_are_refused_with_a_message_never_a_panic() {
+        let whole: &[u8] = include_bytes!("../../traces/fixtures/snapshot_small.pickle");
+        assert!(read(whole, None).is_ok());
+        for end in 0..whole.len() {
+            let err = read(&whole[..end], None).unwrap_err();
+            assert!(err.starts_with("not a readable pickle: "), "{end}: {err}");
+        }
+        // Every byte changed to a few values: read or refused, never a panic.
+        let mut bytes = whole.to_vec();
+        for at in 0..whole.len() {
+            for value in [0u8, 0x7f, 0x80, 0xff, whole[at] ^ 1] {
+                bytes[at] = value;
+                let _ = read(&bytes, None);
+            }
+            bytes[at] = whole[at];
+        }
     }
 
     /// A snapshot of one 64 MiB block freed and a 30 MiB block asked for after it, with the

@@ -87,6 +87,9 @@ pub struct Trace {
     /// For PyTorch snapshots: frees of blocks the reader could not place (skipped; none when
     /// the snapshot is consistent).
     pub unmatched_frees: u64,
+    /// For PyTorch snapshots: the program's `torch.cuda.empty_cache()` calls, replayed as
+    /// [`Event::EmptyCache`] (found by the call stacks recorded with the segments returned).
+    pub empty_caches: u64,
 }
 
 impl Trace {

@@ -306,12 +306,16 @@ fn pytorch_snapshots_are_read_with_the_reserved_peak_pytorch_recorded() {
             alloc(4, 64 * MIB),
             Event::Free { id: 3 },
             Event::Free { id: 4 },
+            // S2's return: the program's torch.cuda.empty_cache(), by its recorded stack.
+            Event::EmptyCache,
         ]
     );
+    assert_eq!(trace.empty_caches, 1);
     let torch = replay(&trace, Policy::Torch, GIB, |_| {}).unwrap();
     // The replayed policy reserves what PyTorch recorded: the 2 MiB small-pool segment of X,
-    // 20 MiB for a and b, 64 MiB for c.
-    assert_eq!(figures(&torch), (72 * MIB, 86 * MIB, 3, 0, 0));
+    // 20 MiB for a and b, 64 MiB for c; the empty_cache at the end returns all three, idle by
+    // then.
+    assert_eq!(figures(&torch), (72 * MIB, 86 * MIB, 3, 3, 0));
     let err = Trace::read(&path, Some(1)).unwrap_err();
     assert!(
         err.ends_with(
