@@ -409,8 +409,10 @@ impl Reader<'_> {
     }
 
     fn line_id(&mut self) -> Result<u64, String> {
+        let at = self.pos;
         let line = self.line()?;
-        line.parse().map_err(|_| format!("a memo index {line:?}"))
+        line.parse()
+            .map_err(|_| format!("a memo index that is not a number at byte {at}"))
     }
 
     /// A little-endian two's-complement integer of `n` bytes.

@@ -210,13 +210,13 @@ pub fn replay_logged(
     mut progress: impl FnMut(u64),
 ) -> Result<Outcome, String> {
     let log = how.log;
-    let sim: &'static Sim = Box::leak(Box::new(Sim::new(&[device_memory])));
+    let sim = Arc::new(Sim::new(&[device_memory]));
     if how.handle_part.is_some() {
         sim.set_vmm(cuda_sim::VmmSetting::StartOnly);
     }
     // As resmem loads a driver (`runtime::build`).
     let driver = PageHandles::with_part(
-        SimDriver::new(sim).map_err(|e| e.message)?,
+        SimDriver::shared(Arc::clone(&sim)).map_err(|e| e.message)?,
         how.handle_part.unwrap_or(0),
     );
     let before = sim.driver_calls();
@@ -244,7 +244,7 @@ pub fn replay_logged(
         let fail = |e: resmem::Error| format!("operation {}: {}", n + 1, e.message);
         match event {
             Event::Alloc { id, size, stream } => {
-                let handle = stream_handle(sim, &mut streams, *stream)?;
+                let handle = stream_handle(&sim, &mut streams, *stream)?;
                 match alloc.reserve(0, *size, handle) {
                     Ok(ptr) => {
                         live.insert(*id, (ptr, *size));
@@ -266,7 +266,7 @@ pub fn replay_logged(
             }
             Event::RecordStream { id, stream } => {
                 if let Some(&(ptr, _)) = live.get(id) {
-                    let handle = stream_handle(sim, &mut streams, *stream)?;
+                    let handle = stream_handle(&sim, &mut streams, *stream)?;
                     alloc.record_stream(ptr, handle).map_err(fail)?;
                 }
             }

@@ -1,6 +1,8 @@
 //! The in-process simulated driver (`RESMEM_DRIVER=sim`): the devices of the `cuda-sim` crate,
 //! called directly, with the same `CUresult` codes as the real driver.
 
+use std::sync::Arc;
+
 use cuda_sim::{CuError, Sim};
 
 use super::{
@@ -10,12 +12,40 @@ use crate::error::{rm_status, Error};
 
 /// The simulated devices as a [`Driver`].
 pub struct SimDriver {
-    sim: &'static Sim,
+    sim: Held,
+}
+
+/// The simulator a driver calls: one that lives as long as the process (the library's), or one
+/// the driver shares with its caller and that goes with the last of them (a replay's).
+enum Held {
+    Static(&'static Sim),
+    Shared(Arc<Sim>),
+}
+
+impl std::ops::Deref for Held {
+    type Target = Sim;
+
+    fn deref(&self) -> &Sim {
+        match self {
+            Held::Static(sim) => sim,
+            Held::Shared(sim) => sim,
+        }
+    }
 }
 
 impl SimDriver {
     /// A driver over `sim`, initialised.
     pub fn new(sim: &'static Sim) -> Result<SimDriver, Error> {
+        SimDriver::over(Held::Static(sim))
+    }
+
+    /// A driver over `sim`, initialised; the simulator goes when the caller's handle and the
+    /// driver have both gone.
+    pub fn shared(sim: Arc<Sim>) -> Result<SimDriver, Error> {
+        SimDriver::over(Held::Shared(sim))
+    }
+
+    fn over(sim: Held) -> Result<SimDriver, Error> {
         sim.init().map_err(|e| {
             let detail = sim
                 .config_error()
@@ -33,8 +63,8 @@ impl SimDriver {
     }
 
     /// The simulated devices underneath, for inspection.
-    pub fn sim(&self) -> &'static Sim {
-        self.sim
+    pub fn sim(&self) -> &Sim {
+        &self.sim
     }
 
     /// The granularity where `device` has the virtual-memory API and maps at offsets into an
