@@ -241,3 +241,19 @@ impl Driver for SimDriver {
             .map_err(fail("cuDeviceCanAccessPeer"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_shared_simulator_goes_with_the_last_of_its_holders() {
+        let sim = Arc::new(Sim::new(&[1 << 30]));
+        let driver = SimDriver::shared(Arc::clone(&sim)).unwrap();
+        assert_eq!(Arc::strong_count(&sim), 2);
+        let ptr = driver.mem_alloc(0, 2 << 20).unwrap();
+        driver.mem_free(0, ptr).unwrap();
+        drop(driver);
+        assert_eq!(Arc::strong_count(&sim), 1);
+    }
+}
