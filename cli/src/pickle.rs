@@ -305,28 +305,13 @@ impl Reader<'_> {
                     let id = self.memo.len() as u64;
                     self.memo.insert(id, top);
                 }
-                b'q' => {
-                    let id = u64::from(self.take(1)?[0]);
+                // BINPUT, LONG_BINPUT, PUT; BINGET, LONG_BINGET, GET.
+                b'q' | b'r' | b'p' => {
+                    let id = self.memo_index(op)?;
                     self.put(id)?;
                 }
-                b'r' => {
-                    let id = u64::from(u32::from_le_bytes(self.array()?));
-                    self.put(id)?;
-                }
-                b'p' => {
-                    let id = self.line_id()?;
-                    self.put(id)?;
-                }
-                b'h' => {
-                    let id = u64::from(self.take(1)?[0]);
-                    self.get(id)?;
-                }
-                b'j' => {
-                    let id = u64::from(u32::from_le_bytes(self.array()?));
-                    self.get(id)?;
-                }
-                b'g' => {
-                    let id = self.line_id()?;
+                b'h' | b'j' | b'g' => {
+                    let id = self.memo_index(op)?;
                     self.get(id)?;
                 }
                 b'c' => {
@@ -408,11 +393,18 @@ impl Reader<'_> {
         Ok(s)
     }
 
-    fn line_id(&mut self) -> Result<u64, String> {
-        let at = self.pos;
-        let line = self.line()?;
-        line.parse()
-            .map_err(|_| format!("a memo index that is not a number at byte {at}"))
+    /// The memo index operand of `op`: one byte, four, or a line of text.
+    fn memo_index(&mut self, op: u8) -> Result<u64, String> {
+        match op {
+            b'q' | b'h' => Ok(u64::from(self.take(1)?[0])),
+            b'r' | b'j' => Ok(u64::from(u32::from_le_bytes(self.array()?))),
+            _ => {
+                let at = self.pos;
+                let line = self.line()?;
+                line.parse()
+                    .map_err(|_| format!("a memo index that is not a number at byte {at}"))
+            }
+        }
     }
 
     /// A little-endian two's-complement integer of `n` bytes.
@@ -581,6 +573,9 @@ mod tests {
         // The same with protocol 2 (BINPUT, BINUNICODE).
         let bytes = b"\x80\x02]q\x00(}q\x01X\x01\x00\x00\x00aq\x02X\x01\x00\x00\x00xq\x03sh\
                       \x01h\x03e.";
+        assert_eq!(read_shown(bytes), "[{'a': 'x'}, {'a': 'x'}, 'x']");
+        // And with protocol 0's text opcodes (PUT, GET).
+        let bytes = b"(lp0\n(dp1\nVa\np2\nVx\np3\nsag1\nag3\na.";
         assert_eq!(read_shown(bytes), "[{'a': 'x'}, {'a': 'x'}, 'x']");
     }
 
