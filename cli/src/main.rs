@@ -77,7 +77,8 @@ enum Command {
         /// Which policy to replay.
         #[arg(long, value_enum, default_value_t = Which::Both)]
         policy: Which,
-        /// The simulated device's memory (default: the trace's own, else 80GiB).
+        /// The simulated device's memory (default: the trace's own, else 80GiB, or for a
+        /// snapshot whose recorded peak needs more, a quarter more than that peak).
         #[arg(long, value_parser = env::device_memory)]
         device_memory: Option<u64>,
         /// PyTorch's policy with these PYTORCH_CUDA_ALLOC_CONF settings, in place of those a
@@ -347,7 +348,7 @@ fn run_replay(
     if let Some(conf) = torch_conf {
         trace.torch_settings = Some(baseline::conf::parse(conf)?);
     }
-    let memory = device_memory.or(trace.device_memory).unwrap_or(80 << 30);
+    let memory = device_memory.unwrap_or_else(|| trace.default_device_memory());
     if !json {
         // Another device than the one asked for (or 0) is said: it was picked.
         let of = match device {

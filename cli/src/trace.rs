@@ -93,6 +93,19 @@ pub struct Trace {
 }
 
 impl Trace {
+    /// The device memory a replay takes without `--device-memory`: the trace's own; else
+    /// 80 GiB, or where PyTorch's recorded peak needs more (a snapshot of a run on a larger
+    /// GPU), a quarter more than that peak in whole GiB, so that neither policy runs out of
+    /// memory where PyTorch did not.
+    pub fn default_device_memory(&self) -> u64 {
+        const GIB: u64 = 1 << 30;
+        self.device_memory.unwrap_or_else(|| {
+            let recorded = self.torch_peak_reserved.unwrap_or(0);
+            let room = recorded.saturating_add(recorded / 4);
+            (80 * GIB).max(room.div_ceil(GIB).saturating_mul(GIB))
+        })
+    }
+
     /// Read a trace file, as JSON lines or, if it starts with a pickle's protocol marker, as a
     /// PyTorch memory snapshot: device `device`'s operations either way, or without one, device
     /// 0's, or the first device's that allocates where device 0 does not.
@@ -279,6 +292,32 @@ fn allocating_devices(bytes: &[u8]) -> std::collections::BTreeSet<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_device_holds_what_pytorch_recorded() {
+        const GIB: u64 = 1 << 30;
+        let with = |device_memory, torch_peak_reserved| Trace {
+            device_memory,
+            torch_peak_reserved,
+            ..Trace::default()
+        };
+        assert_eq!(with(None, None).default_device_memory(), 80 * GIB);
+        assert_eq!(with(Some(24 * GIB), None).default_device_memory(), 24 * GIB);
+        // 56.91 GiB recorded (`kkaitlyn`): 80 GiB holds it and a quarter more.
+        assert_eq!(
+            with(None, Some(58_276 << 20)).default_device_memory(),
+            80 * GIB
+        );
+        // 100 GiB: 125 GiB; 100.1 GiB: 125.125 GiB, rounded up to 126.
+        assert_eq!(
+            with(None, Some(100 * GIB)).default_device_memory(),
+            125 * GIB
+        );
+        assert_eq!(
+            with(None, Some(100 * GIB + 100 * (1 << 20))).default_device_memory(),
+            126 * GIB
+        );
+    }
 
     #[test]
     fn json_lines_round_trip_and_are_checked() {

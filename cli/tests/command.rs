@@ -369,6 +369,68 @@ fn a_snapshot_without_a_trace_is_refused() {
 }
 
 #[test]
+fn a_snapshot_larger_than_80_gib_is_replayed_on_a_device_that_holds_it() {
+    use serde_pickle::{HashableValue, Value};
+    let key = |k: &str| HashableValue::String(k.into());
+    let event = |action: &str, size: i64| {
+        Value::Dict(
+            [
+                (key("action"), Value::String(action.into())),
+                (key("addr"), Value::I64(0x7000_0000_0000)),
+                (key("size"), Value::I64(size)),
+                (key("stream"), Value::I64(0)),
+            ]
+            .into(),
+        )
+    };
+    // PyTorch reserved 100 GiB for a 100 GiB tensor (a run on a GPU larger than 80 GiB).
+    let events = vec![
+        event("segment_alloc", 100 << 30),
+        event("alloc", 100 << 30),
+        event("free_completed", 100 << 30),
+        event("segment_free", 100 << 30),
+    ];
+    let root = Value::Dict(
+        [
+            (key("segments"), Value::List(vec![])),
+            (key("device_traces"), Value::List(vec![Value::List(events)])),
+        ]
+        .into(),
+    );
+    let path = std::env::temp_dir().join(format!("resmem-big-{}.pickle", std::process::id()));
+    std::fs::write(
+        &path,
+        serde_pickle::value_to_vec(&root, serde_pickle::SerOptions::new()).unwrap(),
+    )
+    .unwrap();
+    let (ok, out, err) = resmem(&["replay", path.to_str().unwrap()]);
+    let (small_ok, small, _) =
+        resmem(&["replay", path.to_str().unwrap(), "--device-memory", "80GiB"]);
+    std::fs::remove_file(&path).unwrap();
+    assert!(ok && small_ok, "{err}");
+    // A quarter more than the peak PyTorch recorded, and no out-of-memory under either policy.
+    assert!(
+        out.starts_with(&format!(
+            "{}: 2 operations (1 allocation) on a simulated 125.00 GiB device\n",
+            path.file_stem().unwrap().to_str().unwrap()
+        )),
+        "{out}"
+    );
+    let ooms = |out: &str| {
+        out.lines()
+            .find(|l| l.starts_with("out-of-memory events"))
+            .unwrap()
+            .split_whitespace()
+            .skip(2)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    assert_eq!(ooms(&out), "0 0");
+    // Asked for 80 GiB, it runs out under both, as it would on such a GPU.
+    assert_eq!(ooms(&small), "1 1");
+}
+
+#[test]
 fn a_snapshot_of_the_second_gpu_alone_is_replayed_from_it() {
     use serde_pickle::{HashableValue, Value};
     let key = |k: &str| HashableValue::String(k.into());
