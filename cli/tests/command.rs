@@ -368,11 +368,12 @@ fn a_snapshot_without_a_trace_is_refused() {
     );
 }
 
-#[test]
-fn a_snapshot_larger_than_80_gib_is_replayed_on_a_device_that_holds_it() {
+/// A snapshot with no end-state segments whose devices' traces are `devices`, each event an
+/// action and a size at one address on the default stream, written to a file named for `name`.
+fn snapshot_file(name: &str, devices: &[&[(&str, i64)]]) -> std::path::PathBuf {
     use serde_pickle::{HashableValue, Value};
     let key = |k: &str| HashableValue::String(k.into());
-    let event = |action: &str, size: i64| {
+    let event = |&(action, size): &(&str, i64)| {
         Value::Dict(
             [
                 (key("action"), Value::String(action.into())),
@@ -383,26 +384,39 @@ fn a_snapshot_larger_than_80_gib_is_replayed_on_a_device_that_holds_it() {
             .into(),
         )
     };
-    // PyTorch reserved 100 GiB for a 100 GiB tensor (a run on a GPU larger than 80 GiB).
-    let events = vec![
-        event("segment_alloc", 100 << 30),
-        event("alloc", 100 << 30),
-        event("free_completed", 100 << 30),
-        event("segment_free", 100 << 30),
-    ];
+    let traces = devices
+        .iter()
+        .map(|events| Value::List(events.iter().map(event).collect()))
+        .collect();
     let root = Value::Dict(
         [
             (key("segments"), Value::List(vec![])),
-            (key("device_traces"), Value::List(vec![Value::List(events)])),
+            (key("device_traces"), Value::List(traces)),
         ]
         .into(),
     );
-    let path = std::env::temp_dir().join(format!("resmem-big-{}.pickle", std::process::id()));
+    let path = std::env::temp_dir().join(format!("resmem-{name}-{}.pickle", std::process::id()));
     std::fs::write(
         &path,
         serde_pickle::value_to_vec(&root, serde_pickle::SerOptions::new()).unwrap(),
     )
     .unwrap();
+    path
+}
+
+#[test]
+fn a_snapshot_larger_than_80_gib_is_replayed_on_a_device_that_holds_it() {
+    // PyTorch reserved 100 GiB for a 100 GiB tensor (a run on a GPU larger than 80 GiB).
+    let gib100 = 100 << 30;
+    let path = snapshot_file(
+        "big",
+        &[&[
+            ("segment_alloc", gib100),
+            ("alloc", gib100),
+            ("free_completed", gib100),
+            ("segment_free", gib100),
+        ]],
+    );
     let (ok, out, err) = resmem(&["replay", path.to_str().unwrap()]);
     let (small_ok, small, _) =
         resmem(&["replay", path.to_str().unwrap(), "--device-memory", "80GiB"]);
@@ -432,41 +446,18 @@ fn a_snapshot_larger_than_80_gib_is_replayed_on_a_device_that_holds_it() {
 
 #[test]
 fn a_snapshot_of_the_second_gpu_alone_is_replayed_from_it() {
-    use serde_pickle::{HashableValue, Value};
-    let key = |k: &str| HashableValue::String(k.into());
-    let event = |action: &str, size: i64| {
-        Value::Dict(
-            [
-                (key("action"), Value::String(action.into())),
-                (key("addr"), Value::I64(0x7000_0000_0000)),
-                (key("size"), Value::I64(size)),
-                (key("stream"), Value::I64(0)),
-            ]
-            .into(),
-        )
-    };
-    let events = vec![
-        event("segment_alloc", 20 << 20),
-        event("alloc", 4 << 20),
-        event("free_completed", 4 << 20),
-        event("segment_free", 20 << 20),
-    ];
-    let root = Value::Dict(
-        [
-            (key("segments"), Value::List(vec![])),
-            (
-                key("device_traces"),
-                Value::List(vec![Value::List(vec![]), Value::List(events)]),
-            ),
-        ]
-        .into(),
+    let path = snapshot_file(
+        "gpu1",
+        &[
+            &[],
+            &[
+                ("segment_alloc", 20 << 20),
+                ("alloc", 4 << 20),
+                ("free_completed", 4 << 20),
+                ("segment_free", 20 << 20),
+            ],
+        ],
     );
-    let path = std::env::temp_dir().join(format!("resmem-gpu1-{}.pickle", std::process::id()));
-    std::fs::write(
-        &path,
-        serde_pickle::value_to_vec(&root, serde_pickle::SerOptions::new()).unwrap(),
-    )
-    .unwrap();
     let (ok, out, err) = resmem(&["replay", path.to_str().unwrap(), "--policy", "torch"]);
     let (json_ok, json, _) = resmem(&[
         "replay",
