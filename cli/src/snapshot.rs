@@ -27,16 +27,18 @@ use crate::units::gib_or_mib;
 
 /// The snapshot's `allocator_settings`, where it has them.
 fn settings(root: Obj<'_>) -> Option<TorchSettings> {
-    let s = get(root, "allocator_settings").and_then(dict)?;
+    let s = root.get("allocator_settings").and_then(dict)?;
     let mut config = TorchConfig {
-        max_split_size: get(s, "max_split_size")
-            .and_then(int)
+        max_split_size: s
+            .get("max_split_size")
+            .and_then(Obj::int)
             .filter(|&m| m > 0)
             .and_then(|m| u64::try_from(m).ok()),
         ..TorchConfig::default()
     };
     // Keyed by each interval's start in MiB: "1", "2", "4", ... "32768".
-    for (key, value) in get(s, "roundup_power2_divisions")
+    for (key, value) in s
+        .get("roundup_power2_divisions")
         .and_then(Obj::items)
         .into_iter()
         .flatten()
@@ -44,7 +46,7 @@ fn settings(root: Obj<'_>) -> Option<TorchSettings> {
         let Some(key) = key.text() else {
             continue;
         };
-        let (Ok(start), Some(divisions)) = (key.parse::<u64>(), int(value)) else {
+        let (Ok(start), Some(divisions)) = (key.parse::<u64>(), value.int()) else {
             continue;
         };
         let interval = start.checked_ilog2().map(|i| i as usize);
@@ -55,9 +57,10 @@ fn settings(root: Obj<'_>) -> Option<TorchSettings> {
         }
     }
     config.expandable_segments =
-        get(s, "expandable_segments").and_then(Obj::scalar) == Some(&Scalar::Bool(true));
-    let conf = get(s, "PYTORCH_CUDA_ALLOC_CONF")
-        .and_then(text)
+        s.get("expandable_segments").and_then(Obj::scalar) == Some(&Scalar::Bool(true));
+    let conf = s
+        .get("PYTORCH_CUDA_ALLOC_CONF")
+        .and_then(Obj::text)
         .unwrap_or("")
         .to_string();
     // `max_non_split_rounding_mb` has no key of its own: read from the setting's text, as
@@ -69,7 +72,7 @@ fn settings(root: Obj<'_>) -> Option<TorchSettings> {
         conf,
         config,
         garbage_collection: matches!(
-            get(s, "garbage_collection_threshold").and_then(Obj::scalar),
+            s.get("garbage_collection_threshold").and_then(Obj::scalar),
             Some(Scalar::Float(t)) if *t > 0.0
         ),
     })
@@ -88,11 +91,12 @@ struct Block {
 pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
     let root = pickle::read(bytes).map_err(|e| format!("not a readable pickle: {e}"))?;
     let root = dict(root.root()).ok_or("the pickle is not a memory snapshot (a dict)")?;
-    let all_segments: Vec<Obj<'_>> = get(root, "segments")
-        .and_then(list)
+    let all_segments: Vec<Obj<'_>> = root
+        .get("segments")
+        .and_then(Obj::list)
         .map(|segs| segs.into_iter().filter_map(dict).collect())
         .unwrap_or_default();
-    let traces = get(root, "device_traces").and_then(list);
+    let traces = root.get("device_traces").and_then(Obj::list);
     let device = pick_device(
         device,
         &used_devices(&all_segments, traces.as_deref()),
@@ -100,11 +104,11 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
     )?;
     let segments: Vec<Obj<'_>> = all_segments
         .into_iter()
-        .filter(|&s| get(s, "device").and_then(int) == Some(device as i128))
+        .filter(|&s| s.get("device").and_then(Obj::int) == Some(device as i128))
         .collect();
     let end_reserved: i128 = segments
         .iter()
-        .filter_map(|&s| get(s, "total_size").and_then(int))
+        .filter_map(|&s| s.get("total_size").and_then(Obj::int))
         .sum();
     let no_trace = || {
         format!(
@@ -124,7 +128,7 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
                 .into())
         }
     };
-    let events: Vec<Obj<'_>> = match traces.get(device).and_then(|t| list(*t)) {
+    let events: Vec<Obj<'_>> = match traces.get(device).and_then(|t| t.list()) {
         Some(events) => events.into_iter().filter_map(dict).collect(),
         None if !segments.is_empty() => return Err(no_trace()),
         None => {
@@ -174,11 +178,11 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
     // Whether the last event was a segment returned by `torch.cuda.empty_cache()`.
     let mut emptying = false;
     for &event in &events {
-        let addr = get(event, "addr").and_then(int).unwrap_or(0);
-        let size = get(event, "size").and_then(int).unwrap_or(0);
+        let addr = event.get("addr").and_then(Obj::int).unwrap_or(0);
+        let size = event.get("size").and_then(Obj::int).unwrap_or(0);
         match action(event) {
             "alloc" => {
-                let raw = get(event, "stream").and_then(int).unwrap_or(0);
+                let raw = event.get("stream").and_then(Obj::int).unwrap_or(0);
                 next_id += 1;
                 ids.insert(addr, next_id);
                 trace.events.push(Event::Alloc {
@@ -226,14 +230,15 @@ pub fn read(bytes: &[u8], device: Option<usize>) -> Result<Trace, String> {
 /// A snapshot recorded without stacks cannot tell it from PyTorch's own releases: none is
 /// taken for one.
 fn from_empty_cache(event: Obj<'_>) -> bool {
-    get(event, "frames")
-        .and_then(list)
+    event
+        .get("frames")
+        .and_then(Obj::list)
         .into_iter()
         .flatten()
         .filter_map(dict)
         .any(|frame| {
-            let name = get(frame, "name").and_then(text).unwrap_or("");
-            let file = get(frame, "filename").and_then(text).unwrap_or("");
+            let name = frame.get("name").and_then(Obj::text).unwrap_or("");
+            let file = frame.get("filename").and_then(Obj::text).unwrap_or("");
             name.contains("emptyCache")
                 || (name == "empty_cache" && file.replace('\\', "/").ends_with("cuda/memory.py"))
         })
@@ -243,11 +248,12 @@ fn from_empty_cache(event: Obj<'_>) -> bool {
 fn used_devices(segments: &[Obj<'_>], traces: Option<&[Obj<'_>]>) -> BTreeSet<usize> {
     let mut used: BTreeSet<usize> = segments
         .iter()
-        .filter_map(|&s| get(s, "device").and_then(int))
+        .filter_map(|&s| s.get("device").and_then(Obj::int))
         .filter_map(|d| usize::try_from(d).ok())
         .collect();
     for (d, events) in traces.into_iter().flatten().enumerate() {
-        let allocates = list(*events)
+        let allocates = events
+            .list()
             .into_iter()
             .flatten()
             .filter_map(dict)
@@ -291,35 +297,41 @@ fn live_before_recording(
 ) -> Result<BTreeMap<i128, Block>, String> {
     let mut live = BTreeMap::new();
     for &segment in segments {
-        let stream = get(segment, "stream").and_then(int).unwrap_or(0);
-        for block in get(segment, "blocks").and_then(list).into_iter().flatten() {
+        let stream = segment.get("stream").and_then(Obj::int).unwrap_or(0);
+        for block in segment
+            .get("blocks")
+            .and_then(Obj::list)
+            .into_iter()
+            .flatten()
+        {
             let Some(block) = dict(block) else { continue };
-            let state = get(block, "state").and_then(text).unwrap_or("");
+            let state = block.get("state").and_then(Obj::text).unwrap_or("");
             if !state.starts_with("active") {
                 continue;
             }
-            let addr = get(block, "address")
-                .and_then(int)
+            let addr = block
+                .get("address")
+                .and_then(Obj::int)
                 .ok_or("a live block of the snapshot's segments has no address")?;
             // `requested_size` is what the caller asked for (0 in old snapshots: take `size`).
-            let size = match get(block, "requested_size").and_then(int) {
+            let size = match block.get("requested_size").and_then(Obj::int) {
                 Some(r) if r > 0 => r,
-                _ => get(block, "size").and_then(int).unwrap_or(0),
+                _ => block.get("size").and_then(Obj::int).unwrap_or(0),
             };
             let size = u64::try_from(size).map_err(|_| "a live block of a negative size")?;
             live.insert(addr, Block { size, stream });
         }
     }
     for &event in events.iter().rev() {
-        let addr = get(event, "addr").and_then(int).unwrap_or(0);
+        let addr = event.get("addr").and_then(Obj::int).unwrap_or(0);
         match action(event) {
             "alloc" => {
                 live.remove(&addr);
             }
             "free_completed" => {
-                let size = get(event, "size").and_then(int).unwrap_or(0);
+                let size = event.get("size").and_then(Obj::int).unwrap_or(0);
                 let size = u64::try_from(size).map_err(|_| "a free of a negative size")?;
-                let stream = get(event, "stream").and_then(int).unwrap_or(0);
+                let stream = event.get("stream").and_then(Obj::int).unwrap_or(0);
                 live.insert(addr, Block { size, stream });
             }
             _ => {}
@@ -344,28 +356,12 @@ impl Streams {
 }
 
 fn action(event: Obj<'_>) -> &str {
-    get(event, "action").and_then(text).unwrap_or("")
+    event.get("action").and_then(Obj::text).unwrap_or("")
 }
 
 /// `v` where it is a dict.
 fn dict(v: Obj<'_>) -> Option<Obj<'_>> {
     v.is_dict().then_some(v)
-}
-
-fn list(v: Obj<'_>) -> Option<Vec<Obj<'_>>> {
-    v.list()
-}
-
-fn int(v: Obj<'_>) -> Option<i128> {
-    v.int()
-}
-
-fn text(v: Obj<'_>) -> Option<&str> {
-    v.text()
-}
-
-fn get<'a>(d: Obj<'a>, key: &str) -> Option<Obj<'a>> {
-    d.get(key)
 }
 
 #[cfg(test)]
