@@ -347,8 +347,8 @@ static void growth_pauses(size_t count, size_t size) {
 }
 
 /* The waits behind a thread whose reserves are made of cached pages alone (the default's
- * page-granular reuse): 129 blocks of HOLE bytes (4 MiB), every other one released (64 free
- * blocks between live ones, back in the pool from the front cache), then COUNT times a reserve
+ * page-granular reuse): 129 blocks of HOLE bytes (4 MiB) from one warm-up, every other one
+ * released (64 free blocks between live ones, back in the pool from the front cache), then COUNT times a reserve
  * of SIZE bytes (256 MiB), which no free block holds, made of their pages (a cuMemMap each; 64
  * pieces for 256 MiB of 4 MiB holes, 32 for 128 MiB), its release, and rm_free_reusable (which
  * takes the range apart without the lock, its pages back in their blocks, so that the next
@@ -363,6 +363,9 @@ static void stitch_pauses(size_t count, size_t size, size_t hole, const char *mo
   int touch = strcmp(mode, "touch") == 0, grow = strcmp(mode, "return") == 0;
   enum { N = 129 };
   void *blocks[N];
+  /* One warm range for all of them, so that each released block lies between live ones
+   * whatever headroom the pool's growth would give. */
+  check(rm_warmup(0, N * hole), "rm_warmup");
   for (int i = 0; i < N; i++) blocks[i] = reserve(hole, NULL);
   for (int i = 1; i < N; i += 2) check(rm_release(blocks[i]), "rm_release");
   size_t released = 0;

@@ -115,10 +115,6 @@ fn the_default_meets_the_policy_criteria_on_every_shipped_trace() {
             default.creating_calls(),
             torch.creating_calls()
         );
-        if kind == "interleaved-lifetimes" {
-            assert_eq!((default.creating_calls(), torch.creating_calls()), (37, 50));
-            continue;
-        }
         if torch.fragmentation() > 0.05 {
             assert!(
                 default.fragmentation() <= torch.fragmentation() / 2.0,
@@ -158,15 +154,16 @@ fn classic_segments_replay_every_shipped_trace_as_pytorchs_policy() {
 /// Interleaved lifetimes on 4 GiB: at the last 256 MiB buffer PyTorch runs out of memory,
 /// empties its cache and grows again; the default, with room left on the driver, keeps its
 /// cache, having built ranges of the free pieces between live blocks, each starting where it
-/// can in the free tail of a page beside a live block, in 37 memory-creating calls against
-/// PyTorch's 50, and reserves as much at the peak (2 MiB more). At the peak, the default's cache
-/// is 93 MiB of free bytes in pages beside live blocks or shared with a range that starts in
-/// one (PyTorch's 63, its 20 MiB segments packing the long-lived blocks; the default's 155 MiB
-/// before ranges started in such tails), 124 MiB of whole free pages (the headroom tail of the
-/// range the first 256 MiB buffer made partly from the cache, which no later buffer took) and
-/// 15 MiB of idle ranges (the start of a page whose tail a live range uses), where PyTorch's is
-/// mostly whole free pages its segments cannot give to a 256 MiB buffer (150 MiB).
-/// Exact figures, so that a change shows.
+/// can in the free tail of a page beside a live block, in 39 memory-creating calls against
+/// PyTorch's 50, and reserves 142 MiB less at the peak (fragmentation 3.30% against 6.72%).
+/// At the peak, the default's cache is 83 MiB of free bytes in pages beside live blocks or
+/// shared with a range that starts in one (PyTorch's 63, its 20 MiB segments packing the
+/// long-lived blocks; the default's 155 MiB before ranges started in such tails, 93 MiB before
+/// blocks went to the back of a free block where that leaves more whole pages), no whole free
+/// page (the buffers' growth made headroom until two creations in a row found it unused: 124
+/// MiB of it was left before) and 15 MiB of idle ranges (the start of a page whose tail a live
+/// range uses), where PyTorch's is mostly whole free pages its segments cannot give to a
+/// 256 MiB buffer (150 MiB). Exact figures, so that a change shows.
 #[test]
 fn interleaved_lifetimes_figures() {
     let trace = Trace::read(&traces_dir().join("interleaved-lifetimes.jsonl"), None).unwrap();
@@ -199,27 +196,27 @@ fn interleaved_lifetimes_figures() {
     assert_eq!(
         peak(Policy::Resmem),
         (
-            4_148_166_656,
+            3_999_268_864,
             3_867_430_912,
-            37_961_728,
-            97_432_576,
-            130_023_424,
-            15_318_016
+            29_693_952,
+            86_635_008,
+            0,
+            15_508_992
         )
     );
     // Behind the front caches (what the C library's callers get): a reserve over 1 MiB the
     // thread's cache cannot serve first gives back its blocks over 1 MiB on that stream, so
     // the pool places it among them. Blocks waiting for their size in the cache meanwhile make
-    // other placements, so the peak differs (here 0.3% lower) and its bytes lie elsewhere.
+    // other placements, so the peak differs (here 0.2% higher) and its bytes lie elsewhere.
     assert_eq!(
         peak(Policy::ResmemFront),
         (
-            4_135_583_744,
+            4_007_657_472,
             3_867_430_912,
-            40_104_960,
-            105_944_576,
-            102_760_448,
-            19_342_848
+            29_853_696,
+            96_049_152,
+            0,
+            14_323_712
         )
     );
 }
@@ -259,10 +256,10 @@ fn decoding_and_training_figures() {
     let (resmem, torch) = both(&decode);
     assert_eq!(figures(&resmem), figures(&torch));
     assert_eq!(figures(&torch), (17_016_823_808, 17_263_755_264, 54, 0, 0));
-    // 0.4% below PyTorch's peak in 16 memory-creating calls against 54.
+    // 0.7% below PyTorch's peak in 17 memory-creating calls against 54.
     assert_eq!(
         figures(&default(&decode)),
-        (17_016_823_808, 17_200_840_704, 16, 0, 0)
+        (17_016_823_808, 17_140_023_296, 17, 0, 0)
     );
     let training = generate::by_name("qwen3-0.6b-training").unwrap();
     let (resmem, torch) = both(&training);
@@ -271,11 +268,11 @@ fn decoding_and_training_figures() {
     let default = default(&training);
     assert_eq!(
         figures(&default),
-        (15_426_009_600, 15_646_851_072, 213, 0, 0)
+        (15_426_009_600, 15_690_891_264, 183, 0, 0)
     );
-    // 2.3% below PyTorch's peak in 77% of its memory-creating calls; the fragmentation 1.4%
+    // 2.0% below PyTorch's peak in 66% of its memory-creating calls; the fragmentation 1.7%
     // against 3.7% (the growth's headroom at most sixteen times what each request lacks).
-    assert!(default.fragmentation() < 0.4 * torch.fragmentation());
+    assert!(default.fragmentation() < 0.5 * torch.fragmentation());
 }
 
 #[test]
@@ -389,8 +386,11 @@ fn the_seed_through_pytorchs_calls() {
 }
 
 /// A pool that only grows, by requests PyTorch's policy fits exactly (200 tensors of 48 MiB,
-/// never freed), ends with the headroom of its last growth unused: 0.75% over PyTorch's peak,
-/// in 144 memory-creating calls against 200 (the figures `src/pool/device/headroom.rs` gives).
+/// never freed), ends with the headroom of its last growth unused: 0.13% over PyTorch's peak,
+/// in 181 memory-creating calls against 200 (the figures `src/pool/device/headroom.rs` gives).
+/// Headroom of less than a tensor serves none; once two creations in a row find it so, the
+/// next makes none, and the pool grows by exactly what the tensors need until a headroom holds
+/// one (0.75% over in 144 calls while every creation made headroom).
 #[test]
 fn a_pool_that_only_grows_ends_with_its_last_headroom_unused() {
     let mut lines = String::from("{\"op\":\"meta\",\"name\":\"growth\"}\n");
@@ -403,6 +403,6 @@ fn a_pool_that_only_grows_ends_with_its_last_headroom_unused() {
     assert_eq!(figures(&torch), (200 * 48 * MIB, 200 * 48 * MIB, 200, 0, 0));
     assert_eq!(
         figures(&default),
-        (200 * 48 * MIB, 10_141_827_072, 144, 0, 0)
+        (200 * 48 * MIB, 10_078_912_512, 181, 0, 0)
     );
 }

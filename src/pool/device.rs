@@ -449,17 +449,24 @@ impl DevicePool {
         }
         let class = size::class_of(block_size);
         // 1. Best fit among this stream's free blocks: the bins and the parked ones.
-        if let Some(fit) = self.best_free(stream, class, block_size) {
-            return Ok(Some(self.take_fit(fit, block_size, size)));
-        }
-        // Filed in the bins, parked blocks that fill their segment make it idle (step 2, growth).
-        self.flush_parked();
-        // 2. An idle segment of another stream, ordered after that stream's work.
-        if let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? {
+        let ptr = if let Some(fit) = self.best_free(stream, class, block_size) {
+            self.take_fit(fit, block_size, size)
+        } else {
+            // Filed in the bins, parked blocks that fill their segment make it idle (step 2,
+            // growth).
+            self.flush_parked();
+            // 2. An idle segment of another stream, ordered after that stream's work.
+            let Some(id) = self.adopt_idle_segment(cx, class, block_size, stream)? else {
+                return Ok(None);
+            };
             self.stats.cache_hits += 1;
-            return Ok(Some(self.take(id, block_size, size)));
+            self.take(id, block_size, size)
+        };
+        if class == Class::Large {
+            // What tells headroom it was of use (`headroom.rs`).
+            self.headroom.served();
         }
-        Ok(None)
+        Ok(Some(ptr))
     }
 
     /// Give the block at `ptr` back to the pool.

@@ -224,3 +224,49 @@ fn a_request_just_under_10_mib_gets_a_shared_20_mib_segment_when_stitching_too()
         assert_books(&pool, sim);
     }
 }
+
+/// A 64 MiB warm segment holding 3 MiB and 20 MiB blocks at its end, with a free block of
+/// 41 MiB before them, from the segment's start to the middle of a 2 MiB page; and where the
+/// segment starts.
+fn free_to_mid_page(config: PoolConfig) -> (Pool, &'static Sim, u64) {
+    let (pool, sim) = pool_with(&[256 * MIB], config);
+    pool.warmup(0, 64 * MIB).unwrap();
+    let base = pool.reserve(0, 41 * MIB, 0).unwrap();
+    assert_eq!(pool.reserve(0, 3 * MIB, 0).unwrap(), base + 41 * MIB);
+    assert_eq!(pool.reserve(0, 20 * MIB, 0).unwrap(), base + 44 * MIB);
+    pool.release(base).unwrap();
+    assert_eq!(pool.stats(0).unwrap().reserved_bytes, 64 * MIB);
+    (pool, sim, base)
+}
+
+#[test]
+fn vmm_a_block_goes_to_the_back_of_a_free_block_where_that_leaves_more_whole_pages() {
+    let (pool, sim, base) = free_to_mid_page(vmm());
+    // At the front, 3 MiB would leave 18 whole free pages (4 to 40 MiB); packed against the
+    // live block after it, 19 (0 to 38 MiB), which a later range can borrow.
+    let back = pool.reserve(0, 3 * MIB, 0).unwrap();
+    assert_eq!(back, base + 38 * MIB);
+    // The rest, 0 to 38 MiB, ends on a page: 4 MiB leave 17 whole pages either way, and ties
+    // go to the front, as PyTorch places blocks.
+    let front = pool.reserve(0, 4 * MIB, 0).unwrap();
+    assert_eq!(front, base);
+    let s = pool.stats(0).unwrap();
+    assert_eq!(s.largest_reusable_block, 34 * MIB);
+    assert_eq!((s.driver_allocs, s.live_blocks), (1, 4));
+    assert_books(&pool, sim);
+    // Released, the block at the back merges with the free block before it and the live
+    // block's neighbour after it.
+    pool.release(back).unwrap();
+    assert_eq!(pool.stats(0).unwrap().largest_reusable_block, 37 * MIB);
+    pool.release(front).unwrap();
+    assert_eq!(pool.stats(0).unwrap().largest_reusable_block, 41 * MIB);
+    assert_books(&pool, sim);
+}
+
+#[test]
+fn classic_segments_always_take_the_front_of_a_free_block() {
+    // They lend no pages: PyTorch's placement.
+    let (pool, sim, base) = free_to_mid_page(classic());
+    assert_eq!(pool.reserve(0, 3 * MIB, 0).unwrap(), base);
+    assert_books(&pool, sim);
+}
