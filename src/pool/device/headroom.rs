@@ -44,16 +44,18 @@
 //! saves no call, only shortens what the next creation makes, and what is left of it at the
 //! peak is memory reserved for nothing. None is made then until a creation makes none or a
 //! large request is served from the cache. `traces/interleaved-lifetimes.jsonl` ends with
-//! eight 256 MiB buffers: the first two created 234 MiB each beyond what the cache held (a
-//! thirty-second of the pool), the next six each took the previous one's rest and created
-//! again, and the last rest, 118 MiB, was idle at the peak (fragmentation 6.20% against at
-//! most 3.36%); now the third creates only what it lacks (3.30%, in 39 memory-creating calls
-//! against 37 and PyTorch's 50). A single unused headroom is not enough: a request larger than
-//! the headroom among smaller ones is common, and the next headroom still serves those (on the
-//! 1,056 generated workloads of `scripts/policy-sweep.py`, eleven sets of twelve a family:
-//! after one such creation instead of two, 16 traces over PyTorch's memory-creating calls
-//! instead of 10; after two, 11 over its peak instead of 13, and 100 missing the fragmentation
-//! criterion instead of 105).
+//! eight 256 MiB buffers: the first, 228 MiB of it cached, created 234 MiB; each of the next
+//! four took what the one before left and created 234 MiB again; the last three, finding less
+//! than half of themselves cached, were created whole, and the 118 MiB left stayed idle to the
+//! peak (fragmentation 6.20% against at most 3.36%). Now the third creates only what it lacks:
+//! 3.30%, in 39 memory-creating calls (37 before; PyTorch's policy 50). A single unused
+//! headroom is not enough: a request larger than the headroom among smaller ones is common, and
+//! the next headroom still serves those. On the 1,056 generated workloads of
+//! `scripts/policy-sweep.py` (eleven sets of twelve a family), no headroom after one such
+//! creation put 16 traces over PyTorch's memory-creating calls instead of 10 without the rule;
+//! after two in a row, 10, with 11 over its peak instead of 13 and 100 missing the
+//! fragmentation criterion instead of 105 (`resmem replay --policy both --json`, BENCHMARKS.md,
+//! "Two changes kept").
 //!
 //! On the replayed snapshots and shipped traces (`scripts/policy-check.py`), growth alone brought
 //! the memory-creating calls to PyTorch's or below on all but two (interleaved-lifetimes 73
