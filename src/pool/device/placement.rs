@@ -157,12 +157,15 @@ impl DevicePool {
     /// `traces/interleaved-lifetimes.jsonl`, the long-lived blocks' rounding and the free bytes
     /// beside them at the peak fell from 129 to 111 MiB. Ties go to the front, as PyTorch
     /// places blocks; classic segments lend no pages and always take the front.
-    pub(super) fn takes_back(&self, class: Class, ptr: u64, size: u64, taken: u64) -> bool {
+    fn takes_back(&self, class: Class, ptr: u64, size: u64, taken: u64) -> bool {
         let VmmMode::On(page) = self.vmm else {
             return false;
         };
-        let whole = |from: u64, to: u64| (to / page).saturating_sub(from.div_ceil(page));
-        class == Class::Large && whole(ptr, ptr + size - taken) > whole(ptr + taken, ptr + size)
+        if class != Class::Large {
+            return false;
+        }
+        let whole = |from, to| whole_pages(from, to, page);
+        whole(ptr, ptr + size - taken) > whole(ptr + taken, ptr + size)
     }
 
     /// Make block `id` free, merged with its free (and parked) neighbours. A free neighbour
@@ -258,5 +261,46 @@ impl DevicePool {
 
     pub(super) fn bin_remove(&mut self, slot: SlotId, class: Class, id: BlockId) {
         self.slots[slot].bins[class as usize].remove(&self.blocks, id);
+    }
+}
+
+/// The whole pages of `page` bytes in [`from`, `to`): by shifts where the page is a power of
+/// two, as the driver's granularity is (this runs on every split of a free block of a stitched
+/// segment, under the shard's lock).
+fn whole_pages(from: u64, to: u64, page: u64) -> u64 {
+    if page.is_power_of_two() {
+        let shift = page.trailing_zeros();
+        let first = (from >> shift) + u64::from(from & (page - 1) != 0);
+        (to >> shift).saturating_sub(first)
+    } else {
+        (to / page).saturating_sub(from.div_ceil(page))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::whole_pages;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn whole_pages_by_shifts_and_by_division_agree() {
+        // [3, 41) MiB in 2 MiB pages: 4 to 40, 18 pages; [0, 38): 19; inside one page: none.
+        assert_eq!(whole_pages(3 * MIB, 41 * MIB, 2 * MIB), 18);
+        assert_eq!(whole_pages(0, 38 * MIB, 2 * MIB), 19);
+        assert_eq!(whole_pages(MIB, MIB + 512, 2 * MIB), 0);
+        assert_eq!(whole_pages(2 * MIB, 4 * MIB, 2 * MIB), 1);
+        // A granularity that is not a power of two (3 MiB): 3 to 39, 12 pages.
+        assert_eq!(whole_pages(MIB, 41 * MIB, 3 * MIB), 12);
+        for page in [2 * MIB, 3 * MIB, 512] {
+            for (from, to) in [(0, 0), (1, 7 * MIB + 1), (5 * MIB, 5 * MIB), (513, 1 << 40)] {
+                let by_division = (to / page).saturating_sub(from.div_ceil(page));
+                assert_eq!(
+                    whole_pages(from, to, page),
+                    by_division,
+                    "{page} {from} {to}"
+                );
+            }
+        }
     }
 }
